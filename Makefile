@@ -1,0 +1,36 @@
+# Every target runs from the repo root; `make install` is idempotent.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install test lint demo bench loadtest redis-server clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The tests start their own redis-server on a free loopback port; this makes sure it is installed.
+redis-server:
+	@command -v redis-server >/dev/null || ./scripts/install-redis
+
+test: install redis-server
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+demo: install
+	$(BIN)/python -m loadtests.demo
+
+bench: install
+	$(BIN)/python -m loadtests.bench_overhead $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,64 @@
+"""The admin plane (Starlette): operator endpoints behind a bearer token."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+
+def admin_token(token_env: str) -> str | None:
+    """The bearer token from the environment variable the policy names (None when unset)."""
+    return os.environ.get(token_env) or None
+
+
+class BearerAuth:
+    """Pure-ASGI guard: every admin request must carry `Authorization: Bearer <token>`."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None and scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time
+                response = JSONResponse(
+                    {
+                        "error": {
+                            "message": "missing or wrong admin token",
+                            "type": "authentication_error",
+                            "code": "unauthorized",
+                        }
+                    },
+                    status_code=401,
+                    headers={"www-authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_admin_app(gateway: Gateway) -> ASGIApp:
+    async def state(request: Request) -> Response:
+        return JSONResponse(gateway.state())
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(
+        routes=[
+            Route("/admin/state", state, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )
+    return BearerAuth(app, admin_token(gateway.policy.admin.token_env))

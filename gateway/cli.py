@@ -1,0 +1,60 @@
+"""Command line: `gateway run --policy FILE` and `gateway check FILE...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import PolicyError, load_policy
+
+
+def _check(files: list[str]) -> int:
+    failed = False
+    for path in files:
+        try:
+            load_policy(path)
+        except PolicyError as exc:
+            failed = True
+            for problem in exc.problems:
+                print(problem, file=sys.stderr)
+        else:
+            print(f"{path}: ok")
+    return 1 if failed else 0
+
+
+def _run(policy_path: str, log_level: str) -> int:
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        policy = load_policy(policy_path)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    import uvloop
+
+    from gateway.server import serve
+
+    uvloop.run(serve(policy))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="serve the data plane and the admin plane")
+    run.add_argument("--policy", required=True, help="policy file (YAML)")
+    run.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    check = commands.add_parser("check", help="validate policy files")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args.files)
+    return _run(args.policy, args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The policy file as pydantic models: every key, its default, and the checks on one field.
+
+Checks that relate several fields (duplicate names, tier order, floor vs ceiling...) live in
+`checks.py` so each error can point at the exact key that is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from gateway.config.units import Duration, Size
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _check_name(value: str) -> str:
+    # Names appear in admin URLs, Redis keys and metric labels: keep them to a safe alphabet.
+    if not NAME_RE.match(value):
+        raise ValueError(
+            f"invalid name {value!r}: use letters, digits, '.', '_' or '-' (at most 63)"
+        )
+    return value
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` into its parts; raises ValueError when malformed."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"invalid listen address {value!r}: expected host:port")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"invalid port {port} in {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+def _check_listen(value: str) -> str:
+    split_host_port(value)
+    return value
+
+
+def _check_upstream_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"invalid url {value!r}: the scheme must be http or https")
+    if not parts.hostname:
+        raise ValueError(f"invalid url {value!r}: no host")
+    if parts.username or parts.password:
+        raise ValueError("credentials do not belong in an instance url")
+    if parts.query or parts.fragment:
+        raise ValueError(f"invalid url {value!r}: no query or fragment allowed")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as exc:
+        raise ValueError(f"invalid url {value!r}: {exc}") from None
+    return value.rstrip("/")
+
+
+def _check_redis_url(value: str) -> str:
+    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+    return value
+
+
+def _check_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("a path must start with '/'")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+ListenAddress = Annotated[str, AfterValidator(_check_listen)]
+UpstreamUrl = Annotated[str, AfterValidator(_check_upstream_url)]
+RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
+UrlPath = Annotated[str, AfterValidator(_check_path)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Smoothing = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+RETRY_KINDS = ("connect_failure", "reset", "timeout", "oom")
+
+
+def _parse_retry_condition(value: object) -> str | int:
+    # One clear message instead of one per member of a union.
+    if isinstance(value, str) and value in RETRY_KINDS:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+        return value
+    raise ValueError(
+        f"invalid retry condition {value!r}: use {', '.join(RETRY_KINDS)} "
+        "or an HTTP status from 400 to 599"
+    )
+
+
+RetryCondition = Annotated[str | int, BeforeValidator(_parse_retry_condition)]
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors: a typo must never fall back to a default silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdminPolicy(Strict):
+    listen: ListenAddress = "127.0.0.1:9901"
+    token_env: str = "GATEWAY_ADMIN_TOKEN"
+
+
+class LimitsPolicy(Strict):
+    max_request_bytes: Size = Field(default=8 * 1024 * 1024, gt=0)
+
+
+class SharedPolicy(Strict):
+    redis_url: RedisUrl
+    key_prefix: Name = "gw"
+    decision_ttl: Duration = Field(default=3.0, gt=0)
+
+
+class TelemetryPolicy(Strict):
+    service_name: str = "llm-gateway"
+    tracing: bool = False
+
+
+class InstancePolicy(Strict):
+    name: Name
+    url: UpstreamUrl
+
+
+class HealthPolicy(Strict):
+    enabled: bool = True
+    path: UrlPath = "/health"
+    interval: Duration = Field(default=2.0, gt=0)
+    timeout: Duration = Field(default=1.0, gt=0)
+    healthy_threshold: int = Field(default=1, ge=1)
+    unhealthy_threshold: int = Field(default=2, ge=1)
+
+
+class TimeoutsPolicy(Strict):
+    smoothing: Smoothing = 0.85
+    initial: Duration = Field(default=30.0, gt=0)
+    min_samples: int = Field(default=10, ge=1)
+    floor: Duration = Field(default=0.25, gt=0)
+    ceiling: Duration = Field(default=600.0, gt=0)
+    jitter: Duration = 0.005
+    connect: Duration = Field(default=1.0, gt=0)
+
+
+class TierPolicy(Strict):
+    below: Annotated[float, Field(gt=0.0, le=1.0)]
+    max_retries: int = Field(ge=0, le=10)
+    backoff: Duration
+    k: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(ge=0)]]
+
+
+DEFAULT_TIERS = (
+    TierPolicy(below=0.005, max_retries=2, backoff=0.025, k=(1.2, 1.8)),
+    TierPolicy(below=0.05, max_retries=3, backoff=0.05, k=(1.8, 3.0)),
+    TierPolicy(below=1.0, max_retries=1, backoff=0.1, k=(3.0, 4.0)),
+)
+
+
+class BudgetPolicy(Strict):
+    ratio: Annotated[float, Field(ge=0.0)] = 0.2
+    min_per_second: Annotated[float, Field(ge=0.0)] = 5.0
+
+
+class RetriesPolicy(Strict):
+    failure_smoothing: Smoothing = 0.97
+    tiers: tuple[TierPolicy, ...] = Field(default=DEFAULT_TIERS, min_length=1)
+    budget: BudgetPolicy = BudgetPolicy()
+    on: tuple[RetryCondition, ...] = (
+        "connect_failure",
+        "reset",
+        "timeout",
+        429,
+        500,
+        502,
+        503,
+        504,
+    )
+
+
+class BreakerPolicy(Strict):
+    consecutive_timeouts: int = Field(default=3, ge=1)
+    error_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.15
+    window: Duration = Field(default=60.0, gt=0)
+    min_requests: int = Field(default=20, ge=1)
+    isolation: Duration = Field(default=5.0, gt=0)
+    max_isolation: Duration = Field(default=120.0, gt=0)
+    max_isolated_fraction: Fraction = 0.5
+
+
+class PoolPolicy(Strict):
+    models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(min_length=1)
+    instances: tuple[InstancePolicy, ...] = Field(min_length=1)
+    health: HealthPolicy = HealthPolicy()
+    timeouts: TimeoutsPolicy = TimeoutsPolicy()
+    retries: RetriesPolicy = RetriesPolicy()
+    breaker: BreakerPolicy = BreakerPolicy()
+
+
+class Policy(Strict):
+    listen: ListenAddress = "0.0.0.0:8080"
+    admin: AdminPolicy = AdminPolicy()
+    limits: LimitsPolicy = LimitsPolicy()
+    shared: SharedPolicy | None = None
+    telemetry: TelemetryPolicy = TelemetryPolicy()
+    pools: dict[Name, PoolPolicy] = Field(min_length=1)

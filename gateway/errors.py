@@ -1,0 +1,136 @@
+"""One error tree for everything the gateway answers by itself, and one mapping from the upstream
+client's exceptions into it.
+
+Each error knows its HTTP status and renders as OpenAI-style JSON:
+`{"error": {"message": ..., "type": ..., "code": ...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import ClassVar
+
+import aiohttp
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway answers by itself."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "gateway_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        payload = {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+
+# --- the client's fault (4xx) ---------------------------------------------------------------
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Shed(GatewayError):
+    """Admission refused the request for now; Retry-After says when to come back."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "shed"
+
+
+# --- the backends' fault (5xx) --------------------------------------------------------------
+
+
+class UpstreamError(GatewayError):
+    """The upstream attempt failed; `kind` names the failure for the retry policy."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_failed"
+    kind: ClassVar[str] = "error"
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_connect_failed"
+    kind = "connect_failure"
+
+
+class UpstreamReset(UpstreamError):
+    code = "upstream_reset"
+    kind = "reset"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+    kind = "protocol"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+    kind = "timeout"
+
+    def __init__(self, message: str, *, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+class NoInstanceAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_instance_available"
+
+
+def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
+    """Translate an aiohttp / asyncio exception raised while talking to a backend.
+
+    `phase` says where it happened (`connect`, `first_byte`, `body`) so a timeout is named by
+    the phase whose deadline ran out.
+    """
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return UpstreamTimeout("connecting to the upstream timed out", phase="connect")
+    if isinstance(exc, asyncio.TimeoutError):  # SocketTimeoutError and total deadlines
+        return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(f"cannot connect to the upstream: {exc.strerror or exc}")
+    if isinstance(
+        exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | ConnectionError
+    ):
+        return UpstreamReset(f"the upstream closed the connection ({phase})")
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return UpstreamProtocolError(f"the upstream sent an invalid response: {exc.message}")
+    return UpstreamError(f"the upstream request failed: {type(exc).__name__}")

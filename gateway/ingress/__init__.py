@@ -1,0 +1,1 @@
+"""The data plane's ASGI endpoint: request parsing, limits, header handling, relaying."""

@@ -1,0 +1,153 @@
+"""The data plane: a pure ASGI app (no framework on the hot path).
+
+Parses just enough of a request to route it (size limit, JSON, `model`), hands it to the
+pipeline, and relays the answer. While the pipeline and the relay run, a watcher notices a
+client that disconnects and cancels the work, which closes the upstream request at once
+(vLLM then aborts the generation instead of computing for nobody).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFound,
+)
+from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
+from gateway.ingress.headers import split_request_headers
+from gateway.ingress.relay import Send, relay, send_error, send_json
+from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
+from gateway.pipeline.call import Call, Handler
+from gateway.upstream.registry import Registry
+
+Scope = dict[str, Any]
+_ALLOW_POST = ((b"allow", b"POST"),)
+_ALLOW_GET = ((b"allow", b"GET"),)
+
+
+class _Watch:
+    __slots__ = ("client_gone", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.client_gone = False
+
+
+class DataPlane:
+    def __init__(
+        self,
+        registry: Registry,
+        handler: Handler,
+        *,
+        max_request_bytes: int,
+        readiness: Callable[[], tuple[bool, dict[str, Any]]],
+    ) -> None:
+        self._by_model = registry.by_model
+        self._handler = handler
+        self._limit = max_request_bytes
+        self._readiness = readiness
+        self._models_body = json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
+                    for model, pool in registry.by_model.items()
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no websockets; lifespan is handled by the process, not the app
+        path = scope["path"]
+        method = scope["method"]
+        if path in PROXY_ROUTES:
+            if method != "POST":
+                await send_error(send, MethodNotAllowed(f"{path} accepts POST only"))
+                return
+            await self._proxy(scope, receive, send, path)
+        elif path == MODELS_PATH:
+            await self._get(method, send, self._models_body)
+        elif path == "/healthz":
+            await self._get(method, send, b'{"status":"ok"}')
+        elif path == "/readyz":
+            if method != "GET":
+                await send_error(send, MethodNotAllowed("use GET"))
+                return
+            ready, detail = self._readiness()
+            await send_json(send, 200 if ready else 503, json.dumps(detail).encode())
+        else:
+            await send_error(send, NotFound(f"no route for {path}"))
+
+    async def _get(self, method: str, send: Send, body: bytes) -> None:
+        if method in ("GET", "HEAD"):
+            await send_json(send, 200, body)
+        else:
+            await send_error(send, MethodNotAllowed("use GET"))
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        client = scope.get("client")
+        try:
+            headers = split_request_headers(
+                scope["headers"], client[0] if client else None, scope["scheme"]
+            )
+            body = await read_body(receive, self._limit, headers.content_length)
+            facts = read_facts(body)
+        except ClientGone:
+            return
+        except ValueError as exc:
+            await send_error(send, InvalidRequest(str(exc)))
+            return
+        except GatewayError as error:
+            await send_error(send, error)
+            return
+        pool = self._by_model.get(facts.model)
+        if pool is None:
+            await send_error(send, ModelNotFound(f"the model {facts.model!r} does not exist"))
+            return
+        query = scope["query_string"]
+        call = Call(
+            pool=pool,
+            path=path,
+            query=query.decode("latin-1") if query else "",
+            body=body,
+            headers=headers.forward,
+            facts=facts,
+        )
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _Watch()
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, watch))
+        try:
+            try:
+                response = await self._handler(call)
+            except GatewayError as error:
+                await send_error(send, error, call.attempts)
+                return
+            await relay(send, response, call.attempts)
+        except asyncio.CancelledError:
+            if watch.client_gone:
+                task.uncancel()
+                return
+            raise
+        finally:
+            watch.done = True
+            watcher.cancel()
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _Watch) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not watch.done:
+        watch.client_gone = True
+        task.cancel()

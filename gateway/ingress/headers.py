@@ -1,0 +1,119 @@
+"""Header handling in both directions: hop-by-hop removal, forwarding headers, our own headers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones a proxy must recompute itself
+# (host, content-length) and `expect` (the body was already received).
+_REQUEST_DROP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+    }
+)
+_RESPONSE_DROP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+GATEWAY_PREFIX = b"x-gateway-"
+
+
+def _connection_tokens(value: bytes) -> set[bytes]:
+    return {token.strip().lower() for token in value.split(b",") if token.strip()}
+
+
+class RequestHeaders:
+    """What the ingress needs from the client's headers, read in one pass."""
+
+    __slots__ = ("content_length", "forward", "gateway")
+
+    def __init__(self) -> None:
+        self.content_length: int | None = None
+        self.forward: list[tuple[str, str]] = []
+        self.gateway: dict[bytes, bytes] = {}
+
+
+def split_request_headers(
+    raw: Iterable[tuple[bytes, bytes]], client_host: str | None, scheme: str
+) -> RequestHeaders:
+    """Sort the client's headers into the ones to forward and the gateway's own.
+
+    Raises ValueError for a Content-Length that is not a non-negative integer.
+    """
+    out = RequestHeaders()
+    forward = out.forward
+    named_by_connection: set[bytes] | None = None
+    forwarded_for: bytes | None = None
+    has_proto = False
+    for name, value in raw:
+        if name in _REQUEST_DROP:
+            if name == b"connection":
+                named_by_connection = (named_by_connection or set()) | _connection_tokens(value)
+            elif name == b"content-length":
+                if not value.isdigit():
+                    raise ValueError("invalid Content-Length")
+                out.content_length = int(value)
+            continue
+        if name.startswith(GATEWAY_PREFIX):
+            out.gateway[name] = value
+            continue
+        if name == b"x-forwarded-for":
+            forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
+            continue
+        if name == b"x-forwarded-proto":
+            has_proto = True
+        forward.append((name.decode("latin-1"), value.decode("latin-1")))
+    if named_by_connection:
+        forward[:] = [(n, v) for n, v in forward if n.encode("latin-1") not in named_by_connection]
+    if client_host:
+        chain = client_host if forwarded_for is None else f"{forwarded_for.decode('latin-1')}, {client_host}"
+        forward.append(("x-forwarded-for", chain))
+    elif forwarded_for is not None:
+        forward.append(("x-forwarded-for", forwarded_for.decode("latin-1")))
+    if not has_proto:
+        forward.append(("x-forwarded-proto", scheme))
+    return out
+
+
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]], *, drop_length: bool
+) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers minus hop-by-hop ones, names lowercased for ASGI.
+
+    `drop_length` removes Content-Length when the gateway may change the body's length
+    (an SSE stream that can end with an error event of ours).
+    """
+    headers: list[tuple[bytes, bytes]] = []
+    named_by_connection: set[bytes] = set()
+    for name, value in raw:
+        lname = name.lower()
+        if lname in _RESPONSE_DROP:
+            if lname == b"connection":
+                named_by_connection |= _connection_tokens(value)
+            continue
+        if drop_length and lname == b"content-length":
+            continue
+        headers.append((lname, value))
+    if named_by_connection:
+        headers = [(n, v) for n, v in headers if n not in named_by_connection]
+    return headers

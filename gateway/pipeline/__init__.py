@@ -1,0 +1,1 @@
+"""The async layers a proxied request passes through, composed in `chain.py`."""

@@ -1,0 +1,35 @@
+"""The request as it flows through the pipeline, and the shapes of layers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.ingress.body import RequestFacts
+from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.response import UpstreamResponse
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request: what to send, where it may go, and what happened so far."""
+
+    pool: PoolState
+    path: str
+    query: str
+    body: bytes
+    headers: list[tuple[str, str]]
+    facts: RequestFacts
+    attempts: int = 0
+    tried: list[InstanceState] = field(default_factory=list)
+    instance: InstanceState | None = None
+
+
+Handler = Callable[[Call], Awaitable[UpstreamResponse]]
+
+
+class Layer(Protocol):
+    """One concern of the request path: does its part, then awaits `next_handler(call)`."""
+
+    def __call__(self, call: Call, next_handler: Handler) -> Awaitable[UpstreamResponse]: ...

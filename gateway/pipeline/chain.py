@@ -1,0 +1,28 @@
+"""Composition of the request pipeline, in one place.
+
+Order, outermost first (each layer wraps everything after it):
+  pick      - chooses the instance for the attempt (round robin over the pool's instances)
+  transport - sends the attempt and reads up to the first byte (terminal)
+
+Later layers slot in here: retries wrap `pick` so every attempt re-picks, and a deadline sits
+inside the retry loop so it bounds one attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+from gateway.pipeline.call import Handler, Layer
+
+
+def compose(layers: Sequence[Layer], terminal: Handler) -> Handler:
+    """`layers[0]` runs first and calls the next one; the last calls `terminal`.
+
+    Built once at startup; each layer is bound to its successor with `partial`, so a request
+    pays one call per layer and nothing more.
+    """
+    handler = terminal
+    for layer in reversed(layers):
+        handler = partial(layer, next_handler=handler)
+    return handler

@@ -1,0 +1,113 @@
+"""Serving both planes from one process: uvicorn (uvloop + httptools) on pre-bound sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import socket
+from collections.abc import Generator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from gateway.admin import admin_token
+from gateway.app import Gateway
+from gateway.config import Policy, split_host_port
+
+log = logging.getLogger("gateway")
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the process (two servers share it)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _bind(address: str) -> socket.socket:
+    host, port = split_host_port(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
+    # httptools, not h11: h11 lets a Content-Length + Transfer-Encoding request smuggle a second
+    # request through, httptools rejects it. No server/date headers of our own, no access log
+    # on this path, and no rewriting of the client address from X-Forwarded-For (ours to decide).
+    return uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        server_header=False,
+        date_header=False,
+        access_log=False,
+        proxy_headers=False,
+        log_config=None,
+        timeout_keep_alive=75,
+        backlog=4096,
+    )
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(policy: Policy) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    admin_host, _ = split_host_port(policy.admin.listen)
+    if not _is_loopback(admin_host) and admin_token(policy.admin.token_env) is None:
+        raise SystemExit(
+            f"refusing to serve the admin plane on {policy.admin.listen} without a token: "
+            f"set {policy.admin.token_env}"
+        )
+    data_sock = _bind(policy.listen)
+    admin_sock = _bind(policy.admin.listen)
+    gateway = Gateway(policy)
+    servers = [_Server(_uvicorn_config(gateway.data_app)), _Server(_uvicorn_config(gateway.admin_app))]
+
+    def stop() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    tasks = [
+        asyncio.create_task(servers[0].serve(sockets=[data_sock])),
+        asyncio.create_task(servers[1].serve(sockets=[admin_sock])),
+    ]
+    try:
+        for _ in range(1000):  # bounded: uvicorn's startup is quick on pre-bound sockets
+            if all(server.started for server in servers) or any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.01)
+        if all(server.started for server in servers):
+            log.warning(
+                "gateway READY data=%s admin=%s", _address(data_sock), _address(admin_sock)
+            )
+        await asyncio.gather(*tasks)
+    finally:
+        stop()
+        await gateway.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,1 @@
+"""Backend instances: their runtime state and the transport that talks to them."""

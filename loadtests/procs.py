@@ -1,0 +1,120 @@
+"""Start and stop the local servers that tests, the demo and the benchmarks use.
+
+Each server binds its own loopback port (port 0) and announces it on one output line, so callers
+never race for a free port. Output is drained by a thread so a chatty child never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+READY_RE = re.compile(r"\bREADY\b(?P<fields>.*)$")
+FIELD_RE = re.compile(r"(\w+)=(\S+)")
+
+
+class ProcessFailed(RuntimeError):
+    """A child exited or stayed silent before announcing that it was ready."""
+
+
+class ManagedProcess:
+    """A child process that announces `READY key=value ...` on stdout or stderr once it serves."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 20.0,
+        cwd: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.lines: deque[str] = deque(maxlen=2000)
+        self.ready: dict[str, str] = {}
+        self._ready_event = threading.Event()
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=cwd,
+            text=True,
+            bufsize=1,
+        )
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        if not self._ready_event.wait(ready_timeout_s) or not self.ready:
+            self.stop()
+            raise ProcessFailed(f"{self.argv!r} did not become ready:\n{self.output()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if not self.ready:
+                match = READY_RE.search(line)
+                if match:
+                    self.ready = dict(FIELD_RE.findall(match.group("fields")))
+                    self._ready_event.set()
+        self._ready_event.set()  # exited: wake a waiter so it can report the failure
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def port(self, key: str = "port") -> int:
+        """The port announced as `key=PORT` or `key=HOST:PORT`."""
+        return int(self.ready[key].rsplit(":", 1)[-1])
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; returns the exit code."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)  # a frozen child cannot handle SIGTERM
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        self._reader.join(timeout=2.0)
+        return self.proc.returncode
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running `python -m module args...` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def wait_until(predicate: object, timeout_s: float = 5.0, interval_s: float = 0.01) -> bool:
+    """Poll a condition on another process's state (for use only where no event exists)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return True
+        time.sleep(interval_s)
+    return False
