@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="serve the data plane and the admin plane")
     run.add_argument("--policy", required=True, help="policy file (YAML)")
-    run.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
     check = commands.add_parser("check", help="validate policy files")
     check.add_argument("files", nargs="+", metavar="FILE")
     args = parser.parse_args(argv)

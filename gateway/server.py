@@ -83,7 +83,10 @@ async def serve(policy: Policy) -> None:
     data_sock = _bind(policy.listen)
     admin_sock = _bind(policy.admin.listen)
     gateway = Gateway(policy)
-    servers = [_Server(_uvicorn_config(gateway.data_app)), _Server(_uvicorn_config(gateway.admin_app))]
+    servers = [
+        _Server(_uvicorn_config(gateway.data_app)),
+        _Server(_uvicorn_config(gateway.admin_app)),
+    ]
 
     def stop() -> None:
         for server in servers:
@@ -102,9 +105,7 @@ async def serve(policy: Policy) -> None:
                 break
             await asyncio.sleep(0.01)
         if all(server.started for server in servers):
-            log.warning(
-                "gateway READY data=%s admin=%s", _address(data_sock), _address(admin_sock)
-            )
+            log.warning("gateway READY data=%s admin=%s", _address(data_sock), _address(admin_sock))
         await asyncio.gather(*tasks)
     finally:
         stop()

@@ -29,7 +29,9 @@ class Backend:
     def reset(self) -> None:
         httpx.post(f"{self.url}/_fake/reset", timeout=5).raise_for_status()
 
-    def requests(self, wait_for: int | None = None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    def requests(
+        self, wait_for: int | None = None, timeout_s: float = 10.0
+    ) -> list[dict[str, Any]]:
         """The backend's request log; with `wait_for`, once that many requests have ended."""
         params: dict[str, Any] = {}
         if wait_for is not None:
@@ -68,7 +70,9 @@ class Gateway:
         self.proc.stop()
 
 
-def start_gateway(policy_path: Path, policy_text: str, env: dict[str, str] | None = None) -> Gateway:
+def start_gateway(
+    policy_path: Path, policy_text: str, env: dict[str, str] | None = None
+) -> Gateway:
     policy_path.write_text(policy_text)
     proc = ManagedProcess(python_module("gateway", "run", "--policy", str(policy_path)), env=env)
     return Gateway(proc)

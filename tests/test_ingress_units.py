@@ -121,8 +121,18 @@ def test_read_facts(raw: bytes, expected: tuple[str, bool, int | None]) -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"nope", b"[]", b"null", b'{"model":""}', b'{"model":1}', b'{"model":"m","stream":1}',
-     b'{"model":"m","max_tokens":true}', b"[" * 50_000, b"\xff"],
+    [
+        b"",
+        b"nope",
+        b"[]",
+        b"null",
+        b'{"model":""}',
+        b'{"model":1}',
+        b'{"model":"m","stream":1}',
+        b'{"model":"m","max_tokens":true}',
+        b"[" * 50_000,
+        b"\xff",
+    ],
 )
 def test_read_facts_rejects(raw: bytes) -> None:
     with pytest.raises(InvalidRequest):

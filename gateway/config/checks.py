@@ -10,8 +10,10 @@ Loc = tuple[str | int, ...]
 def cross_field_errors(policy: Policy) -> list[tuple[Loc, str]]:
     """Every inconsistency between fields, as (location, message), in file order."""
     errors: list[tuple[Loc, str]] = []
-    if policy.listen == policy.admin.listen and split_host_port(policy.listen)[1] != 0:
-        errors.append((("admin", "listen"), "the admin plane needs its own address"))
+    if _same_socket(policy.listen, policy.admin.listen):
+        errors.append(
+            (("admin", "listen"), f"the admin plane needs its own address, not {policy.listen}")
+        )
     owner: dict[str, str] = {}
     for pool_name, pool in policy.pools.items():
         where: Loc = ("pools", pool_name)
@@ -27,6 +29,18 @@ def cross_field_errors(policy: Policy) -> list[tuple[Loc, str]]:
                 owner[model] = pool_name
         errors.extend(_pool_errors(where, pool))
     return errors
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _same_socket(first: str, second: str) -> bool:
+    """Whether two listen addresses would compete for one port (a wildcard takes every host)."""
+    host_a, port_a = split_host_port(first)
+    host_b, port_b = split_host_port(second)
+    if port_a != port_b or port_a == 0:
+        return False
+    return host_a == host_b or host_a in _WILDCARDS or host_b in _WILDCARDS
 
 
 def _pool_errors(where: Loc, pool: PoolPolicy) -> list[tuple[Loc, str]]:

@@ -7,6 +7,7 @@ locations are then mapped back to those lines (a missing key points at its paren
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,10 @@ def load_policy(path: str | Path) -> Policy:
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError([Problem(name, 0, "(file)", f"cannot read: {exc}")]) from None
+    except OSError as exc:
+        raise PolicyError([Problem(name, 0, "(file)", f"cannot read: {exc.strerror}")]) from None
+    except UnicodeDecodeError:
+        raise PolicyError([Problem(name, 0, "(file)", "cannot read: not UTF-8 text")]) from None
     return parse_policy(text, name)
 
 
@@ -56,8 +59,9 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
+        errors = _without_consequences(exc.errors())
         raise PolicyError(
-            [_problem_from_pydantic(err, lines, filename) for err in exc.errors()]
+            [_problem_from_pydantic(err, lines, filename) for err in errors]
         ) from None
     cross = cross_field_errors(policy)
     if cross:
@@ -77,7 +81,9 @@ class _Builder:
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
         if isinstance(node, yaml.MappingNode):
+            self._scalars.flatten_mapping(node)  # YAML merge keys (`<<: *defaults`)
             result: dict[Any, Any] = {}
+            first_line: dict[str, int] = {}
             for key_node, value_node in node.value:
                 # Keys are taken verbatim: YAML 1.1 would read `on:` (retries.on) as True.
                 if not isinstance(key_node, yaml.ScalarNode):
@@ -86,9 +92,9 @@ class _Builder:
                 key = key_node.value
                 child: Loc = (*loc, key)
                 if key in result:
-                    self._fail(key_node, child, "duplicate key")
+                    self._fail(key_node, child, f"duplicate key (first at line {first_line[key]})")
                     continue
-                self.lines[child] = key_node.start_mark.line + 1
+                first_line[key] = self.lines[child] = key_node.start_mark.line + 1
                 result[key] = self.build(value_node, child)
             return result
         if isinstance(node, yaml.SequenceNode):
@@ -112,7 +118,10 @@ def _compose(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Proble
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 0
-        return None, {}, [Problem(filename, line, "(yaml)", f"{exc.problem or exc}")]
+        message = str(exc.problem or exc)
+        if exc.context and exc.context_mark and exc.context_mark is not mark:
+            message += f" ({exc.context} at line {exc.context_mark.line + 1})"
+        return None, {}, [Problem(filename, line, "(yaml)", message)]
     except yaml.YAMLError as exc:
         return None, {}, [Problem(filename, 0, "(yaml)", str(exc))]
     if root is None:
@@ -132,16 +141,18 @@ def _compose(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Proble
 # --- mapping validation errors back to lines ------------------------------------------------
 
 
-def _all_field_names(model: type[BaseModel], seen: set[type[BaseModel]] | None = None) -> set[str]:
-    seen = seen if seen is not None else set()
-    if model in seen:
-        return set()
-    seen.add(model)
-    names = set(model.model_fields)
-    for field in model.model_fields.values():
-        for sub in _models_in(field.annotation):
-            names |= _all_field_names(sub, seen)
-    return names
+def _without_consequences(errors: list[Any]) -> list[Any]:
+    """Drop a list's "too short" error when its items failed: the items' errors say why."""
+    kept = []
+    for err in errors:
+        loc = tuple(err["loc"])
+        if err["type"] == "too_short" and any(
+            len(other["loc"]) > len(loc) and tuple(other["loc"][: len(loc)]) == loc
+            for other in errors
+        ):
+            continue
+        kept.append(err)
+    return kept
 
 
 def _models_in(annotation: object) -> Iterable[type[BaseModel]]:
@@ -151,7 +162,42 @@ def _models_in(annotation: object) -> Iterable[type[BaseModel]]:
         yield from _models_in(arg)
 
 
-_KNOWN_KEYS = sorted(_all_field_names(Policy))
+def _model_at(loc: Loc) -> type[BaseModel] | None:
+    """The policy model that the mapping at `loc` is validated against."""
+    model: type[BaseModel] | None = Policy
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int) or part not in model.model_fields:
+            continue  # a list index or a dict key (pool name): same element model
+        found = list(_models_in(model.model_fields[part].annotation))
+        model = found[0] if found else None
+    return model
+
+
+def _where_valid(key: str, model: type[BaseModel] = Policy, path: str = "") -> list[str]:
+    """Dotted places (in model terms) where `key` is a valid key."""
+    places = []
+    for name, field in model.model_fields.items():
+        here = f"{path}.{name}" if path else name
+        if name == key:
+            places.append(path or "the top level")
+        for sub in _models_in(field.annotation):
+            places.extend(_where_valid(key, sub, here))
+    return places
+
+
+def _unknown_key_message(loc: Loc) -> str:
+    key = str(loc[-1]) if loc else ""
+    model = _model_at(loc[:-1])
+    allowed = sorted(model.model_fields) if model else []
+    guess = difflib.get_close_matches(key, allowed, n=1)
+    if guess:
+        return f"unknown key {key!r} (did you mean {guess[0]!r}?)"
+    elsewhere = _where_valid(key)
+    if elsewhere:
+        return f"{key!r} is not valid here; it belongs under {elsewhere[0]}"
+    return f"unknown key {key!r}" + (f"; valid keys: {', '.join(allowed)}" if allowed else "")
 
 
 def _problem_from_pydantic(err: Any, lines: dict[Loc, int], filename: str) -> Problem:
@@ -159,9 +205,7 @@ def _problem_from_pydantic(err: Any, lines: dict[Loc, int], filename: str) -> Pr
     kind = err["type"]
     message = str(err["msg"]).removeprefix("Value error, ")
     if kind == "extra_forbidden":
-        key = str(loc[-1]) if loc else ""
-        guess = difflib.get_close_matches(key, _KNOWN_KEYS, n=1)
-        message = f"unknown key {key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
+        message = _unknown_key_message(loc)
     elif kind == "missing":
         message = "missing required key"
     elif kind == "too_short":
@@ -180,5 +224,13 @@ def _problem(loc: Loc, message: str, lines: dict[Loc, int], filename: str) -> Pr
 def _dotted(loc: Loc) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _PLAIN_KEY.match(part):
+            out += f"[{part!r}]"  # keeps the path one token even for a name with spaces
+        else:
+            out += f".{part}" if out else part
     return out or "(root)"
+
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")

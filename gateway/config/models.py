@@ -39,19 +39,22 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
-def _check_listen(value: str) -> str:
+def _check_listen(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"invalid listen address {value!r}: expected host:port, e.g. 0.0.0.0:8080")
     split_host_port(value)
     return value
 
 
 def _check_upstream_url(value: str) -> str:
     parts = urlsplit(value)
+    if parts.username or parts.password:
+        # Checked first, and the url is not echoed: error messages end up in logs.
+        raise ValueError("credentials do not belong in an instance url")
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"invalid url {value!r}: the scheme must be http or https")
     if not parts.hostname:
         raise ValueError(f"invalid url {value!r}: no host")
-    if parts.username or parts.password:
-        raise ValueError("credentials do not belong in an instance url")
     if parts.query or parts.fragment:
         raise ValueError(f"invalid url {value!r}: no query or fragment allowed")
     try:
@@ -74,7 +77,7 @@ def _check_path(value: str) -> str:
 
 
 Name = Annotated[str, AfterValidator(_check_name)]
-ListenAddress = Annotated[str, AfterValidator(_check_listen)]
+ListenAddress = Annotated[str, BeforeValidator(_check_listen)]
 UpstreamUrl = Annotated[str, AfterValidator(_check_upstream_url)]
 RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
 UrlPath = Annotated[str, AfterValidator(_check_path)]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated
 
 from pydantic import BeforeValidator
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
+_DURATION_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
 _DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$")
+_SIZE_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$")
 _SIZE_UNITS = {
     "B": 1,
     "KB": 1000,
@@ -31,10 +32,12 @@ def parse_duration(value: object) -> float:
     elif isinstance(value, str):
         match = _DURATION_RE.match(value)
         if not match:
-            raise ValueError(f"invalid duration {value!r}: use a number with ms, s, m or h")
+            raise ValueError(f"invalid duration {value!r}: use a number with us, ms, s, m or h")
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     else:
         raise ValueError("expected a duration such as 250ms, 3s or 2m")
+    if not math.isfinite(seconds):
+        raise ValueError("a duration must be a finite number")
     if seconds < 0:
         raise ValueError("a duration cannot be negative")
     return seconds
@@ -49,7 +52,9 @@ def parse_size(value: object) -> int:
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if not match:
-            raise ValueError(f"invalid size {value!r}: use a number with B, KiB, MiB or GiB")
+            raise ValueError(
+                f"invalid size {value!r}: use a number with B, KiB, MiB, GiB (or KB, MB, GB)"
+            )
         size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"])
     else:
         raise ValueError("expected a size such as 64KiB or 8MiB")

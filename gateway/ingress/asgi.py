@@ -13,6 +13,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from starlette.types import Scope
+
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -27,7 +29,6 @@ from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import Registry
 
-Scope = dict[str, Any]
 _ALLOW_POST = ((b"allow", b"POST"),)
 _ALLOW_GET = ((b"allow", b"GET"),)
 

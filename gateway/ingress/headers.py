@@ -86,7 +86,11 @@ def split_request_headers(
     if named_by_connection:
         forward[:] = [(n, v) for n, v in forward if n.encode("latin-1") not in named_by_connection]
     if client_host:
-        chain = client_host if forwarded_for is None else f"{forwarded_for.decode('latin-1')}, {client_host}"
+        chain = (
+            client_host
+            if forwarded_for is None
+            else f"{forwarded_for.decode('latin-1')}, {client_host}"
+        )
         forward.append(("x-forwarded-for", chain))
     elif forwarded_for is not None:
         forward.append(("x-forwarded-for", forwarded_for.decode("latin-1")))

@@ -59,9 +59,7 @@ async def relay(send: Send, response: UpstreamResponse, attempts: int) -> None:
         headers = response_headers(response.headers, drop_length=response.is_sse)
         headers.append((b"x-gateway-attempts", str(attempts).encode()))
         headers.append((b"x-gateway-instance", response.instance.name_header))
-        await send(
-            {"type": "http.response.start", "status": response.status, "headers": headers}
-        )
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         if response.body is not None:
             await send({"type": "http.response.body", "body": response.body})
             ok = True

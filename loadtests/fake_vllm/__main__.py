@@ -1,0 +1,104 @@
+"""Command line: serve one fake backend on a socket it binds itself, then announce the port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+import uvicorn
+
+from .app import build_app
+from .config import FakeConfig
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.fake_vllm", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--name", default="fake", help="shown in the READY line")
+    parser.add_argument("--models", default="fake-model", help="comma-separated model ids")
+    parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first token")
+    parser.add_argument("--per-token", type=float, default=0.001, help="seconds per token")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault generator")
+    parser.add_argument(
+        "--fixed-body", action="store_true", help="answer every POST /v1/* with one fixed body"
+    )
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+class _IntendedAbort(logging.Filter):
+    """Drop uvicorn's report of a response cut short: `die` and `stall` do it on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "ASGI callable returned without completing response."
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, name: str, port: int) -> None:
+        super().__init__(config)
+        self._announce = f"fake-vllm READY name={name} port={port}"
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self._announce, flush=True)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """uvicorn re-raises the stop signal after shutting down; by then there is nothing to do."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    if not models:
+        print("--models needs at least one model id", file=sys.stderr)
+        return 2
+    config = FakeConfig(
+        name=args.name,
+        models=models,
+        ttft_s=args.ttft,
+        per_token_s=args.per_token,
+        seed=args.seed,
+        fixed_body=args.fixed_body,
+    )
+    sock = bind(args.host, args.port)
+    server_config = uvicorn.Config(
+        build_app(config),
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        log_level=args.log_level,
+        backlog=2048,
+        # Hung and stalled requests never finish by themselves: do not let them delay a stop.
+        timeout_graceful_shutdown=1,
+    )
+    logging.getLogger("uvicorn.error").addFilter(_IntendedAbort())
+    # Exit with status 0 on SIGTERM/SIGINT rather than dying from the re-raised signal.
+    signal.signal(signal.SIGTERM, _ignore)
+    signal.signal(signal.SIGINT, _ignore)
+    _Server(server_config, args.name, sock.getsockname()[1]).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""The fake vLLM backend as a pure ASGI application.
+
+Routing is one dict lookup on (method, path); per-model JSON fragments and fixed bodies are built
+once at start-up, so the plain non-streamed path does little more than parse and answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+from . import responses as r
+from .asgi import (
+    JSON,
+    DisconnectGuard,
+    Receive,
+    Scope,
+    Send,
+    body_message,
+    read_body,
+    respond,
+    start_message,
+)
+from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
+from .requestlog import RequestLog, RequestRecord
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+SSE = b"text/event-stream; charset=utf-8"
+MAX_TOKENS_LIMIT = 1_000_000
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class FakeVllm:
+    def __init__(self, config: FakeConfig) -> None:
+        self.config = config
+        self.faults = Faults()
+        self.rng = random.Random(config.seed)
+        self.log = RequestLog(config.log_size)
+        self.oom_count = 0
+        self.running = dict.fromkeys(config.models, 0)
+        self.success = dict.fromkeys(config.models, 0)
+        self._model_json = {m: json.dumps(m) for m in config.models}
+        self._id_prefix = secrets.token_hex(4)
+        self._seq = 0
+        self._models_body = r.models_body(config.models, int(time.time()))
+        fixed = r.fixed_chat_body()
+        self._fixed_start = start_message(200, JSON, len(fixed), [])
+        self._fixed_body = body_message(fixed, more=False)
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("POST", CHAT): self._chat,
+            ("POST", COMPLETIONS): self._completions,
+            ("POST", EMBEDDINGS): self._embeddings,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/_fake/faults"): self._get_faults,
+            ("POST", "/_fake/faults"): self._set_faults,
+            ("POST", "/_fake/reset"): self._reset,
+            ("GET", "/_fake/requests"): self._requests,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        method: str = scope["method"]
+        path: str = scope["path"]
+        if self.config.fixed_body and method == "POST" and path.startswith("/v1/"):
+            await send(self._fixed_start)
+            await send(self._fixed_body)
+            return
+        handler = self._routes.get((method, path))
+        if handler is not None:
+            await handler(scope, receive, send)
+        elif path in self._paths:
+            await respond(send, 405, r.error_body(405, f"method {method} not allowed"))
+        else:
+            await respond(send, 404, r.error_body(404, f"no route for {path}"))
+
+    # --- generation endpoints ------------------------------------------------------------
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, chat=True)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, chat=False)
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        record = self._record(scope)
+        body = await read_body(receive)
+        if body is None:
+            self.log.finish(record, "cancelled")
+            return
+        record.body_sha256 = hashlib.sha256(body).hexdigest()
+        try:
+            request = _parse(body)
+            model = self._model(request, record)
+            stream = request.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest(400, "'stream' must be a boolean")
+            record.stream = stream
+            n = _max_tokens(request)
+            record.max_tokens = n
+        except BadRequest as exc:
+            await respond(send, exc.status, r.error_body(exc.status, exc.message))
+            self.log.finish(record, "error")
+            return
+        prompt_tokens = max(1, r.count_words(request.get("messages" if chat else "prompt")))
+        options = request.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+
+        faults = self.faults
+        fault = faults.draw(self.rng, stream)
+        record.fault = fault
+        ttft = faults.ttft_s(self.config)
+        per_token = faults.per_token_s(self.config)
+        if fault is None and not stream and ttft == 0 and per_token == 0:
+            # Nothing to wait for, so nothing a disconnect could interrupt: skip the watcher.
+            build = r.chat_body if chat else r.completion_body
+            body = build(self._next_rid(), self._model_json[model], n, prompt_tokens)
+            await respond(send, 200, body)
+            self.success[model] += 1
+            self.log.finish(record, "ok")
+            return
+
+        async def run() -> str:
+            if fault is not None and fault not in (DIE, STALL):
+                return await self._fault_reply(send, fault, faults)
+            rid = self._next_rid()
+            if stream:
+                writer = r.ChunkWriter(chat, rid, self._model_json[model])
+                return await self._stream(
+                    send, writer, n, prompt_tokens, include_usage, ttft, per_token, fault, faults
+                )
+            build = r.chat_body if chat else r.completion_body
+            full = build(rid, self._model_json[model], n, prompt_tokens)
+            if fault == DIE:
+                await _sleep(ttft + per_token * min(faults.die_after, n))
+                return await _die_midway(send, full)
+            await _sleep(ttft + per_token * n)
+            await respond(send, 200, full)
+            return "ok"
+
+        await self._guarded(receive, record, model, run)
+
+    async def _stream(
+        self,
+        send: Send,
+        writer: r.ChunkWriter,
+        n: int,
+        prompt_tokens: int,
+        include_usage: bool,
+        ttft: float,
+        per_token: float,
+        fault: str | None,
+        faults: Faults,
+    ) -> str:
+        # Headers go out at once, as from vLLM (a Starlette StreamingResponse); tokens follow.
+        await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache")]))
+        cut = -1
+        if fault == DIE:
+            cut = min(faults.die_after, n)
+        elif fault == STALL:
+            cut = min(faults.stall_after, n)
+        loop = asyncio.get_running_loop()
+        first = loop.time() + ttft
+        await _sleep(ttft)
+        for i in range(n):
+            if per_token > 0:
+                # Scheduled from the first token's time so sleep overshoot does not accumulate.
+                await _sleep(first + per_token * (i + 1) - loop.time())
+            if i == cut:
+                break
+            await send(body_message(writer.token(i, i == n - 1), more=True))
+        if fault == DIE:
+            return "died"  # returning mid-body makes uvicorn close the connection
+        if fault == STALL:
+            await asyncio.sleep(faults.hang_s)
+            return "stalled"
+        if include_usage:
+            await send(body_message(writer.usage(prompt_tokens, n), more=True))
+        await send(body_message(r.DONE, more=False))
+        return "ok"
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = self._record(scope)
+        body = await read_body(receive)
+        if body is None:
+            self.log.finish(record, "cancelled")
+            return
+        record.body_sha256 = hashlib.sha256(body).hexdigest()
+        try:
+            request = _parse(body)
+            model = self._model(request, record)
+            inputs = _embedding_inputs(request.get("input"))
+        except BadRequest as exc:
+            await respond(send, exc.status, r.error_body(exc.status, exc.message))
+            self.log.finish(record, "error")
+            return
+        faults = self.faults
+        fault = faults.draw(self.rng, stream=False)
+        record.fault = fault
+
+        async def run() -> str:
+            if fault is not None and fault != DIE:
+                return await self._fault_reply(send, fault, faults)
+            await _sleep(faults.ttft_s(self.config))
+            full = r.embeddings_body(model, inputs)
+            if fault == DIE:
+                return await _die_midway(send, full)
+            await respond(send, 200, full)
+            return "ok"
+
+        await self._guarded(receive, record, model, run)
+
+    async def _guarded(
+        self,
+        receive: Receive,
+        record: RequestRecord,
+        model: str,
+        run: Callable[[], Awaitable[str]],
+    ) -> None:
+        """Run a generation while counting it as running and watching for the client leaving."""
+        self.running[model] += 1
+        guard = DisconnectGuard(receive)
+        outcome = "error"
+        try:
+            outcome = await run()
+        except asyncio.CancelledError:
+            # The client left (the usual case) or the server's graceful shutdown ran out of time;
+            # either way the task ends here, and returning spares uvicorn a traceback to log.
+            guard.absorb()
+            outcome = "cancelled"
+        finally:
+            guard.close()
+            self.running[model] -= 1
+            self.log.finish(record, outcome)
+        if outcome == "ok":
+            self.success[model] += 1
+
+    async def _fault_reply(self, send: Send, fault: str, faults: Faults) -> str:
+        """Answer for the faults decided before any token is generated."""
+        if fault == RATE_LIMIT:
+            retry = [(b"retry-after", str(faults.retry_after).encode())]
+            await respond(send, 429, r.error_body(429, "rate limit exceeded"), extra=retry)
+            return "rate_limited"
+        if fault == ERROR:
+            status = faults.error_status
+            await respond(send, status, r.error_body(status, "injected error"))
+            return "error"
+        if fault == OOM:
+            self.oom_count += 1
+            count = [(b"x-oom-count", str(self.oom_count).encode())]
+            body = r.error_body(500, r.OOM_MESSAGE, "InternalServerError")
+            await respond(send, 500, body, extra=count)
+            return "oom"
+        assert fault == HANG
+        # No headers until the client gives up (the guard cancels this sleep) or hang_s passes.
+        await asyncio.sleep(faults.hang_s)
+        await respond(send, 504, r.error_body(504, f"hung for {faults.hang_s:g} s"))
+        return "hung"
+
+    def _next_rid(self) -> str:
+        self._seq += 1
+        return f"{self._id_prefix}{self._seq:x}"
+
+    def _record(self, scope: Scope) -> RequestRecord:
+        return self.log.start(
+            scope["method"],
+            scope["path"],
+            scope["query_string"].decode("latin-1"),
+            scope["headers"],
+        )
+
+    def _model(self, request: dict[str, Any], record: RequestRecord) -> str:
+        model = request.get("model")
+        if not isinstance(model, str):
+            raise BadRequest(400, "'model' is required and must be a string")
+        record.model = model
+        if model not in self.running:
+            # vLLM's wording and status for an unknown model.
+            raise BadRequest(404, f"The model `{model}` does not exist.")
+        return model
+
+    # --- plain endpoints -------------------------------------------------------------------
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, self._models_body)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = 503 if self.faults.unhealthy else 200
+        await respond(send, status, b"", content_type=b"text/plain; charset=utf-8")
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = r.metrics_text(self.config.models, self.running, self.success)
+        await respond(send, 200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+    # --- control endpoints -----------------------------------------------------------------
+
+    async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, r.dumps(self.faults.as_dict()))
+
+    async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_body(receive)
+        if body is None:
+            return
+        try:
+            patch = _parse(body)
+            self.faults = self.faults.merged(patch)
+        except BadRequest as exc:
+            await respond(send, exc.status, r.error_body(exc.status, exc.message))
+            return
+        except ValueError as exc:
+            await respond(send, 400, r.error_body(400, str(exc)))
+            return
+        await respond(send, 200, r.dumps(self.faults.as_dict()))
+
+    async def _reset(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Back to the start state, so each test sees the same random sequence.
+        self.faults = Faults()
+        self.rng = random.Random(self.config.seed)
+        self.oom_count = 0
+        self.log.reset()
+        await respond(send, 200, r.dumps(self.faults.as_dict()))
+
+    async def _requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        try:
+            wait_for = int(query["wait_for"][0]) if "wait_for" in query else None
+            timeout_s = float(query["timeout"][0]) if "timeout" in query else 10.0
+        except ValueError:
+            await respond(send, 400, r.error_body(400, "wait_for and timeout must be numbers"))
+            return
+        if wait_for is not None:
+            await self.log.wait_ended(wait_for, timeout_s)
+        await respond(send, 200, r.dumps(self.log.snapshot()))
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+async def _die_midway(send: Send, full: bytes) -> str:
+    """Promise the whole body, send half, then let uvicorn drop the connection."""
+    await send(start_message(200, JSON, len(full), []))
+    await send(body_message(full[: len(full) // 2], more=True))
+    return "died"
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(400, "the JSON body must be an object")
+    return value
+
+
+def _max_tokens(request: dict[str, Any]) -> int:
+    value = request.get("max_tokens")
+    if value is None:
+        value = request.get("max_completion_tokens")
+    if value is None:
+        return 16
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise BadRequest(400, f"max_tokens must be an integer between 1 and {MAX_TOKENS_LIMIT}")
+    return value
+
+
+def _embedding_inputs(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return list(value)
+        if all(isinstance(item, int) for item in value):
+            return [" ".join(map(str, value))]  # one pre-tokenized input
+        if all(isinstance(item, list) for item in value):
+            return [" ".join(map(str, item)) for item in value]
+    raise BadRequest(400, "'input' must be a string or a non-empty list")
+
+
+def build_app(config: FakeConfig) -> FakeVllm:
+    """The ASGI application for `config`; each call has its own faults, log and counters."""
+    return FakeVllm(config)

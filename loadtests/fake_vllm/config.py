@@ -1,0 +1,141 @@
+"""Static configuration of a fake backend, and the faults that can be switched at run time."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Fault names as recorded in the request log's `fault` field.
+ERROR = "error"
+OOM = "oom"
+RATE_LIMIT = "rate_limit"
+HANG = "hang"
+STALL = "stall"
+DIE = "die"
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    """What a fake backend serves and how fast; fixed for the life of the process."""
+
+    name: str = "fake"
+    models: tuple[str, ...] = ("fake-model",)
+    ttft_s: float = 0.02
+    per_token_s: float = 0.001
+    seed: int = 0
+    # Answer every POST /v1/* with one precomputed body: no parsing, sleeping, faults or log.
+    fixed_body: bool = False
+    log_size: int = 10_000
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Run-time fault switches. Field names are the JSON keys of `/_fake/faults`."""
+
+    error_rate: float = 0.0
+    error_status: int = 500
+    oom_rate: float = 0.0
+    hang_rate: float = 0.0
+    hang_s: float = 3600.0
+    stall_rate: float = 0.0
+    stall_after: int = 3
+    die_rate: float = 0.0
+    die_after: int = 3
+    rate_limit_rate: float = 0.0
+    retry_after: int = 1
+    slow_factor: float = 1.0
+    unhealthy: bool = False
+    ttft: float | None = None
+    per_token: float | None = None
+
+    @property
+    def any_random(self) -> bool:
+        """True when some request-level fault may fire; lets the hot path skip drawing."""
+        return (
+            self.error_rate > 0
+            or self.oom_rate > 0
+            or self.hang_rate > 0
+            or self.stall_rate > 0
+            or self.die_rate > 0
+            or self.rate_limit_rate > 0
+        )
+
+    def draw(self, rng: random.Random, stream: bool) -> str | None:
+        """The one fault to inject into a request, or None.
+
+        Checked in a fixed order so a seeded generator gives the same sequence on every run;
+        a rate of 0 consumes no randomness.
+        """
+        if not self.any_random:
+            return None
+        for name, rate in (
+            (RATE_LIMIT, self.rate_limit_rate),
+            (ERROR, self.error_rate),
+            (OOM, self.oom_rate),
+            (HANG, self.hang_rate),
+            (DIE, self.die_rate),
+            (STALL, self.stall_rate if stream else 0.0),
+        ):
+            if rate > 0 and rng.random() < rate:
+                return name
+        return None
+
+    def ttft_s(self, config: FakeConfig) -> float:
+        base = config.ttft_s if self.ttft is None else self.ttft
+        return base * self.slow_factor
+
+    def per_token_s(self, config: FakeConfig) -> float:
+        base = config.per_token_s if self.per_token is None else self.per_token
+        return base * self.slow_factor
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def merged(self, patch: Mapping[str, Any]) -> Faults:
+        """A copy with `patch` applied; ValueError names the first bad key."""
+        current = self.as_dict()
+        for key, value in patch.items():
+            if key not in current:
+                raise ValueError(f"unknown fault field {key!r}")
+            current[key] = _check(key, value)
+        return Faults(**current)
+
+
+_RATES = {"error_rate", "oom_rate", "hang_rate", "stall_rate", "die_rate", "rate_limit_rate"}
+_COUNTS = {"stall_after", "die_after", "retry_after"}
+_OPTIONAL_SECONDS = {"ttft", "per_token"}
+
+
+def _number(key: str, value: Any) -> float:
+    # bool is an int subclass; `true` is never a sensible rate or duration.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number")
+    return float(value)
+
+
+def _check(key: str, value: Any) -> Any:
+    if key == "unhealthy":
+        if not isinstance(value, bool):
+            raise ValueError("unhealthy must be a boolean")
+        return value
+    if key in _OPTIONAL_SECONDS and value is None:
+        return None
+    number = _number(key, value)
+    if key in _RATES:
+        if not 0.0 <= number <= 1.0:
+            raise ValueError(f"{key} must be between 0 and 1")
+        return number
+    if key in _COUNTS or key == "error_status":
+        if number != int(number):
+            raise ValueError(f"{key} must be an integer")
+        if key == "error_status" and not 400 <= number <= 599:
+            raise ValueError("error_status must be between 400 and 599")
+        if number < 0:
+            raise ValueError(f"{key} must be >= 0")
+        return int(number)
+    if number < 0:
+        raise ValueError(f"{key} must be >= 0")
+    return number

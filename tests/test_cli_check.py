@@ -1,0 +1,102 @@
+"""`gateway check FILE...` run as a real process: exit codes, stdout and stderr lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+POLICIES = sorted((REPO / "policies").glob("*.yaml"))
+
+BAD_POLICY = """\
+pools:
+  chat:
+    models: [demo-chat]
+    instances:
+      - {name: a, url: ftp://10.0.0.11:8000}
+      - {name: b, url: http://10.0.0.12:8000}
+    timeouts:
+      floor: 90s
+      ceiling: 60s
+      initial: 3 parsecs
+"""
+
+
+def _check(*files: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check", *map(str, files)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def _problem_re(path: Path) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(str(path))}:\d+: \S+: .+$")
+
+
+@pytest.fixture
+def bad_file(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD_POLICY, encoding="utf-8")
+    return path
+
+
+def test_all_shipped_policies_are_ok() -> None:
+    assert POLICIES
+    result = _check(*POLICIES)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{path}: ok" for path in POLICIES]
+    assert result.stderr == ""
+
+
+def test_bad_file_exits_1_with_one_line_per_problem(bad_file: Path) -> None:
+    result = _check(bad_file)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    # The cross-field check (floor vs ceiling) only runs once the fields are valid.
+    assert len(lines) == 2, result.stderr
+    pattern = _problem_re(bad_file)
+    for line in lines:
+        assert pattern.match(line), line
+    assert lines[0].startswith(f"{bad_file}:5: pools.chat.instances[0].url: ")
+    assert lines[1].startswith(f"{bad_file}:10: pools.chat.timeouts.initial: ")
+
+
+def test_good_and_bad_file_together(bad_file: Path) -> None:
+    good = POLICIES[0]
+    result = _check(good, bad_file, POLICIES[-1])
+    assert result.returncode == 1
+    # Every good file is still reported, before and after the bad one.
+    assert result.stdout.splitlines() == [f"{good}: ok", f"{POLICIES[-1]}: ok"]
+    lines = result.stderr.splitlines()
+    assert lines
+    pattern = _problem_re(bad_file)
+    assert all(pattern.match(line) for line in lines), result.stderr
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-policy.yaml"
+    result = _check(missing)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"{missing}:")
+    assert "cannot read" in result.stderr
+    assert "No such file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_file_is_a_usage_error() -> None:
+    result = _check()
+    assert result.returncode == 2
+    assert "usage:" in result.stderr

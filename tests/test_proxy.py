@@ -1,0 +1,445 @@
+"""The proxy end to end: real fake-vLLM backends and a real gateway process on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support import Backend, Gateway, closed_port, raw_http, start_backend, start_gateway
+
+ADMIN_TOKEN = "admin-secret-token"
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = {
+        "a": start_backend("a", ["chat-model", "short-model"], "--ttft", "0", "--per-token", "0"),
+        "b": start_backend("b", ["chat-model"], "--ttft", "0", "--per-token", "0"),
+        "c": start_backend("c", ["embed-model"], "--ttft", "0", "--per-token", "0"),
+    }
+    yield started
+    for backend in started.values():
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    a, b, c = backends["a"].url, backends["b"].url, backends["c"].url
+    policy = f"""
+listen: 127.0.0.1:0
+admin: {{listen: 127.0.0.1:0, token_env: TEST_GATEWAY_ADMIN_TOKEN}}
+limits: {{max_request_bytes: 64KiB}}
+pools:
+  chat:
+    models: [chat-model]
+    instances:
+      - {{name: a, url: "{a}"}}
+      - {{name: b, url: "{b}"}}
+  embed:
+    models: [embed-model]
+    instances: [{{name: c, url: "{c}"}}]
+  short:
+    models: [short-model]
+    instances: [{{name: a-short, url: "{a}"}}]
+    timeouts: {{initial: 400ms, floor: 100ms}}
+  dead:
+    models: [dead-model]
+    instances: [{{name: nobody, url: "http://127.0.0.1:{closed_port()}"}}]
+"""
+    gw = start_gateway(
+        tmp_path_factory.mktemp("gw") / "policy.yaml",
+        policy,
+        env={"TEST_GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN},
+    )
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_backends(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.reset()
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=20) as http:
+        yield http
+
+
+def chat(model: str = "chat-model", **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"] and error["type"]
+
+
+# --- routing -----------------------------------------------------------------------------------
+
+
+def test_routes_by_model_across_two_pools(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    seen = []
+    for _ in range(4):
+        response = client.post("/v1/chat/completions", json=chat(max_tokens=3))
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 3
+        assert response.headers["x-gateway-attempts"] == "1"
+        seen.append(response.headers["x-gateway-instance"])
+    assert sorted(seen) == ["a", "a", "b", "b"]  # round robin over the chat pool
+    embedded = client.post("/v1/embeddings", json={"model": "embed-model", "input": ["x", "y"]})
+    assert embedded.status_code == 200
+    assert embedded.headers["x-gateway-instance"] == "c"
+    assert len(embedded.json()["data"]) == 2
+    completion = client.post("/v1/completions", json={"model": "chat-model", "prompt": "hi"})
+    assert completion.status_code == 200
+
+    a_paths = [r["path"] for r in backends["a"].requests()]
+    c_log = backends["c"].requests()
+    assert a_paths.count("/v1/chat/completions") == 2
+    assert [(r["path"], r["model"]) for r in c_log] == [("/v1/embeddings", "embed-model")]
+
+
+def test_models_lists_every_pool(client: httpx.Client) -> None:
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    ids = {m["id"] for m in response.json()["data"]}
+    assert ids == {"chat-model", "embed-model", "short-model", "dead-model"}
+
+
+def test_body_is_forwarded_byte_for_byte(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    # Odd spacing, key order and escapes must survive: the gateway never re-encodes a body.
+    raw = (
+        b'{ "messages":[{"content":"caf\\u00e9 \xf0\x9f\x98\x80","role":"user"}] ,'
+        b'"model" : "embed-model","input":"x"}'
+    )
+    response = client.post(
+        "/v1/embeddings", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200
+    (record,) = backends["c"].requests()
+    assert record["body_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert int(record["headers"]["content-length"]) == len(raw)
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+
+def test_stream_arrives_incrementally(client: httpx.Client, backends: dict[str, Backend]) -> None:
+    for backend in (backends["a"], backends["b"]):
+        backend.set_faults(per_token=0.05)
+    arrivals: list[tuple[float, str]] = []
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.monotonic(), line[6:]))
+    assert arrivals[-1][1] == "[DONE]"
+    chunks = [json.loads(data) for _, data in arrivals[:-1]]
+    assert len(chunks) >= 10
+    # Ten tokens at 50 ms each: the first chunk must reach the client long before the last.
+    assert arrivals[-1][0] - arrivals[0][0] >= 0.3
+
+
+def test_client_disconnect_mid_stream_cancels_upstream(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    for backend in (backends["a"], backends["b"]):
+        backend.set_faults(per_token=0.2)
+    started = time.monotonic()
+    with (
+        httpx.Client(base_url=gateway.url, timeout=20) as http,
+        http.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=100)
+        ) as response,
+    ):
+        instance = response.headers["x-gateway-instance"]
+        next(response.iter_lines())
+    # Closing the client closed the connection: the backend must see its request cancelled.
+    (record,) = backends[instance].requests(wait_for=1, timeout_s=10)
+    assert record["outcome"] == "cancelled"
+    assert record["ended"] - record["started"] < 5  # not the 20 s the generation would take
+    assert time.monotonic() - started < 10
+    state = admin_state(gateway)
+    assert all(i["in_flight"] == 0 for i in state["pools"]["chat"]["instances"])
+
+
+def test_client_disconnect_while_waiting_cancels_upstream(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    for backend in (backends["a"], backends["b"]):
+        backend.set_faults(ttft=30)
+    with httpx.Client(base_url=gateway.url, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=chat())
+    records = backends["a"].requests() + backends["b"].requests()
+    (busy,) = [b for b in ("a", "b") if backends[b].requests()]
+    (record,) = backends[busy].requests(wait_for=1, timeout_s=10)
+    assert record["outcome"] == "cancelled", records
+
+
+def test_backend_dying_mid_stream_ends_with_error_event(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for backend in (backends["a"], backends["b"]):
+        backend.set_faults(die_rate=1.0, die_after=3, per_token=0.01)
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=20)) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "upstream_reset"
+    assert 1 <= len(events) - 2 <= 3  # the chunks sent before the backend died came through
+
+
+# --- headers -----------------------------------------------------------------------------------
+
+
+def test_request_headers_hop_by_hop_and_forwarding(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    response = client.post(
+        "/v1/embeddings",
+        json={"model": "embed-model", "input": "x"},
+        headers={
+            "authorization": "Bearer sk-client-key",
+            "connection": "keep-alive, x-hop-custom",
+            "x-hop-custom": "must not pass",
+            "keep-alive": "timeout=5",
+            "te": "trailers",
+            "proxy-authorization": "Basic abc",
+            "x-gateway-timeout": "10",
+            "x-gateway-priority": "batch",
+            "x-forwarded-for": "203.0.113.7",
+            "x-custom-end-to-end": "kept",
+        },
+    )
+    assert response.status_code == 200
+    (record,) = backends["c"].requests()
+    sent = record["headers"]
+    assert sent["authorization"] == "Bearer sk-client-key"
+    assert sent["x-custom-end-to-end"] == "kept"
+    assert sent["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    assert sent["x-forwarded-proto"] == "http"
+    assert sent["host"] == backends["c"].url.removeprefix("http://")
+    for gone in (
+        "x-hop-custom",
+        "keep-alive",
+        "te",
+        "proxy-authorization",
+        "x-gateway-timeout",
+        "x-gateway-priority",
+    ):
+        assert gone not in sent, gone
+    assert "connection" not in sent or sent["connection"].lower() == "keep-alive"
+    assert sent["user-agent"].startswith("python-httpx")  # the client's, not one of ours
+    assert response.headers["x-gateway-instance"] == "c"
+    assert (
+        "transfer-encoding" not in response.headers
+        or response.headers["transfer-encoding"] == "chunked"
+    )
+
+
+def test_absolute_form_target_stays_on_the_policy_backend(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    body = b'{"model":"embed-model","input":"x"}'
+    reply = raw_http(
+        int(gateway.url.rsplit(":", 1)[1]),
+        b"POST http://evil.example:9999/v1/embeddings HTTP/1.1\r\nHost: evil.example:9999\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (len(body), body),
+    )
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    (record,) = backends["c"].requests()
+    assert record["path"] == "/v1/embeddings"
+    assert record["headers"]["host"] == backends["c"].url.removeprefix("http://")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/../v1/chat/completions",
+        "/v1/chat/completions/../../admin/state",
+        "/v1/chat/completions/",
+        "//v1/chat/completions",
+        "/v1/chat/completions%2F..%2F..%2Fhealth",
+    ],
+)
+def test_paths_are_matched_exactly(
+    gateway: Gateway, path: str, backends: dict[str, Backend]
+) -> None:
+    body = b'{"model":"chat-model"}'
+    reply = raw_http(
+        int(gateway.url.rsplit(":", 1)[1]),
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (path.encode(), len(body), body),
+    )
+    assert reply.startswith(b"HTTP/1.1 404"), reply
+    assert backends["a"].requests() == [] and backends["b"].requests() == []
+
+
+def test_request_smuggling_is_rejected(gateway: Gateway, backends: dict[str, Backend]) -> None:
+    smuggled = b"GET /admin/state HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b"0\r\n\r\n" + smuggled
+    reply = raw_http(
+        int(gateway.url.rsplit(":", 1)[1]),
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%s" % (len(body), body),
+    )
+    assert reply.startswith(b"HTTP/1.1 400"), reply
+    assert reply.count(b"HTTP/1.1") == 1
+
+
+# --- errors made by the gateway ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"{not json", "malformed"),
+        (b"[1, 2]", "non-object"),
+        (b'"just a string"', "non-object"),
+        (b"[" * 20_000 + b"]" * 20_000, "deeply nested"),
+        (b'{"a": ' * 5000 + b"1" + b"}" * 5000, "deeply nested object"),
+        (b'{"messages": []}', "missing model"),
+        (b'{"model": 42}', "model not a string"),
+        (b'{"model": "chat-model", "stream": "yes"}', "stream not a boolean"),
+        (b'{"model": "chat-model", "max_tokens": -1}', "negative max_tokens"),
+        (b"\xff\xfe{}", "not utf-8"),
+        (b"", "empty"),
+    ],
+)
+def test_bad_bodies_are_400(client: httpx.Client, body: bytes, why: str) -> None:
+    response = client.post("/v1/chat/completions", content=body)
+    assert_error(response, 400, "invalid_request")
+
+
+def test_unknown_model_is_404(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/chat/completions", json=chat("gpt-9")), 404, "model_not_found")
+
+
+def test_unknown_path_and_wrong_method(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/rerank", json=chat()), 404, "not_found")
+    assert_error(client.get("/v1/chat/completions"), 405, "method_not_allowed")
+
+
+def test_declared_oversized_body_is_413_before_it_is_sent(gateway: Gateway) -> None:
+    # Only the headers go out; the gateway must answer without waiting for 1 MB that never comes.
+    reply = raw_http(
+        int(gateway.url.rsplit(":", 1)[1]),
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000\r\n\r\n",
+        timeout_s=5,
+    )
+    assert reply.startswith(b"HTTP/1.1 413"), reply
+    assert b'"code":"request_too_large"' in reply
+
+
+def test_chunked_oversized_body_is_413(client: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "chat-model", "pad": "'
+        for _ in range(200):
+            yield b"x" * 1024
+        yield b'"}'
+
+    response = client.post("/v1/chat/completions", content=chunks())
+    assert_error(response, 413, "request_too_large")
+
+
+def test_body_just_under_the_limit_passes(client: httpx.Client) -> None:
+    pad = "x" * (64 * 1024 - 200)
+    response = client.post("/v1/embeddings", json={"model": "embed-model", "input": pad})
+    assert response.status_code == 200
+
+
+def test_refused_connection_is_502(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=chat("dead-model"))
+    assert_error(response, 502, "upstream_connect_failed")
+    assert response.headers["x-gateway-attempts"] == "1"
+
+
+def test_backend_reset_before_the_body_is_complete_is_502(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for backend in (backends["a"], backends["b"]):
+        backend.set_faults(die_rate=1.0, die_after=2)
+    response = client.post("/v1/chat/completions", json=chat(max_tokens=20))
+    assert_error(response, 502, "upstream_reset")
+
+
+def test_hung_backend_is_504_after_the_first_byte_timeout(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    backends["a"].set_faults(hang_rate=1.0)
+    started = time.monotonic()
+    response = client.post("/v1/chat/completions", json=chat("short-model"))
+    elapsed = time.monotonic() - started
+    assert_error(response, 504, "upstream_timeout")
+    assert 0.3 <= elapsed < 3.0  # the pool's first-byte timeout is 400 ms
+    (record,) = backends["a"].requests(wait_for=1)
+    assert record["outcome"] in ("cancelled", "hung")
+
+
+def test_backend_errors_pass_through_unchanged(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    backends["c"].set_faults(error_rate=1.0, error_status=503)
+    response = client.post("/v1/embeddings", json={"model": "embed-model", "input": "x"})
+    assert response.status_code == 503
+    assert response.headers["x-gateway-instance"] == "c"
+    # A backend's 404 for a model it does not serve is the backend's answer, relayed as is.
+    backends["c"].reset()
+    response = client.post("/v1/embeddings", json={"model": "embed-model", "input": "x"})
+    assert response.status_code == 200
+
+
+# --- health and admin --------------------------------------------------------------------------
+
+
+def admin_state(gateway: Gateway) -> dict[str, object]:
+    response = httpx.get(
+        f"{gateway.admin_url}/admin/state",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=5,
+    )
+    response.raise_for_status()
+    result: dict[str, object] = response.json()
+    return result
+
+
+def test_health_and_readiness(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["ready"] is True
+
+
+def test_admin_requires_the_token(gateway: Gateway) -> None:
+    assert httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).status_code == 401
+    wrong = httpx.get(
+        f"{gateway.admin_url}/admin/state", headers={"authorization": "Bearer nope"}, timeout=5
+    )
+    assert wrong.status_code == 401
+    state = admin_state(gateway)
+    names = [i["name"] for i in state["pools"]["chat"]["instances"]]  # type: ignore[index]
+    assert names == ["a", "b"]
+
+
+def test_admin_plane_is_not_on_the_data_port(client: httpx.Client) -> None:
+    assert client.get("/admin/state").status_code == 404
