@@ -33,12 +33,45 @@ _ALLOW_POST = ((b"allow", b"POST"),)
 _ALLOW_GET = ((b"allow", b"GET"),)
 
 
-class _Watch:
-    __slots__ = ("client_gone", "done")
+# Most requests finish within milliseconds: a timer is cheaper than a task, so only a request
+# still running after this long gets a task that waits for its client to disconnect.
+WATCH_AFTER_S = 0.02
 
-    def __init__(self) -> None:
+
+class _DisconnectWatch:
+    """Cancels a request's task when its client goes away (closing the upstream request)."""
+
+    __slots__ = ("_handle", "_loop", "_receive", "_task", "_watcher", "client_gone", "done")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], receive: Receive
+    ) -> None:
+        self._loop = loop
+        self._task = task
+        self._receive = receive
+        self._watcher: asyncio.Task[None] | None = None
         self.done = False
         self.client_gone = False
+        self._handle: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._handle = None
+        if not self.done:
+            self._watcher = self._loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if not self.done:
+            self.client_gone = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        self.done = True
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class DataPlane:
@@ -54,6 +87,7 @@ class DataPlane:
         self._handler = handler
         self._limit = max_request_bytes
         self._readiness = readiness
+        self._loop = asyncio.get_running_loop()
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -122,33 +156,22 @@ class DataPlane:
             body=body,
             headers=headers.forward,
             facts=facts,
+            deadline=self._loop.time() + pool.policy.timeouts.ceiling,
         )
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
-        watch = _Watch()
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, watch))
+        watch = _DisconnectWatch(self._loop, task, receive)
         try:
             try:
                 response = await self._handler(call)
             except GatewayError as error:
                 await send_error(send, error, call.attempts)
                 return
-            await relay(send, response, call.attempts)
+            await relay(send, response, call.attempts, call.deadline)
         except asyncio.CancelledError:
             if watch.client_gone:
                 task.uncancel()
                 return
             raise
         finally:
-            watch.done = True
-            watcher.cancel()
-
-
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _Watch) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-    if not watch.done:
-        watch.client_gone = True
-        task.cancel()
+            watch.close()

@@ -47,7 +47,7 @@ def sse_error_event(error: GatewayError) -> bytes:
     return b"data: " + error.body() + b"\n\n" + _SSE_DONE
 
 
-async def relay(send: Send, response: UpstreamResponse, attempts: int) -> None:
+async def relay(send: Send, response: UpstreamResponse, attempts: int, deadline: float) -> None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
 
     A stream that breaks after the commit point ends, for SSE, with an error event and
@@ -69,7 +69,7 @@ async def relay(send: Send, response: UpstreamResponse, attempts: int) -> None:
                 {"type": "http.response.body", "body": response.first_chunk, "more_body": True}
             )
         try:
-            async for chunk in response.rest():
+            async for chunk in response.rest(deadline):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as error:
             if not response.is_sse:

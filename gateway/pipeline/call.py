@@ -21,6 +21,7 @@ class Call:
     body: bytes
     headers: list[tuple[str, str]]
     facts: RequestFacts
+    deadline: float  # event-loop time by which the whole exchange must end
     attempts: int = 0
     tried: list[InstanceState] = field(default_factory=list)
     instance: InstanceState | None = None

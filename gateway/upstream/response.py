@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
 
-from gateway.errors import map_upstream_exception
+from gateway.errors import UpstreamTimeout, map_upstream_exception
 
 if TYPE_CHECKING:
     from gateway.upstream.registry import InstanceState
@@ -51,14 +52,24 @@ class UpstreamResponse:
         self.is_sse = is_sse
         self._on_finish = on_finish
 
-    async def rest(self) -> AsyncIterator[bytes]:
-        """The body after `first_chunk`, as it arrives; raises UpstreamError if it breaks."""
+    async def rest(self, deadline: float) -> AsyncIterator[bytes]:
+        """The body after `first_chunk`, as it arrives; raises UpstreamError if it breaks.
+
+        `deadline` (event-loop time) ends the exchange: it is checked as each chunk arrives,
+        and the idle timeout bounds the wait for the next one, so it is overrun by at most
+        one idle gap without costing a timer per request.
+        """
         content = self._raw.content
+        loop_time = asyncio.get_running_loop().time
         try:
             while True:
                 chunk = await content.readany()
                 if not chunk:
                     return
+                if loop_time() > deadline:
+                    raise UpstreamTimeout(
+                        "the upstream exceeded the timeout ceiling", phase="total"
+                    )
                 yield chunk
         except Exception as exc:
             raise map_upstream_exception(exc, phase="body") from exc

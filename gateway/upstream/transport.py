@@ -49,9 +49,12 @@ class Transport:
         if timeout is None:
             policy = pool.policy.timeouts
             # Static per-phase limits: sock_read bounds both the wait for the first byte and
-            # every gap between chunks; total is the ceiling for the whole exchange.
+            # every gap between chunks. No `total`: that would cost a timer per request, and
+            # the whole-exchange deadline belongs to the deadline layer of the pipeline.
             timeout = aiohttp.ClientTimeout(
-                total=policy.ceiling, sock_connect=policy.connect, sock_read=policy.initial
+                total=None,
+                sock_connect=policy.connect,
+                sock_read=min(policy.initial, policy.ceiling),
             )
             self._timeouts[pool.name] = timeout
         return timeout
