@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench loadtest redis-server clean
+.PHONY: install test lint demo bench system-deps clean
 
 install: $(STAMP)
 
@@ -14,11 +14,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The tests start their own redis-server on a free loopback port; this makes sure it is installed.
-redis-server:
-	@command -v redis-server >/dev/null || ./scripts/install-redis
+# Programs the tests run for real (redis-server, nginx, wrk); installed when missing.
+system-deps:
+	@./scripts/install-system-deps
 
-test: install redis-server
+test: install system-deps
 	$(BIN)/pytest -q
 
 lint: install

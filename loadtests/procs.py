@@ -1,7 +1,8 @@
 """Start and stop the local servers that tests, the demo and the benchmarks use.
 
 Each server binds its own loopback port (port 0) and announces it on one output line, so callers
-never race for a free port. Output is drained by a thread so a chatty child never blocks on a full pipe.
+never race for a free port. Output is drained by a thread so a chatty child never blocks on a
+full pipe.
 """
 
 from __future__ import annotations

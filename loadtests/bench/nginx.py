@@ -1,0 +1,206 @@
+"""nginx as the benchmark's fast fixed-body upstream and as the proxy_pass reference.
+
+Each server runs from its own temporary prefix (config, pid file, logs, temp paths), in the
+foreground (`daemon off`), in its own session so a forced stop can take its worker along.
+nginx cannot announce a port it picked itself, so a free port is chosen first and the start is
+retried if another process grabbed it in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+NGINX_CANDIDATES = (
+    "nginx",
+    "/usr/sbin/nginx",
+    "/usr/local/sbin/nginx",
+    "/usr/local/nginx/sbin/nginx",
+)
+
+
+class NginxFailed(RuntimeError):
+    """nginx exited or did not accept connections in time."""
+
+
+def find_nginx() -> str | None:
+    for candidate in NGINX_CANDIDATES:
+        path = shutil.which(candidate)
+        if path:
+            return path
+    return None
+
+
+def _quote(text: str) -> str:
+    """A single-quoted nginx string. nginx has no escape for `$` (variables), so refuse it."""
+    if "$" in text:
+        raise ValueError("nginx strings cannot contain '$'")
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _affinity(cpu: int | None) -> str:
+    # worker_cpu_affinity takes a bit mask written in binary, lowest CPU rightmost.
+    return "" if cpu is None else f"worker_cpu_affinity {1 << cpu:b};"
+
+
+def _config(prefix: Path, port: int, cpu: int | None, server_body: str, http_extra: str) -> str:
+    p = str(prefix)
+    return f"""
+worker_processes 1;
+{_affinity(cpu)}
+pid {p}/nginx.pid;
+error_log {p}/error.log warn;
+events {{ worker_connections 8192; multi_accept on; }}
+http {{
+    access_log off;
+    client_body_temp_path {p}/client_body;
+    proxy_temp_path {p}/proxy;
+    fastcgi_temp_path {p}/fastcgi;
+    uwsgi_temp_path {p}/uwsgi;
+    scgi_temp_path {p}/scgi;
+    # Long-lived keep-alive connections: the benchmark measures requests, not reconnects.
+    keepalive_requests 10000000;
+    keepalive_timeout 120s;
+    {http_extra}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        {server_body}
+    }}
+}}
+"""
+
+
+def fixed_body_config(prefix: Path, port: int, cpu: int | None, body: bytes) -> str:
+    """Answers every request at once with `body` as JSON (the request body is discarded)."""
+    server = f"""
+        location / {{
+            default_type application/json;
+            return 200 {_quote(body.decode())};
+        }}"""
+    return _config(prefix, port, cpu, server, "")
+
+
+def proxy_config(prefix: Path, port: int, cpu: int | None, upstream_port: int) -> str:
+    """A plain keep-alive reverse proxy: what a well-tuned proxy_pass costs per request."""
+    upstream = f"""
+    upstream bench_upstream {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 256;
+        keepalive_requests 10000000;
+        keepalive_timeout 120s;
+    }}"""
+    server = """
+        location / {
+            proxy_pass http://bench_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }"""
+    return _config(prefix, port, cpu, server, upstream)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class NginxServer:
+    """One nginx master + worker in a temporary prefix; `stop()` removes the prefix too."""
+
+    def __init__(
+        self,
+        binary: str,
+        render: Callable[[Path, int], str],
+        *,
+        name: str,
+        start_timeout_s: float = 10.0,
+        attempts: int = 3,
+    ) -> None:
+        self.prefix = Path(tempfile.mkdtemp(prefix=f"bench-nginx-{name}-"))
+        # Workers run as an unprivileged user when the master is root: let them reach
+        # their temp paths inside the prefix.
+        if os.geteuid() == 0:
+            self.prefix.chmod(0o711)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        try:
+            for _ in range(attempts):
+                self.port = _free_port()
+                conf = self.prefix / "nginx.conf"
+                conf.write_text(render(self.prefix, self.port))
+                if self._start(binary, conf, start_timeout_s):
+                    return
+            raise NginxFailed(f"nginx ({name}) did not start:\n{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _start(self, binary: str, conf: Path, timeout_s: float) -> bool:
+        argv = [binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log")]
+        argv += ["-c", str(conf), "-g", "daemon off;"]
+        with open(self.prefix / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False  # most likely the port was taken meanwhile: try another
+            if _accepts(self.port):
+                return True
+            time.sleep(0.02)
+        self._terminate()
+        return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = ""
+        for name in ("stdout.log", "error.log"):
+            path = self.prefix / name
+            if path.exists():
+                text += path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _terminate(self, timeout_s: float = 5.0) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # fast shutdown of master and worker
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout_s)
+        # The session we created holds the worker too: nothing of ours may outlive the stop.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait(timeout_s)
+        self.proc = None
+
+    def stop(self) -> None:
+        self._terminate()
+        shutil.rmtree(self.prefix, ignore_errors=True)

@@ -1,0 +1,47 @@
+"""The processes under measurement: fake vLLM backends and the gateway, on loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from loadtests.bench.cpu import pin_process
+from loadtests.procs import ManagedProcess, python_module
+
+
+def start_fake_backend(name: str, model: str, *extra: str) -> ManagedProcess:
+    argv = python_module(
+        "loadtests.fake_vllm", "--port", "0", "--name", name, "--models", model, *extra
+    )
+    return ManagedProcess(argv)
+
+
+def gateway_policy(pools: Mapping[str, tuple[str, str]]) -> str:
+    """A policy with one single-instance pool per entry `pool name -> (model, upstream URL)`."""
+    lines = ["listen: 127.0.0.1:0", "admin: {listen: 127.0.0.1:0}", "pools:"]
+    for pool, (model, url) in pools.items():
+        lines += [
+            f"  {pool}:",
+            f"    models: [{model}]",
+            f'    instances: [{{name: {pool}-upstream, url: "{url}"}}]',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def start_gateway(
+    directory: Path, pools: Mapping[str, tuple[str, str]], cpu: int | None
+) -> ManagedProcess:
+    """`gateway run` on free ports, then moved with all its threads to `cpu`."""
+    policy = directory / "gateway-policy.yaml"
+    policy.write_text(gateway_policy(pools))
+    gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy)))
+    try:
+        pin_process(gateway.pid, cpu)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def url_of(proc: ManagedProcess, key: str = "port") -> str:
+    return f"http://127.0.0.1:{proc.port(key)}"
