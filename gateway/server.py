@@ -7,6 +7,7 @@ import contextlib
 import gc
 import ipaddress
 import logging
+import resource
 import signal
 import socket
 from collections.abc import Generator
@@ -29,8 +30,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _bind(address: str) -> socket.socket:
-    host, port = split_host_port(address)
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking TCP socket (port 0: the kernel picks a free one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -38,6 +39,14 @@ def _bind(address: str) -> socket.socket:
     sock.listen(4096)
     sock.setblocking(False)
     return sock
+
+
+def _raise_open_files_limit() -> None:
+    """Thousands of concurrent streams need two sockets each: lift the soft limit to the hard."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _is_loopback(host: str) -> bool:
@@ -93,8 +102,9 @@ async def serve(policy: Policy) -> None:
             f"refusing to serve the admin plane on {policy.admin.listen} without a token: "
             f"set {policy.admin.token_env}"
         )
-    data_sock = _bind(policy.listen)
-    admin_sock = _bind(policy.admin.listen)
+    _raise_open_files_limit()
+    data_sock = bind_listener(*split_host_port(policy.listen))
+    admin_sock = bind_listener(*split_host_port(policy.admin.listen))
     gateway = Gateway(policy)
     _tune_gc()
     servers = [

@@ -4,25 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# RFC 9110 §7.6.1 hop-by-hop headers, plus the ones a proxy must recompute itself
-# (host, content-length) and `expect` (the body was already received).
-_REQUEST_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-    }
-)
-_RESPONSE_DROP = frozenset(
+# RFC 9110 §7.6.1 hop-by-hop headers: they describe one connection, never the exchange.
+_HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -35,6 +18,10 @@ _RESPONSE_DROP = frozenset(
         b"upgrade",
     }
 )
+_RESPONSE_DROP = _HOP_BY_HOP
+# Requests also lose what the proxy recomputes itself (host, content-length) and `expect`
+# (the body was already received).
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 GATEWAY_PREFIX = b"x-gateway-"
 
 

@@ -12,6 +12,8 @@ from types import FrameType
 
 import uvicorn
 
+from gateway.server import bind_listener
+
 from .app import build_app
 from .config import FakeConfig
 
@@ -50,16 +52,6 @@ class _Server(uvicorn.Server):
             print(self._announce, flush=True)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 def _ignore(signum: int, frame: FrameType | None) -> None:
     """uvicorn re-raises the stop signal after shutting down; by then there is nothing to do."""
 
@@ -78,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         fixed_body=args.fixed_body,
     )
-    sock = bind(args.host, args.port)
+    sock = bind_listener(args.host, args.port)
     server_config = uvicorn.Config(
         build_app(config),
         loop="uvloop",

@@ -103,12 +103,9 @@ class FakeVllm:
         await self._generate(scope, receive, send, chat=False)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        record = self._record(scope)
-        body = await read_body(receive)
+        record, body = await self._receive_logged(scope, receive)
         if body is None:
-            self.log.finish(record, "cancelled")
             return
-        record.body_sha256 = hashlib.sha256(body).hexdigest()
         try:
             request = _parse(body)
             model = self._model(request, record)
@@ -200,12 +197,9 @@ class FakeVllm:
         return "ok"
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = self._record(scope)
-        body = await read_body(receive)
+        record, body = await self._receive_logged(scope, receive)
         if body is None:
-            self.log.finish(record, "cancelled")
             return
-        record.body_sha256 = hashlib.sha256(body).hexdigest()
         try:
             request = _parse(body)
             model = self._model(request, record)
@@ -280,6 +274,18 @@ class FakeVllm:
     def _next_rid(self) -> str:
         self._seq += 1
         return f"{self._id_prefix}{self._seq:x}"
+
+    async def _receive_logged(
+        self, scope: Scope, receive: Receive
+    ) -> tuple[RequestRecord, bytes | None]:
+        """Log the request and read its body (None, logged as cancelled, if the client left)."""
+        record = self._record(scope)
+        body = await read_body(receive)
+        if body is None:
+            self.log.finish(record, "cancelled")
+            return record, None
+        record.body_sha256 = hashlib.sha256(body).hexdigest()
+        return record, body
 
     def _record(self, scope: Scope) -> RequestRecord:
         return self.log.start(
