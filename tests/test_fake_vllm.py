@@ -108,6 +108,45 @@ def test_stream_events_arrive_incrementally(client: httpx.Client) -> None:
     assert events[9][0] - events[0][0] > 0.3
 
 
+def test_tokens_per_event_batches_tokens(client: httpx.Client) -> None:
+    set_faults(client, tokens_per_event=4, per_token=0.02)
+    request = chat(max_tokens=10, stream=True, stream_options={"include_usage": True})
+    started = time.monotonic()
+    with client.stream("POST", "/v1/chat/completions", json=request) as response:
+        events = list(sse_events(response))
+    assert events[-1][1] == "[DONE]"
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    tokens, usage = chunks[:-1], chunks[-1]
+    contents = [c["choices"][0]["delta"]["content"] for c in tokens]
+    assert [len(text.split()) for text in contents] == [4, 4, 2]
+    assert "".join(contents) == "the model says hello to a fast gateway and its"
+    assert tokens[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "role" not in tokens[1]["choices"][0]["delta"]
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None, None, "length"]
+    assert usage["usage"]["completion_tokens"] == 10
+    # Timing is per token as before: the last event leaves when token 10 is due.
+    assert time.monotonic() - started >= 10 * 0.02 - 0.005
+
+    # A cut (die) is an event boundary: exactly die_after tokens arrive, in completions too.
+    set_faults(client, tokens_per_event=3, per_token=0, die_rate=1, die_after=5)
+    completion = {"model": "m2", "prompt": "x", "max_tokens": 10, "stream": True}
+    received: list[str] = []
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        client.stream("POST", "/v1/completions", json=completion) as r,
+    ):
+        received.extend(data for _, data in sse_events(r))
+    texts = [json.loads(d)["choices"][0]["text"] for d in received]
+    assert texts == ["the model says", " hello to"]
+
+    # null goes back to the command line's value (1 here); bad values are refused.
+    set_faults(client, tokens_per_event=None, die_rate=0)
+    with client.stream("POST", "/v1/completions", json=completion) as r:
+        assert len([d for _, d in sse_events(r)]) == 10 + 1
+    for bad in (0, 2.5, True, "4"):
+        assert client.post("/_fake/faults", json={"tokens_per_event": bad}).status_code == 400
+
+
 def test_completion_stream_without_usage_ends_with_done(client: httpx.Client) -> None:
     set_faults(client, per_token=0)
     request = {"model": "m2", "prompt": "x", "max_tokens": 3, "stream": True}

@@ -26,6 +26,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="fake-model", help="comma-separated model ids")
     parser.add_argument("--ttft", type=float, default=0.02, help="seconds to the first token")
     parser.add_argument("--per-token", type=float, default=0.001, help="seconds per token")
+    parser.add_argument(
+        "--tokens-per-event",
+        type=int,
+        default=1,
+        help="tokens per SSE event, as vLLM's stream interval (the last event may carry fewer)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault generator")
     parser.add_argument(
         "--fixed-body", action="store_true", help="answer every POST /v1/* with one fixed body"
@@ -62,12 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not models:
         print("--models needs at least one model id", file=sys.stderr)
         return 2
+    if args.tokens_per_event < 1:
+        print("--tokens-per-event must be >= 1", file=sys.stderr)
+        return 2
     config = FakeConfig(
         name=args.name,
         models=models,
         ttft_s=args.ttft,
         per_token_s=args.per_token,
         seed=args.seed,
+        tokens_per_event=args.tokens_per_event,
         fixed_body=args.fixed_body,
     )
     sock = bind_listener(args.host, args.port)

@@ -176,16 +176,25 @@ class FakeVllm:
             cut = min(faults.die_after, n)
         elif fault == STALL:
             cut = min(faults.stall_after, n)
+        # Tokens go out in events of `step` (vLLM's stream interval); an event leaves when its
+        # last token is due. A cut (die/stall) is an event boundary, so exactly `cut` tokens
+        # are delivered whatever the step.
+        step = faults.tokens_per_event_n(self.config)
+        end_at = n if cut < 0 else cut
         loop = asyncio.get_running_loop()
         first = loop.time() + ttft
         await _sleep(ttft)
-        for i in range(n):
+        start = 0
+        while start < end_at:
+            end = min(start + step, end_at)
             if per_token > 0:
                 # Scheduled from the first token's time so sleep overshoot does not accumulate.
-                await _sleep(first + per_token * (i + 1) - loop.time())
-            if i == cut:
-                break
-            await send(body_message(writer.token(i, i == n - 1), more=True))
+                await _sleep(first + per_token * end - loop.time())
+            await send(body_message(writer.tokens(start, end, end == n), more=True))
+            start = end
+        if 0 <= cut < n and per_token > 0:
+            # Fail when the next token would have been due, as the one-token loop always did.
+            await _sleep(first + per_token * (cut + 1) - loop.time())
         if fault == DIE:
             return "died"  # returning mid-body makes uvicorn close the connection
         if fault == STALL:

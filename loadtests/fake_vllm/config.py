@@ -26,6 +26,8 @@ class FakeConfig:
     ttft_s: float = 0.02
     per_token_s: float = 0.001
     seed: int = 0
+    # Tokens per SSE event (vLLM's stream interval); the last event of a stream may carry fewer.
+    tokens_per_event: int = 1
     # Answer every POST /v1/* with one precomputed body: no parsing, sleeping, faults or log.
     fixed_body: bool = False
     log_size: int = 10_000
@@ -50,6 +52,7 @@ class Faults:
     unhealthy: bool = False
     ttft: float | None = None
     per_token: float | None = None
+    tokens_per_event: int | None = None  # None: the command line's --tokens-per-event
 
     @property
     def any_random(self) -> bool:
@@ -91,6 +94,9 @@ class Faults:
         base = config.per_token_s if self.per_token is None else self.per_token
         return base * self.slow_factor
 
+    def tokens_per_event_n(self, config: FakeConfig) -> int:
+        return config.tokens_per_event if self.tokens_per_event is None else self.tokens_per_event
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -123,6 +129,12 @@ def _check(key: str, value: Any) -> Any:
         return value
     if key in _OPTIONAL_SECONDS and value is None:
         return None
+    if key == "tokens_per_event":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("tokens_per_event must be an integer >= 1 or null")
+        return value
     number = _number(key, value)
     if key in _RATES:
         if not 0.0 <= number <= 1.0:

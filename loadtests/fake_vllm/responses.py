@@ -58,6 +58,19 @@ def text(n: int) -> str:
     return "".join(token(i) for i in range(n))
 
 
+def span(start: int, end: int) -> str:
+    """The text of generated tokens `start` .. `end - 1` (one SSE event's worth)."""
+    if start == 0:
+        return text(end)
+    # Tokens after the first depend only on their position in the vocabulary's cycle.
+    return _span(start % len(VOCAB), end - start)
+
+
+@lru_cache(maxsize=4096)
+def _span(phase: int, count: int) -> str:
+    return "".join(" " + VOCAB[(phase + k) % len(VOCAB)] for k in range(count))
+
+
 def error_body(status: int, message: str, kind: str | None = None) -> bytes:
     kind = kind or _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
     return dumps({"error": {"message": message, "type": kind, "code": status}})
@@ -101,13 +114,18 @@ class ChunkWriter:
         self._head = f'data: {head},"created":{int(time.time())},"model":{model_json},'
 
     def token(self, i: int, last: bool) -> bytes:
+        return self.tokens(i, i + 1, last)
+
+    def tokens(self, start: int, end: int, last: bool) -> bytes:
+        """One event carrying tokens `start` .. `end - 1` (vLLM's stream interval batches them)."""
         finish = '"length"' if last else "null"
+        content = token(start) if end == start + 1 else span(start, end)
         if self._chat:
             # The first delta also names the role, as OpenAI and vLLM streams do.
-            role = '"role":"assistant",' if i == 0 else ""
-            choice = f'{{"index":0,"delta":{{{role}"content":"{token(i)}"}},"logprobs":null,'
+            role = '"role":"assistant",' if start == 0 else ""
+            choice = f'{{"index":0,"delta":{{{role}"content":"{content}"}},"logprobs":null,'
         else:
-            choice = f'{{"index":0,"text":"{token(i)}","logprobs":null,'
+            choice = f'{{"index":0,"text":"{content}","logprobs":null,'
         return (
             f'{self._head}"choices":[{choice}"finish_reason":{finish},"stop_reason":null}}]}}\n\n'
         ).encode()

@@ -1,0 +1,149 @@
+"""Send one planned request and describe, in a ledger `Record`, what the client saw.
+
+One shared aiohttp session: no connection limit (a pool limit would queue requests inside the
+client and turn an open loop back into a closed one), no automatic decompression, no proxy
+settings from the environment. Bodies are read as they arrive: streams through an incremental
+SSE scanner, plain responses kept (bounded) to check their JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import aiohttp
+from yarl import URL
+
+from loadtests.ledger import Record
+from loadtests.loadgen.sse import SseScanner
+from loadtests.loadgen.workload import RequestPlan
+
+DEFAULT_TIMEOUT_S = 300.0
+MAX_KEPT_BODY = 4 << 20  # a plain body is kept up to this size to parse it; longer is not proper
+ERROR_TEXT_MAX = 200
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go. `gateway`: instance and attempts come from the gateway's headers;
+    otherwise (direct) the instance is this target's name."""
+
+    name: str
+    base_url: str
+    gateway: bool = False
+
+
+def new_session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    return aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        trust_env=False,
+        timeout=aiohttp.ClientTimeout(total=DEFAULT_TIMEOUT_S),
+    )
+
+
+def timeout_of(total_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total_s)
+
+
+@lru_cache(maxsize=256)
+def _url(base_url: str, path: str) -> URL:
+    # Parsed once per (target, path), not per request.
+    return URL(base_url.rstrip("/") + path)
+
+
+def new_record(plan: RequestPlan, target: Target, t: float, lag: float) -> Record:
+    return Record(
+        seq=plan.seq,
+        t=round(t, 6),
+        model=plan.model,
+        kind=plan.kind,
+        stream=plan.stream,
+        prompt_tokens=plan.prompt_tokens,
+        max_tokens=plan.max_tokens,
+        target=target.name,
+        lag=round(lag, 6),
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """`ExceptionClass: short message`, for the ledger's error field."""
+    text = str(exc).replace("\n", " ").strip()
+    name = type(exc).__name__
+    return f"{name}: {text}"[:ERROR_TEXT_MAX] if text else name
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    target: Target,
+    plan: RequestPlan,
+    record: Record,
+    client_timeout: aiohttp.ClientTimeout,
+) -> None:
+    """Send `plan` to `target`, filling `record` in as things happen.
+
+    Never raises for a failed request (the failure goes into `record.error`), only when cancelled;
+    a cancelled request's record still holds what was seen so far (status, ttfb, bytes, ...).
+    Times are from the moment of sending, not from the scheduled time (add `record.lag` for that).
+    """
+    headers = {"Content-Type": "application/json", "x-loadgen-seq": str(plan.seq)}
+    scanner: SseScanner | None = None
+    nbytes = 0
+    started = time.perf_counter()
+    try:
+        url = _url(target.base_url, plan.path)
+        async with session.post(
+            url, data=plan.body, headers=headers, timeout=client_timeout
+        ) as response:
+            status = response.status
+            record.status = status
+            response_headers = response.headers
+            attempts = response_headers.get("x-gateway-attempts")
+            if attempts is not None and attempts.isdigit():
+                record.attempts = int(attempts)
+            instance = response_headers.get("x-gateway-instance")
+            record.instance = instance if instance or target.gateway else target.name
+            oom_header = "x-oom-count" in response_headers
+            kept: list[bytes] = []
+            kept_size = 0
+            if plan.stream and status == 200:
+                scanner = SseScanner()
+            async for chunk in response.content.iter_any():
+                if not nbytes:
+                    record.ttfb = round(time.perf_counter() - started, 6)
+                nbytes += len(chunk)
+                if scanner is not None:
+                    scanner.feed(chunk)
+                elif kept_size < MAX_KEPT_BODY:
+                    kept.append(chunk)
+                    kept_size += len(chunk)
+            if scanner is not None:
+                scanner.finish()
+                record.proper = scanner.done and not scanner.error_event
+                record.oom = scanner.oom or oom_header
+            else:
+                body = b"".join(kept)
+                record.proper = status == 200 and kept_size < MAX_KEPT_BODY and _proper(body)
+                record.oom = oom_header or (status == 500 and b"out of memory" in body.lower())
+    except Exception as exc:  # any failure, ours included, ends in the record, never lost
+        record.error = describe(exc)
+        record.proper = False
+    finally:
+        record.total = round(time.perf_counter() - started, 6)
+        record.bytes = nbytes
+        if scanner is not None:
+            record.chunks = scanner.events
+            record.error_event = scanner.error_event
+            record.oom = record.oom or scanner.oom
+
+
+def _proper(body: bytes) -> bool:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and ("choices" in value or "data" in value)
