@@ -11,6 +11,7 @@ from gateway.config import Policy
 from gateway.ingress.asgi import DataPlane
 from gateway.pipeline.chain import compose
 from gateway.pipeline.pick import pick
+from gateway.pipeline.watchdog import Watchdog
 from gateway.upstream.registry import Registry
 from gateway.upstream.transport import Transport, new_session
 
@@ -21,9 +22,10 @@ class Gateway:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.registry = Registry(policy)
-        connect_s = max(pool.timeouts.connect for pool in policy.pools.values())
-        self.session: aiohttp.ClientSession = new_session(connect_timeout_s=connect_s)
-        handler = compose([pick], Transport(self.session))
+        self.session: aiohttp.ClientSession = new_session()
+        self.watchdog = Watchdog()
+        self.watchdog.start()
+        handler = compose([pick], Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
             handler,
@@ -35,6 +37,7 @@ class Gateway:
         self.admin_app: ASGIApp = build_admin_app(self)
 
     async def close(self) -> None:
+        await self.watchdog.close()
         await self.session.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

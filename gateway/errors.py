@@ -55,6 +55,10 @@ class MethodNotAllowed(GatewayError):
     type = "invalid_request_error"
     code = "method_not_allowed"
 
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow  # the Allow header a 405 must carry
+
 
 class PayloadTooLarge(GatewayError):
     status = 413
@@ -132,5 +136,6 @@ def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
     ):
         return UpstreamReset(f"the upstream closed the connection ({phase})")
     if isinstance(exc, aiohttp.ClientResponseError):
-        return UpstreamProtocolError(f"the upstream sent an invalid response: {exc.message}")
+        # Not the parser's message: it can quote raw upstream bytes back to the client.
+        return UpstreamProtocolError("the upstream sent an invalid HTTP response")
     return UpstreamError(f"the upstream request failed: {type(exc).__name__}")

@@ -96,6 +96,17 @@ def test_shipped_policy_validates(path: Path) -> None:
 _POOL = "pools:\n  chat:\n    models: [demo-chat]\n    instances:\n"
 _ONE_INSTANCE = _POOL + "      - {name: a, url: http://10.0.0.11:8000}\n"
 
+def test_merge_keys_with_overrides_validate() -> None:
+    text = (
+        "defaults: &pool\n  models: [m1]\n  instances: [{name: a, url: 'http://h:1'}]\n"
+        "pools:\n  one:\n    <<: *pool\n  two:\n    <<: *pool\n    models: [m2]\n"
+    )
+    with pytest.raises(PolicyError) as info:  # `defaults` is not a policy key...
+        parse_policy(text, PLACEHOLDER)
+    # ...but the override of `models` in pool two is not a duplicate key.
+    assert [p.path for p in info.value.problems] == ["defaults"]
+
+
 EDGE_CASES: dict[str, tuple[str, str | None, str | None]] = {
     # name: (policy text, text that must appear in the errors, text that must not)
     "single_bad_instance_no_spurious_too_short": (

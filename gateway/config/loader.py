@@ -81,9 +81,15 @@ class _Builder:
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
         if isinstance(node, yaml.MappingNode):
-            self._scalars.flatten_mapping(node)  # YAML merge keys (`<<: *defaults`)
+            written = {id(key) for key, _ in node.value if key.tag != _MERGE_TAG}
+            try:
+                # Merge keys (`<<: *defaults`) come first; keys written here override them.
+                self._scalars.flatten_mapping(node)
+            except yaml.YAMLError as exc:
+                self._fail(node, loc, f"invalid merge: {getattr(exc, 'problem', exc)}")
+                return {}
             result: dict[Any, Any] = {}
-            first_line: dict[str, int] = {}
+            written_at: dict[str, int] = {}
             for key_node, value_node in node.value:
                 # Keys are taken verbatim: YAML 1.1 would read `on:` (retries.on) as True.
                 if not isinstance(key_node, yaml.ScalarNode):
@@ -91,10 +97,15 @@ class _Builder:
                     continue
                 key = key_node.value
                 child: Loc = (*loc, key)
-                if key in result:
-                    self._fail(key_node, child, f"duplicate key (first at line {first_line[key]})")
-                    continue
-                first_line[key] = self.lines[child] = key_node.start_mark.line + 1
+                line = key_node.start_mark.line + 1
+                if id(key_node) in written:
+                    if key in written_at:
+                        self._fail(
+                            key_node, child, f"duplicate key (first at line {written_at[key]})"
+                        )
+                        continue
+                    written_at[key] = line
+                self.lines[child] = line
                 result[key] = self.build(value_node, child)
             return result
         if isinstance(node, yaml.SequenceNode):
@@ -104,7 +115,26 @@ class _Builder:
                 self.lines[child] = item.start_mark.line + 1
                 items.append(self.build(item, child))
             return items
-        return self._scalars.construct_object(node, deep=True)
+        try:
+            value = self._scalars.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError) as exc:
+            self._fail(node, loc, f"invalid value: {getattr(exc, 'problem', None) or exc}")
+            return None
+        if (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and isinstance(node, yaml.ScalarNode)
+            and node.style is None
+            and ":" in node.value
+        ):
+            # YAML 1.1 reads 1:30 as the base-60 number 90: almost never what was meant.
+            self._fail(
+                node,
+                loc,
+                f"{node.value!r} reads as the number {value}; write it with a unit, such as 90s",
+            )
+            return None
+        return value
 
     def _fail(self, node: yaml.Node, loc: Loc, message: str) -> None:
         self.problems.append(
@@ -233,4 +263,5 @@ def _dotted(loc: Loc) -> str:
     return out or "(root)"
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")

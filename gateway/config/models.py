@@ -34,8 +34,12 @@ def split_host_port(value: str) -> tuple[str, int]:
     port = int(port_text)
     if port > 65535:
         raise ValueError(f"invalid port {port} in {value!r}")
-    if host.startswith("[") and host.endswith("]"):
+    if host.startswith("[") or host.endswith("]"):
+        if not (host.startswith("[") and host.endswith("]")):
+            raise ValueError(f"invalid listen address {value!r}: unbalanced brackets")
         host = host[1:-1]
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"invalid listen address {value!r}: bad host")
     return host, port
 
 
@@ -53,8 +57,11 @@ def _check_upstream_url(value: str) -> str:
         raise ValueError("credentials do not belong in an instance url")
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"invalid url {value!r}: the scheme must be http or https")
-    if not parts.hostname:
-        raise ValueError(f"invalid url {value!r}: no host")
+    if not parts.hostname or any(c.isspace() for c in parts.hostname):
+        raise ValueError(f"invalid url {value!r}: no valid host")
+    if parts.path.rstrip("/").endswith("/v1"):
+        # The gateway appends /v1/chat/completions itself: this would call /v1/v1/...
+        raise ValueError(f"invalid url {value!r}: give the server's root, without /v1")
     if parts.query or parts.fragment:
         raise ValueError(f"invalid url {value!r}: no query or fragment allowed")
     try:
@@ -105,12 +112,12 @@ RetryCondition = Annotated[str | int, BeforeValidator(_parse_retry_condition)]
 class Strict(BaseModel):
     """Unknown keys are errors: a typo must never fall back to a default silently."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AdminPolicy(Strict):
     listen: ListenAddress = "127.0.0.1:9901"
-    token_env: str = "GATEWAY_ADMIN_TOKEN"
+    token_env: Annotated[str, Field(min_length=1)] = "GATEWAY_ADMIN_TOKEN"
 
 
 class LimitsPolicy(Strict):

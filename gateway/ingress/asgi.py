@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +25,12 @@ from gateway.errors import (
 )
 from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
 from gateway.ingress.headers import split_request_headers
-from gateway.ingress.relay import Send, relay, send_error, send_json
+from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import Registry
 
-_ALLOW_POST = ((b"allow", b"POST"),)
-_ALLOW_GET = ((b"allow", b"GET"),)
+log = logging.getLogger("gateway.ingress")
 
 
 # Most requests finish within milliseconds: a timer is cheaper than a task, so only a request
@@ -106,7 +106,7 @@ class DataPlane:
         method = scope["method"]
         if path in PROXY_ROUTES:
             if method != "POST":
-                await send_error(send, MethodNotAllowed(f"{path} accepts POST only"))
+                await send_error(send, MethodNotAllowed(f"{path} accepts POST only", allow="POST"))
                 return
             await self._proxy(scope, receive, send, path)
         elif path == MODELS_PATH:
@@ -115,7 +115,7 @@ class DataPlane:
             await self._get(method, send, b'{"status":"ok"}')
         elif path == "/readyz":
             if method != "GET":
-                await send_error(send, MethodNotAllowed("use GET"))
+                await send_error(send, MethodNotAllowed("use GET", allow="GET, HEAD"))
                 return
             ready, detail = self._readiness()
             await send_json(send, 200 if ready else 503, json.dumps(detail).encode())
@@ -126,7 +126,7 @@ class DataPlane:
         if method in ("GET", "HEAD"):
             await send_json(send, 200, body)
         else:
-            await send_error(send, MethodNotAllowed("use GET"))
+            await send_error(send, MethodNotAllowed("use GET", allow="GET, HEAD"))
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         client = scope.get("client")
@@ -149,6 +149,8 @@ class DataPlane:
             await send_error(send, ModelNotFound(f"the model {facts.model!r} does not exist"))
             return
         query = scope["query_string"]
+        task = asyncio.current_task(self._loop)
+        assert task is not None
         call = Call(
             pool=pool,
             path=path,
@@ -157,9 +159,8 @@ class DataPlane:
             headers=headers.forward,
             facts=facts,
             deadline=self._loop.time() + pool.policy.timeouts.ceiling,
+            task=task,
         )
-        task = asyncio.current_task(self._loop)
-        assert task is not None
         watch = _DisconnectWatch(self._loop, task, receive)
         try:
             try:
@@ -167,7 +168,16 @@ class DataPlane:
             except GatewayError as error:
                 await send_error(send, error, call.attempts)
                 return
-            await relay(send, response, call.attempts, call.deadline)
+            idle_s = pool.policy.timeouts.initial
+            await relay(send, response, call.attempts, idle_s, call.deadline)
+        except ResponseAborted as aborted:
+            # uvicorn drops the connection of a response left incomplete: the client sees it.
+            log.warning(
+                "response aborted after the commit point: pool=%s instance=%s: %s",
+                pool.name,
+                response.instance.name,
+                aborted.error.message,
+            )
         except asyncio.CancelledError:
             if watch.client_gone:
                 task.uncancel()

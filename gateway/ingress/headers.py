@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 # RFC 9110 §7.6.1 hop-by-hop headers: they describe one connection, never the exchange.
@@ -23,6 +24,8 @@ _RESPONSE_DROP = _HOP_BY_HOP
 # (the body was already received).
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 GATEWAY_PREFIX = b"x-gateway-"
+# What an HTTP/1.1 header value may not contain (tab is allowed).
+_CONTROL_CHARS = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def _connection_tokens(value: bytes) -> set[bytes]:
@@ -89,10 +92,13 @@ def split_request_headers(
 def response_headers(
     raw: Iterable[tuple[bytes, bytes]], *, drop_length: bool
 ) -> list[tuple[bytes, bytes]]:
-    """The upstream's response headers minus hop-by-hop ones, names lowercased for ASGI.
+    """The upstream's response headers for the client, names lowercased for ASGI.
 
-    `drop_length` removes Content-Length when the gateway may change the body's length
-    (an SSE stream that can end with an error event of ours).
+    Drops hop-by-hop headers, the gateway's own `x-gateway-*` (an upstream cannot speak for
+    the gateway), and any value with control characters: the HTTP server would refuse it only
+    after the response had started, leaving the client with nothing. `drop_length` removes
+    Content-Length when the body sent may differ from the upstream's (an SSE stream that can
+    end with an error event of ours, a 204/304).
     """
     headers: list[tuple[bytes, bytes]] = []
     named_by_connection: set[bytes] = set()
@@ -102,7 +108,11 @@ def response_headers(
             if lname == b"connection":
                 named_by_connection |= _connection_tokens(value)
             continue
-        if drop_length and lname == b"content-length":
+        if (
+            (drop_length and lname == b"content-length")
+            or lname.startswith(GATEWAY_PREFIX)
+            or _CONTROL_CHARS.search(value)
+        ):
             continue
         headers.append((lname, value))
     if named_by_connection:

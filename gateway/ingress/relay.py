@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError
 from gateway.ingress.headers import response_headers
 from gateway.upstream.response import UpstreamResponse
 
@@ -13,6 +14,15 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
 _SSE_DONE = b"data: [DONE]\n\n"
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class ResponseAborted(Exception):
+    """A non-SSE body broke after the commit point: the client connection must be dropped."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 async def send_json(
@@ -36,6 +46,8 @@ async def send_error(send: Send, error: GatewayError, attempts: int = 0) -> None
         extra.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
     if attempts:
         extra.append((b"x-gateway-attempts", str(attempts).encode()))
+    if isinstance(error, MethodNotAllowed):
+        extra.append((b"allow", error.allow.encode()))
     if error.status == 413:
         # The rest of the body was never read: the connection cannot be reused.
         extra.append((b"connection", b"close"))
@@ -47,36 +59,73 @@ def sse_error_event(error: GatewayError) -> bytes:
     return b"data: " + error.body() + b"\n\n" + _SSE_DONE
 
 
-async def relay(send: Send, response: UpstreamResponse, attempts: int, deadline: float) -> None:
+def _event_boundary(data: bytes) -> int:
+    """Length of the prefix of `data` made of complete SSE events (ending in a blank line)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+async def relay(
+    send: Send, response: UpstreamResponse, attempts: int, idle_s: float, end_at: float
+) -> None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
 
     A stream that breaks after the commit point ends, for SSE, with an error event and
-    `[DONE]` (never a silent truncation); for other bodies the connection is aborted so the
-    client sees an incomplete response rather than a short one that looks whole.
+    `[DONE]` (never a silent truncation): incomplete events are held back until their end
+    arrives, so the error event never lands inside half an event. Any other body is aborted
+    (ResponseAborted) so the client sees an incomplete response, not a short one that looks whole.
+    `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     """
     ok = False
     try:
-        headers = response_headers(response.headers, drop_length=response.is_sse)
+        no_body = response.status in _NO_BODY_STATUSES
+        headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
         headers.append((b"x-gateway-attempts", str(attempts).encode()))
         headers.append((b"x-gateway-instance", response.instance.name_header))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        if response.body is not None:
-            await send({"type": "http.response.body", "body": response.body})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        if response.body is not None or no_body:
+            await send(start)
+            await send({"type": "http.response.body", "body": b"" if no_body else response.body})
             ok = True
             return
-        if response.first_chunk:
-            await send(
-                {"type": "http.response.body", "body": response.first_chunk, "more_body": True}
-            )
-        try:
-            async for chunk in response.rest(deadline):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError as error:
-            if not response.is_sse:
-                raise
+        await send(start)
+        error = await _relay_body(send, response, idle_s, end_at)
+        if error is None:
+            ok = True
+        elif response.is_sse:
             await send({"type": "http.response.body", "body": sse_error_event(error)})
-            return
-        await send({"type": "http.response.body", "body": b""})
-        ok = True
+        else:
+            raise ResponseAborted(error)
     finally:
         response.finish(ok)
+
+
+async def _relay_body(
+    send: Send, response: UpstreamResponse, idle_s: float, end_at: float
+) -> UpstreamError | None:
+    """Forward the body chunk by chunk; returns the error that broke it, if any."""
+    events = response.is_sse
+    held = b""  # SSE only: the start of an event whose end has not arrived yet
+    chunk = response.first_chunk
+    try:
+        while chunk:
+            if events:
+                if held:
+                    chunk = held + chunk
+                    held = b""
+                if not chunk.endswith(b"\n\n"):  # vLLM sends whole events: the rare path
+                    cut = _event_boundary(chunk)
+                    chunk, held = chunk[:cut], chunk[cut:]
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await response.next_chunk(idle_s, end_at)
+    except UpstreamError as error:
+        return error
+    except asyncio.CancelledError:
+        timeout = response.cancelled_by_deadline()
+        if timeout is None:
+            raise  # not a deadline: the client went away
+        return timeout
+    await send({"type": "http.response.body", "body": held})
+    return None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.ingress.body import RequestFacts
 from gateway.upstream.registry import InstanceState, PoolState
@@ -22,6 +23,7 @@ class Call:
     headers: list[tuple[str, str]]
     facts: RequestFacts
     deadline: float  # event-loop time by which the whole exchange must end
+    task: asyncio.Task[Any]  # the request's task: what a deadline or a disconnect cancels
     attempts: int = 0
     tried: list[InstanceState] = field(default_factory=list)
     instance: InstanceState | None = None

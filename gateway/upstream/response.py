@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
 
-from gateway.errors import UpstreamTimeout, map_upstream_exception
+from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
+from gateway.pipeline.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
     from gateway.upstream.registry import InstanceState
@@ -20,11 +21,16 @@ class UpstreamResponse:
     For a stream, `first_chunk` was already read, so a failure before the first byte happens
     while the attempt can still be retried. `finish()` must be called exactly once when the
     relay ends; it closes the upstream connection if the body was not read to the end.
+    `is_sse` is true only for an uncompressed event stream: the gateway may append an error
+    event to it, which would corrupt a compressed one.
     """
 
     __slots__ = (
+        "_deadline",
+        "_loop_time",
         "_on_finish",
         "_raw",
+        "_watchdog",
         "body",
         "first_chunk",
         "headers",
@@ -41,6 +47,8 @@ class UpstreamResponse:
         body: bytes | None,
         first_chunk: bytes,
         is_sse: bool,
+        deadline: Deadline,
+        watchdog: Watchdog,
         on_finish: Callable[[UpstreamResponse, bool], None],
     ) -> None:
         self.instance = instance
@@ -50,32 +58,44 @@ class UpstreamResponse:
         self.body = body
         self.first_chunk = first_chunk
         self.is_sse = is_sse
+        self._deadline = deadline
+        self._watchdog = watchdog
+        self._loop_time = asyncio.get_running_loop().time
         self._on_finish = on_finish
 
-    async def rest(self, deadline: float) -> AsyncIterator[bytes]:
-        """The body after `first_chunk`, as it arrives; raises UpstreamError if it breaks.
+    async def next_chunk(self, idle_s: float, end_at: float) -> bytes:
+        """The next piece of the body as it arrives (b"" at the end); raises UpstreamError.
 
-        `deadline` (event-loop time) ends the exchange: it is checked as each chunk arrives,
-        and the idle timeout bounds the wait for the next one, so it is overrun by at most
-        one idle gap without costing a timer per request.
+        Waits at most `idle_s` for it, and never past `end_at` (the exchange's deadline).
         """
-        content = self._raw.content
-        loop_time = asyncio.get_running_loop().time
+        deadline = self._deadline
+        now = self._loop_time()
+        if now + idle_s < end_at:
+            deadline.move(now + idle_s, "idle")
+        else:
+            deadline.move(end_at, "total")
         try:
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return
-                if loop_time() > deadline:
-                    raise UpstreamTimeout(
-                        "the upstream exceeded the timeout ceiling", phase="total"
-                    )
-                yield chunk
+            return await self._raw.content.readany()
+        except asyncio.CancelledError:
+            if expired(deadline):
+                raise self.timeout() from None
+            raise
         except Exception as exc:
             raise map_upstream_exception(exc, phase="body") from exc
+        finally:
+            deadline.move(end_at, "total")  # while the client is being written to
+
+    def cancelled_by_deadline(self) -> UpstreamError | None:
+        """After a CancelledError outside `next_chunk`: the timeout it stands for, if any."""
+        return self.timeout() if expired(self._deadline) else None
+
+    def timeout(self) -> UpstreamTimeout:
+        phase = self._deadline.phase
+        return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
 
     def finish(self, ok: bool) -> None:
         """Release the connection (or close it when the body was cut short); account once."""
+        self._watchdog.disarm(self._deadline)
         if self._raw.connection is not None and not ok:
             self._raw.close()
         else:

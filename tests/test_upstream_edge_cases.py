@@ -1,0 +1,171 @@
+"""Backends that misbehave at the byte level, played by a scripted TCP server."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.scripted_upstream import ScriptedUpstream, chunk, trickle
+from tests.support import Gateway, start_gateway
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def partial_event(sock: socket.socket) -> None:
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\n') + chunk(b'data: {"n":2,"cho'))
+    time.sleep(0.2)  # the gateway relays what it has; then the backend dies mid-event
+
+
+def control_char_header(sock: socket.socket) -> None:
+    body = b'{"choices":[]}'
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-weird: a\x01b\r\n"
+        b"x-fine: yes\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def no_content(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n")
+
+
+def spoofed_gateway_headers(sock: socket.socket) -> None:
+    body = b'{"choices":[]}'
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-gateway-instance: evil\r\n"
+        b"x-gateway-attempts: 99\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def trickled_body(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n")
+    trickle(sock, b"x" * 40, 0.25)
+
+
+def trickled_headers(sock: socket.socket) -> None:
+    trickle(sock, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" * 5, 0.2)
+
+
+def trickled_stream(sock: socket.socket) -> None:
+    sock.sendall(SSE_HEAD)
+    for n in range(40):  # each event comes well within the idle timeout, forever
+        try:
+            sock.sendall(chunk(b'data: {"n":%d}\n\n' % n))
+        except OSError:
+            return
+        time.sleep(0.25)
+
+
+def gzip_stream_cut(sock: socket.socket) -> None:
+    compressed = gzip.compress(b'data: {"n":1}\n\n' * 200)
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+        b"transfer-encoding: chunked\r\n\r\n" + chunk(compressed[: len(compressed) // 2])
+    )
+    time.sleep(0.2)
+
+
+SCRIPTS = {
+    "partial-event": partial_event,
+    "control-char-header": control_char_header,
+    "no-content": no_content,
+    "spoofed-gateway-headers": spoofed_gateway_headers,
+    "trickled-body": trickled_body,
+    "trickled-headers": trickled_headers,
+    "trickled-stream": trickled_stream,
+    "gzip-stream-cut": gzip_stream_cut,
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    upstream = ScriptedUpstream(SCRIPTS)
+    models = ", ".join(SCRIPTS)
+    policy = f"""
+listen: 127.0.0.1:0
+admin: {{listen: 127.0.0.1:0}}
+pools:
+  edge:
+    models: [{models}]
+    instances: [{{name: scripted, url: "{upstream.url}"}}]
+    timeouts: {{initial: 1s, ceiling: 2s, floor: 100ms}}
+"""
+    gw = start_gateway(tmp_path_factory.mktemp("edge") / "policy.yaml", policy)
+    yield gw
+    gw.stop()
+    upstream.close()
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=15) as http:
+        yield http
+
+
+def post(model: str) -> dict[str, object]:
+    return {"model": model, "messages": [], "stream": True}
+
+
+def test_stream_cut_mid_event_ends_with_a_clean_error_event(client: httpx.Client) -> None:
+    with client.stream("POST", "/v1/chat/completions", json=post("partial-event")) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == 'data: {"n":1}'
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))  # valid JSON: no half event before it
+    assert error["error"]["code"] == "upstream_reset"
+    assert len(lines) == 3
+
+
+def test_header_with_control_characters_is_dropped(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=post("control-char-header"))
+    assert response.status_code == 200
+    assert "x-weird" not in response.headers
+    assert response.headers["x-fine"] == "yes"
+
+
+def test_no_content_response_is_relayed(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=post("no-content"))
+    assert response.status_code == 204
+    assert response.content == b""
+
+
+def test_upstream_cannot_speak_for_the_gateway(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=post("spoofed-gateway-headers"))
+    assert response.headers.get_list("x-gateway-instance") == ["scripted"]
+    assert response.headers.get_list("x-gateway-attempts") == ["1"]
+
+
+@pytest.mark.parametrize("model", ["trickled-body", "trickled-headers"])
+def test_trickling_backend_is_cut_at_the_ceiling(client: httpx.Client, model: str) -> None:
+    started = time.monotonic()
+    response = client.post("/v1/chat/completions", json=post(model))
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    assert 0.9 <= elapsed < 4.0  # ceiling 2 s; each byte alone would reset an idle timer
+
+
+def test_stream_is_cut_at_the_ceiling_with_an_error_event(client: httpx.Client) -> None:
+    started = time.monotonic()
+    with client.stream("POST", "/v1/chat/completions", json=post("trickled-stream")) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert time.monotonic() - started < 4.0
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
+    assert len(lines) > 3  # events flowed until the ceiling
+
+
+def test_compressed_stream_is_aborted_not_corrupted(client: httpx.Client) -> None:
+    with (
+        pytest.raises(httpx.HTTPError),
+        client.stream("POST", "/v1/chat/completions", json=post("gzip-stream-cut")) as response,
+    ):
+        b"".join(response.iter_bytes())
