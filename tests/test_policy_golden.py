@@ -96,6 +96,7 @@ def test_shipped_policy_validates(path: Path) -> None:
 _POOL = "pools:\n  chat:\n    models: [demo-chat]\n    instances:\n"
 _ONE_INSTANCE = _POOL + "      - {name: a, url: http://10.0.0.11:8000}\n"
 
+
 def test_merge_keys_with_overrides_validate() -> None:
     text = (
         "defaults: &pool\n  models: [m1]\n  instances: [{name: a, url: 'http://h:1'}]\n"
