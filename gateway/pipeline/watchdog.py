@@ -33,6 +33,7 @@ class Watchdog:
         self._tick_s = tick_s
         self._live: set[Deadline] = set()
         self._task: asyncio.Task[None] | None = None
+        self._armed = asyncio.Event()  # lets an idle process sleep instead of ticking
 
     def start(self) -> None:
         if self._task is None:
@@ -47,6 +48,8 @@ class Watchdog:
 
     def arm(self, task: asyncio.Task[Any], at: float, phase: str) -> Deadline:
         deadline = Deadline(task, at, phase)
+        if not self._live:
+            self._armed.set()
         self._live.add(deadline)
         return deadline
 
@@ -65,9 +68,11 @@ class Watchdog:
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not self._live:
+                self._armed.clear()
+                await self._armed.wait()
             await asyncio.sleep(self._tick_s)
-            if self._live:
-                self.sweep(loop.time())
+            self.sweep(loop.time())
 
 
 def expired(deadline: Deadline) -> bool:
