@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench system-deps clean
+.PHONY: install test lint demo bench loadtest system-deps clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ demo: install
 
 bench: install
 	$(BIN)/python -m loadtests.bench_overhead $(BENCH_ARGS)
+
+# A chaos scenario, direct vs through the gateway; report in loadtests/out/<scenario>-<time>/.
+SCENARIO ?= chaos-mix
+loadtest: install
+	$(BIN)/python -m loadtests.chaos $(SCENARIO) $(if $(REQUESTS),--requests $(REQUESTS)) \
+		$(if $(RATE),--rate $(RATE))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

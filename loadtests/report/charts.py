@@ -152,7 +152,7 @@ def _legend(fig: Figure, handles: list[Any], labels: list[str]) -> None:
             handles,
             labels,
             loc="outside lower center",
-            ncol=min(len(labels), 8),
+            ncol=min(len(labels), 5),
             fontsize=9,
             frameon=False,
         )

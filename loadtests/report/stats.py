@@ -194,14 +194,16 @@ def gateway_counters(mode: ModeData) -> dict[str, Any] | None:
 
 
 def duration(modes: Iterable[ModeData]) -> float:
-    """The span the charts cover: the last send, fault event or meta duration over all modes."""
+    """The span the charts cover (by send time): the last send or fault event over all modes.
+
+    Not the run's duration: that includes draining the last requests, after sending stopped.
+    """
     end = 0.0
     for mode in modes:
         if mode.count:
             end = max(end, float(mode.t.max()))
         for event in mode.events:
             end = max(end, event.t, number(event.detail.get("until")) or 0.0)
-        end = max(end, number(mode.meta.get("duration_s")) or 0.0)
     return end
 
 

@@ -1,0 +1,183 @@
+"""The processes of one chaos run: fake backend instances, TCP fault proxies, the gateway.
+
+Each instance keeps its port for the whole run, so a killed or stopped instance can be started
+again where clients and the gateway expect it. Instances that a scenario degrades at the network
+level get a fault proxy in front of them from the start, and their URL is the proxy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from loadtests.chaos.scenario import Scenario
+from loadtests.procs import ManagedProcess, python_module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Instance:
+    name: str
+    pool: str
+    models: list[str]
+    port: int
+    argv: list[str]
+    proc: ManagedProcess | None = None
+    proxy: ManagedProcess | None = None
+    starts: list[float] = field(default_factory=list)  # run-clock times it was (re)started
+
+    @property
+    def backend_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Where clients and the gateway send: the fault proxy when there is one."""
+        if self.proxy is not None:
+            return f"http://127.0.0.1:{self.proxy.port()}"
+        return self.backend_url
+
+    @property
+    def control_url(self) -> str:
+        assert self.proxy is not None
+        return f"http://127.0.0.1:{self.proxy.port('control')}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.proc.poll() is None
+
+
+class Cluster:
+    def __init__(self, scenario: Scenario, workdir: Path) -> None:
+        self.scenario = scenario
+        self.workdir = workdir
+        self.instances: dict[str, Instance] = {}
+        self.gateway: ManagedProcess | None = None
+        self._http = httpx.AsyncClient(timeout=5.0)
+        backend = scenario.backend
+        proxied = {step.target for step in scenario.faults if step.action == "network"}
+        index = 0
+        for pool, spec in scenario.pools.items():
+            for i in range(spec.instances):
+                name = f"{pool}-{i}"
+                port = free_port()
+                argv = python_module(
+                    "loadtests.fake_vllm",
+                    *("--port", str(port), "--name", name, "--models", ",".join(spec.models)),
+                    *("--ttft", str(backend.ttft), "--per-token", str(backend.per_token)),
+                    *("--tokens-per-event", str(backend.tokens_per_event)),
+                    *("--seed", str(scenario.seed * 1000 + index)),
+                )
+                self.instances[name] = Instance(name, pool, list(spec.models), port, argv)
+                index += 1
+        self._proxied = proxied
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        for inst in self.instances.values():
+            inst.proc = ManagedProcess(inst.argv)
+            inst.starts.append(0.0)
+            if inst.name in self._proxied:
+                inst.proxy = ManagedProcess(
+                    python_module(
+                        "loadtests.chaos.tcpproxy",
+                        *("--listen-port", "0", "--upstream", f"127.0.0.1:{inst.port}"),
+                        *("--control-port", "0", "--seed", str(self.scenario.seed)),
+                    )
+                )
+
+    def start_gateway(self) -> str:
+        policy_path = self.workdir / "gateway-policy.yaml"
+        policy_path.write_text(yaml.safe_dump(self.gateway_policy(), sort_keys=False))
+        self.gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy_path)))
+        return f"http://{self.gateway.ready['data']}"
+
+    def gateway_policy(self) -> dict[str, Any]:
+        pools: dict[str, Any] = {}
+        for pool, spec in self.scenario.pools.items():
+            pools[pool] = {
+                "models": list(spec.models),
+                "instances": [
+                    {"name": inst.name, "url": inst.url}
+                    for inst in self.instances.values()
+                    if inst.pool == pool
+                ],
+                **self.scenario.gateway,
+            }
+        return {"listen": "127.0.0.1:0", "admin": {"listen": "127.0.0.1:0"}, "pools": pools}
+
+    async def gateway_state(self) -> dict[str, Any] | None:
+        if self.gateway is None:
+            return None
+        try:
+            response = await self._http.get(f"http://{self.gateway.ready['admin']}/admin/state")
+            response.raise_for_status()
+            state: dict[str, Any] = response.json()
+            return state
+        except httpx.HTTPError:
+            return None
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        procs = [self.gateway] if self.gateway else []
+        for inst in self.instances.values():
+            procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+
+    # --- fault actions -------------------------------------------------------------------
+
+    async def set_faults(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        """Merge knobs into an instance's faults; returns their previous values (to revert)."""
+        inst = self.instances[name]
+        before = (await self._http.get(f"{inst.backend_url}/_fake/faults")).json()
+        response = await self._http.post(f"{inst.backend_url}/_fake/faults", json=knobs)
+        response.raise_for_status()
+        return {key: before.get(key) for key in knobs}
+
+    async def clear_faults(self, name: str) -> None:
+        inst = self.instances[name]
+        (await self._http.post(f"{inst.backend_url}/_fake/reset")).raise_for_status()
+
+    async def set_network(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        inst = self.instances[name]
+        before = (await self._http.get(f"{inst.control_url}/faults")).json()
+        response = await self._http.post(f"{inst.control_url}/faults", json=knobs)
+        response.raise_for_status()
+        return {key: before.get(key) for key in knobs}
+
+    def signal(self, name: str, sig: int) -> None:
+        inst = self.instances[name]
+        if inst.running and inst.proc is not None:
+            os.kill(inst.proc.pid, sig)
+
+    async def stop(self, name: str, *, kill: bool) -> None:
+        inst = self.instances[name]
+        if inst.proc is None:
+            return
+        if kill:
+            self.signal(name, signal.SIGKILL)
+            await asyncio.to_thread(inst.proc.proc.wait)
+        else:
+            await asyncio.to_thread(inst.proc.stop)
+
+    async def start(self, name: str, now: float) -> None:
+        inst = self.instances[name]
+        if inst.running:
+            await self.stop(name, kill=False)
+        inst.proc = await asyncio.to_thread(ManagedProcess, inst.argv)
+        inst.starts.append(now)

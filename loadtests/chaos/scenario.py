@@ -1,0 +1,166 @@
+"""Chaos scenarios: the backends, the workload, and a timeline of faults, read from YAML.
+
+A fault happens at a time (`at: 30s`, or `at: 25%` of the planned run, so a scenario scales with
+the request count) or at a request number (`at_request: 5000`), and may revert by itself after
+`for:`. The same scenario and seed give the same sequence of faults and requests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.config.units import Duration, parse_duration
+
+Action = Literal[
+    "set",  # merge fault knobs into a fake backend (`set: {error_rate: 0.3}`)
+    "clear",  # every fault knob of a fake backend back to its default
+    "kill",  # SIGKILL
+    "stop",  # SIGTERM: the port then refuses connections
+    "start",  # start a stopped or killed instance again, on the same port
+    "restart",  # stop, then start
+    "freeze",  # SIGSTOP: connections hang, nothing answers
+    "thaw",  # SIGCONT
+    "network",  # fault knobs of the TCP proxy in front of the instance (`network: {latency: 0.05}`)
+]
+
+
+# Actions that `for:` can undo: set/network revert their knobs, freeze thaws, stop/kill restart.
+REVERTIBLE = ("set", "freeze", "network", "stop", "kill")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class When(_Strict):
+    """A point of the run: seconds, a share of the planned run, or a request number."""
+
+    seconds: float | None = None
+    fraction: float | None = None
+    request: int | None = None
+
+    def resolve(self, planned_s: float) -> float | None:
+        """Seconds from the start, or None for a request-number trigger."""
+        if self.seconds is not None:
+            return self.seconds
+        if self.fraction is not None:
+            return self.fraction * planned_s
+        return None
+
+
+def parse_when(value: object) -> When:
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return When(fraction=float(value.strip()[:-1]) / 100.0)
+    return When(seconds=parse_duration(value))
+
+
+class FaultStep(_Strict):
+    at: str | float | None = None
+    at_request: Annotated[int, Field(ge=0)] | None = None
+    target: str
+    action: Action
+    set: dict[str, Any] = Field(default_factory=dict)
+    network: dict[str, Any] = Field(default_factory=dict)
+    for_: str | float | None = Field(default=None, alias="for")
+    note: str = ""
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> FaultStep:
+        if (self.at is None) == (self.at_request is None):
+            raise ValueError("give exactly one of `at` or `at_request`")
+        if self.action == "set" and not self.set:
+            raise ValueError("action `set` needs a `set:` mapping of fault knobs")
+        if self.action == "network" and not self.network:
+            raise ValueError("action `network` needs a `network:` mapping")
+        if self.for_ is not None and self.action not in REVERTIBLE:
+            raise ValueError(f"`for` cannot revert action {self.action!r}")
+        return self
+
+    def when(self) -> When:
+        if self.at_request is not None:
+            return When(request=self.at_request)
+        return parse_when(self.at)
+
+    def duration(self) -> When | None:
+        return None if self.for_ is None else parse_when(self.for_)
+
+
+class BackendSpec(_Strict):
+    """The fake vLLM instances, and the time compression of the run."""
+
+    ttft: Duration = 0.05
+    per_token: Duration = 0.001
+    tokens_per_event: Annotated[int, Field(ge=1)] = 32
+
+
+class PoolSpec(_Strict):
+    models: list[str] = Field(min_length=1)
+    instances: Annotated[int, Field(ge=1, le=32)] = 3
+
+
+class ScenarioWorkload(_Strict):
+    chat_share: Annotated[float, Field(ge=0, le=1)] = 0.7
+    stream_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    prompt_tokens: tuple[int, int] = (512, 4096)
+    max_tokens: tuple[int, int] = (512, 4096)
+    arrival: Literal["poisson", "fixed"] = "poisson"
+    concurrency_cap: Annotated[int, Field(ge=0)] = 0
+    client_timeout: Duration = 30.0  # what a client without the gateway would wait at most
+
+
+class Scenario(_Strict):
+    name: str
+    description: str = ""
+    seed: int = 1
+    rate: Annotated[float, Field(gt=0)] = 200.0
+    requests: Annotated[int, Field(gt=0)] = 2000
+    time_limit: Duration | None = None
+    backend: BackendSpec = BackendSpec()
+    pools: dict[str, PoolSpec] = Field(min_length=1)
+    workload: ScenarioWorkload = ScenarioWorkload()
+    gateway: dict[str, Any] = Field(default_factory=dict)  # merged into every pool's policy
+    faults: list[FaultStep] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> Scenario:
+        names = set(self.instance_names()) | {"redis"}
+        for step in self.faults:
+            if step.target not in names:
+                raise ValueError(f"fault target {step.target!r} is not an instance of the scenario")
+        return self
+
+    def instance_names(self) -> list[str]:
+        return [f"{pool}-{i}" for pool, spec in self.pools.items() for i in range(spec.instances)]
+
+    def models(self) -> list[str]:
+        return [model for spec in self.pools.values() for model in spec.models]
+
+    def planned_s(self, requests: int, rate: float) -> float:
+        return requests / rate
+
+    def with_load(self, requests: int | None, rate: float | None) -> Scenario:
+        update: dict[str, Any] = {}
+        if requests is not None:
+            update["requests"] = requests
+        if rate is not None:
+            update["rate"] = rate
+        return self.model_copy(update=update)
+
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name (`chaos-mix`) or a YAML file by path."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = SCENARIO_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        shipped = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml")))
+        raise SystemExit(f"no scenario {name_or_path!r}; shipped: {shipped}")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return Scenario.model_validate(data)

@@ -1,0 +1,130 @@
+"""Plays a scenario's fault steps against a cluster on the run's clock, each logged as an Event."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from loadtests.chaos.cluster import Cluster
+from loadtests.chaos.scenario import FaultStep
+from loadtests.ledger import Event, JsonlWriter
+
+
+class SentCounter(Protocol):
+    """What the timeline needs from the load generator: wait until N requests were sent."""
+
+    def wait_sent(self, count: int) -> Awaitable[None]: ...
+
+
+class Timeline:
+    def __init__(
+        self,
+        cluster: Cluster,
+        steps: list[FaultStep],
+        *,
+        planned_s: float,
+        clock: Callable[[], float],
+        events: JsonlWriter,
+    ) -> None:
+        self.cluster = cluster
+        self.steps = steps
+        self.planned_s = planned_s
+        self.clock = clock  # seconds since the run started (the ledger's clock)
+        self.events = events
+        self.errors: list[str] = []
+
+    async def run(self, progress: SentCounter) -> None:
+        """Every step, each at its moment; returns when all (and their reverts) are done."""
+        await asyncio.gather(*(self._play(step, progress) for step in self.steps))
+
+    async def _play(self, step: FaultStep, progress: SentCounter) -> None:
+        at = step.when().resolve(self.planned_s)
+        if at is None:
+            assert step.at_request is not None
+            await progress.wait_sent(step.at_request)
+        else:
+            await asyncio.sleep(max(0.0, at - self.clock()))
+        try:
+            revert = await self._apply(step)
+        except Exception as exc:  # a failed action is reported, never fatal to the run
+            self.errors.append(f"{step.action} {step.target}: {exc!r}")
+            self._log(f"{step.action}-failed", step.target, {"error": repr(exc)})
+            return
+        duration = step.duration()
+        if duration is None or revert is None:
+            return
+        length = duration.resolve(self.planned_s) or 0.0
+        await asyncio.sleep(length)
+        try:
+            await revert()
+        except Exception as exc:
+            self.errors.append(f"revert {step.action} {step.target}: {exc!r}")
+
+    async def _apply(self, step: FaultStep) -> Callable[[], Awaitable[None]] | None:
+        """Carry out one step; returns how to undo it (for `for:`)."""
+        cluster, name = self.cluster, step.target
+        until = self._until(step)
+        detail: dict[str, Any] = {"note": step.note} if step.note else {}
+        if until is not None:
+            detail["until"] = until
+        action = step.action
+        if action == "set":
+            previous = await cluster.set_faults(name, step.set)
+            self._log("set", name, {**detail, **step.set})
+
+            async def unset() -> None:
+                await cluster.set_faults(name, previous)
+                self._log("unset", name, previous)
+
+            return unset
+        if action == "network":
+            previous = await cluster.set_network(name, step.network)
+            self._log("network", name, {**detail, **step.network})
+
+            async def restore_network() -> None:
+                await cluster.set_network(name, previous)
+                self._log("network", name, previous)
+
+            return restore_network
+        if action == "clear":
+            await cluster.clear_faults(name)
+        elif action == "freeze":
+            cluster.signal(name, signal.SIGSTOP)
+        elif action == "thaw":
+            cluster.signal(name, signal.SIGCONT)
+        elif action in ("kill", "stop"):
+            await cluster.stop(name, kill=action == "kill")
+        elif action in ("start", "restart"):
+            self._log(action, name, detail)
+            await cluster.start(name, self.clock())
+            if step.set:
+                await cluster.set_faults(name, step.set)
+            return None
+        self._log(action, name, detail)
+        if action == "freeze":
+
+            async def thaw() -> None:
+                cluster.signal(name, signal.SIGCONT)
+                self._log("thaw", name, {})
+
+            return thaw
+        if action in ("kill", "stop"):
+
+            async def start_again() -> None:
+                self._log("start", name, {})
+                await cluster.start(name, self.clock())
+
+            return start_again
+        return None
+
+    def _until(self, step: FaultStep) -> float | None:
+        duration = step.duration()
+        if duration is None:
+            return None
+        length = duration.resolve(self.planned_s)
+        return None if length is None else round(self.clock() + length, 3)
+
+    def _log(self, action: str, target: str, detail: dict[str, Any]) -> None:
+        self.events.write(Event(round(self.clock(), 3), action, target, detail))
