@@ -157,6 +157,11 @@ class TimeoutsPolicy(Strict):
     ceiling: Duration = Field(default=600.0, gt=0)
     jitter: Duration = 0.005
     connect: Duration = Field(default=1.0, gt=0)
+    # Non-streamed requests: the guess per output token until it is learned, how many tokens
+    # to assume when a request sets no max_tokens, and headroom over the learned rate.
+    initial_per_token: Duration = Field(default=0.1, gt=0)
+    assumed_max_tokens: int = Field(default=4096, ge=1)
+    token_headroom: Annotated[float, Field(ge=0.0)] = 0.5
 
 
 class TierPolicy(Strict):
@@ -182,6 +187,8 @@ class RetriesPolicy(Strict):
     failure_smoothing: Smoothing = 0.97
     tiers: tuple[TierPolicy, ...] = Field(default=DEFAULT_TIERS, min_length=1)
     budget: BudgetPolicy = BudgetPolicy()
+    max_backoff: Duration = Field(default=1.0, gt=0)  # cap of the exponential backoff
+    max_retry_after: Duration = Field(default=10.0, ge=0)  # cap on a backend's Retry-After
     on: tuple[RetryCondition, ...] = (
         "connect_failure",
         "reset",

@@ -1,0 +1,104 @@
+"""A pool's retry budget: retries stay a bounded fraction of the traffic, as in Finagle and gRPC."""
+
+from __future__ import annotations
+
+import math
+
+from gateway.config.models import BudgetPolicy
+
+WINDOW_S = 10
+# Products such as 0.29 * 100 land a hair under the integer they mean.
+_EPSILON = 1e-9
+
+
+class RetryBudget:
+    """Retries allowed: `ratio * requests + min_per_second * window_s`, both over the window.
+
+    The window is `window_s` one-second buckets in a fixed ring, keyed by `floor(now)`: it
+    covers the current second and the `window_s - 1` before it. `record_request` is called once
+    per client request (not per attempt); `try_spend` once per retry it would like to make.
+    Without retries capped this way, a struggling pool gets up to `1 + max_retries` times its
+    load exactly when it can least take it.
+
+    Every call is O(1): a call that moves the window clears at most `window_s` buckets, and a
+    jump of a whole window or more clears them all at once. A `now` earlier than the newest
+    bucket (a clock that went back) counts in the newest bucket.
+    """
+
+    __slots__ = (
+        "_allowance",
+        "_head",
+        "_ratio",
+        "_requests",
+        "_requests_total",
+        "_retries",
+        "_retries_total",
+        "_window_s",
+    )
+
+    def __init__(self, ratio: float, min_per_second: float, window_s: int = WINDOW_S) -> None:
+        if window_s < 1:
+            raise ValueError(f"the window must be at least 1 s, got {window_s}")
+        self._ratio = ratio
+        self._allowance = min_per_second * window_s + _EPSILON
+        self._window_s = window_s
+        self._requests = [0] * window_s
+        self._retries = [0] * window_s
+        self._requests_total = 0
+        self._retries_total = 0
+        # The second of the newest bucket; far in the past, so the first call empties the ring.
+        self._head = -(1 << 62)
+
+    @classmethod
+    def from_policy(cls, policy: BudgetPolicy, window_s: int = WINDOW_S) -> RetryBudget:
+        """The budget of `retries.budget`."""
+        return cls(policy.ratio, policy.min_per_second, window_s)
+
+    def _advance(self, now: float) -> int:
+        # Move the window's head to `now`'s second, emptying the buckets it leaves behind.
+        second = math.floor(now)
+        head = self._head
+        if second <= head:
+            return head % self._window_s
+        window = self._window_s
+        requests = self._requests
+        retries = self._retries
+        if second - head >= window:
+            for slot in range(window):
+                requests[slot] = 0
+                retries[slot] = 0
+            self._requests_total = 0
+            self._retries_total = 0
+        else:
+            for passed in range(head + 1, second + 1):
+                slot = passed % window
+                self._requests_total -= requests[slot]
+                self._retries_total -= retries[slot]
+                requests[slot] = 0
+                retries[slot] = 0
+        self._head = second
+        return second % window
+
+    def record_request(self, now: float) -> None:
+        """Count one client request at `now`."""
+        slot = self._advance(now)
+        self._requests[slot] += 1
+        self._requests_total += 1
+
+    def try_spend(self, now: float) -> bool:
+        """Whether one more retry fits at `now`; when it does, it is counted.
+
+        Allowed when `retries + 1 ≤ ratio * requests + min_per_second * window_s`, counting the
+        requests and retries of the window that ends at `now`.
+        """
+        slot = self._advance(now)
+        if self._retries_total + 1 > self._ratio * self._requests_total + self._allowance:
+            return False
+        self._retries[slot] += 1
+        self._retries_total += 1
+        return True
+
+    def counts(self, now: float) -> tuple[int, int]:
+        """`(requests, retries)` in the window that ends at `now` (for metrics and admin)."""
+        self._advance(now)
+        return self._requests_total, self._retries_total
