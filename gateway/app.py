@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
 from starlette.types import ASGIApp
 
 from gateway.config import Policy
+from gateway.core.ewma import Ewma
+from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
+from gateway.pipeline.account import Account
+from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
+from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import pick
+from gateway.pipeline.retry import retry
 from gateway.pipeline.watchdog import Watchdog
-from gateway.upstream.registry import Registry
+from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
 
 
@@ -25,7 +32,8 @@ class Gateway:
         self.session: aiohttp.ClientSession = new_session()
         self.watchdog = Watchdog()
         self.watchdog.start()
-        handler = compose([pick], Transport(self.session, self.watchdog))
+        layers: list[Layer] = [retry, pick, Account(self.registry.pools), deadline]
+        handler = compose(layers, Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
             handler,
@@ -48,22 +56,55 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """The operator's view, served as /admin/state."""
+        now = asyncio.get_running_loop().time()
+        pools: dict[str, Any] = {}
+        for name, pool in self.registry.pools.items():
+            rate = pool.failure.rate
+            tier = pool.tiers.choose(rate)
+            requests, retries = pool.budget.counts(now)
+            pools[name] = {
+                "models": list(pool.policy.models),
+                "failure_rate": rate,
+                "tier": {
+                    "index": tier.index,
+                    "max_retries": tier.max_retries,
+                    "backoff_s": tier.backoff_s,
+                    "k": tier.k,
+                },
+                "retry_budget": {"requests": requests, "retries": retries},
+                "instances": [_instance_state(pool, inst, tier.k, now) for inst in pool.instances],
+            }
         return {
-            "pools": {
-                name: {
-                    "models": list(pool.policy.models),
-                    "instances": [
-                        {
-                            "name": inst.name,
-                            "url": inst.base_url,
-                            "state": "ADMITTING",
-                            "in_flight": inst.in_flight,
-                            "requests": inst.requests,
-                        }
-                        for inst in pool.instances
-                    ],
-                }
-                for name, pool in self.registry.pools.items()
-            },
+            "pools": pools,
             "shared_state": {"configured": self.policy.shared is not None, "connected": False},
         }
+
+
+def _estimate(ewma: Ewma) -> dict[str, float | int]:
+    return {"mean_s": ewma.mean, "deviation_s": ewma.deviation, "samples": ewma.samples}
+
+
+def _instance_state(pool: PoolState, inst: InstanceState, k: float, now: float) -> dict[str, Any]:
+    policy = pool.policy.timeouts
+    stream = attempt_timeouts(inst.latency, policy, k, stream=True, max_tokens=None, jitter_s=0.0)
+    whole = attempt_timeouts(inst.latency, policy, k, stream=False, max_tokens=None, jitter_s=0.0)
+    return {
+        "name": inst.name,
+        "url": inst.base_url,
+        "state": "ADMITTING",
+        "in_flight": inst.in_flight,
+        "requests": inst.requests,
+        "failures": inst.failures,
+        "retry_after_remaining_s": max(0.0, inst.not_before - now),
+        "ewma": {
+            "ttfb": _estimate(inst.latency.ttfb),
+            "gap": _estimate(inst.latency.gap),
+            "per_token": _estimate(inst.latency.per_token),
+        },
+        "timeouts": {
+            "connect_s": stream.connect_s,
+            "stream_first_byte_s": stream.first_byte_s,
+            "stream_idle_s": stream.idle_s,
+            "whole_first_byte_s": whole.first_byte_s,  # at assumed_max_tokens
+        },
+    }

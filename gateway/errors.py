@@ -13,6 +13,8 @@ from typing import ClassVar
 
 import aiohttp
 
+from gateway.core.outcome import Outcome, Phase
+
 
 class GatewayError(Exception):
     """Base of every error the gateway answers by itself."""
@@ -85,15 +87,28 @@ class UpstreamError(GatewayError):
     code = "upstream_failed"
     kind: ClassVar[str] = "error"
 
+    @property
+    def outcome(self) -> Outcome:
+        """The attempt's result for retries, the failure rate and the breaker."""
+        return _PROTOCOL
+
 
 class UpstreamConnectError(UpstreamError):
     code = "upstream_connect_failed"
     kind = "connect_failure"
 
+    @property
+    def outcome(self) -> Outcome:
+        return _CONNECT_FAILURE
+
 
 class UpstreamReset(UpstreamError):
     code = "upstream_reset"
     kind = "reset"
+
+    @property
+    def outcome(self) -> Outcome:
+        return _RESET
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -109,6 +124,24 @@ class UpstreamTimeout(UpstreamError):
     def __init__(self, message: str, *, phase: str) -> None:
         super().__init__(message)
         self.phase = phase
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome.from_error("timeout", _TIMEOUT_PHASES.get(self.phase, "first_byte"))
+
+
+_PROTOCOL = Outcome.from_error("protocol")
+_CONNECT_FAILURE = Outcome.from_error("connect_failure", "connect")
+_RESET = Outcome.from_error("reset")
+# Our deadline phases, as the outcome classification names them: a whole non-streamed body
+# is part of its first byte; the ceiling can only run out while a stream flows.
+_TIMEOUT_PHASES: dict[str, Phase] = {
+    "connect": "connect",
+    "first_byte": "first_byte",
+    "body": "first_byte",
+    "idle": "idle",
+    "total": "idle",
+}
 
 
 class NoInstanceAvailable(GatewayError):

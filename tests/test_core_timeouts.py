@@ -13,7 +13,9 @@ from gateway.core.timeouts import AttemptTimeouts, TimeoutsConfig, attempt_timeo
 def policy(**overrides: Any) -> TimeoutsConfig:
     """The default timeouts policy with `overrides`; no token headroom unless asked, so the
     arithmetic of the rule can be checked term by term."""
-    return TimeoutsPolicy.model_validate({"token_headroom": 0.0, **overrides})
+    return TimeoutsPolicy.model_validate(
+        {"token_headroom": 0.0, "initial_per_token": 0.1, **overrides}
+    )
 
 
 def learned(

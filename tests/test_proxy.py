@@ -48,7 +48,7 @@ pools:
   short:
     models: [short-model]
     instances: [{{name: a-short, url: "{a}"}}]
-    timeouts: {{initial: 400ms, floor: 100ms}}
+    timeouts: {{initial: 400ms, initial_per_token: 1ms, floor: 100ms}}
   dead:
     models: [dead-model]
     instances: [{{name: nobody, url: "http://127.0.0.1:{closed_port()}"}}]
@@ -371,7 +371,7 @@ def test_body_just_under_the_limit_passes(client: httpx.Client) -> None:
 def test_refused_connection_is_502(client: httpx.Client) -> None:
     response = client.post("/v1/chat/completions", json=chat("dead-model"))
     assert_error(response, 502, "upstream_connect_failed")
-    assert response.headers["x-gateway-attempts"] == "1"
+    assert response.headers["x-gateway-attempts"] == "3"  # the first tier's two retries
 
 
 def test_backend_reset_before_the_body_is_complete_is_502(
@@ -388,12 +388,15 @@ def test_hung_backend_is_504_after_the_first_byte_timeout(
 ) -> None:
     backends["a"].set_faults(hang_rate=1.0)
     started = time.monotonic()
-    response = client.post("/v1/chat/completions", json=chat("short-model"))
+    response = client.post("/v1/chat/completions", json=chat("short-model", max_tokens=16))
     elapsed = time.monotonic() - started
     assert_error(response, 504, "upstream_timeout")
-    assert 0.3 <= elapsed < 3.0  # the pool's first-byte timeout is 400 ms
-    (record,) = backends["a"].requests(wait_for=1)
-    assert record["outcome"] in ("cancelled", "hung")
+    # Three attempts (no other instance to go to), each given up after the first-byte timeout
+    # of an unlearned instance: 400 ms + 16 tokens x 1 ms x 1.5 headroom (+ up to 25 ms tick).
+    assert response.headers["x-gateway-attempts"] == "3"
+    assert 3 * 0.424 <= elapsed < 3 * 0.424 + 1.0
+    records = backends["a"].requests(wait_for=3)
+    assert [r["outcome"] for r in records] == ["cancelled"] * 3  # each attempt was closed
 
 
 def test_backend_errors_pass_through_unchanged(

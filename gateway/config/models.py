@@ -159,7 +159,7 @@ class TimeoutsPolicy(Strict):
     connect: Duration = Field(default=1.0, gt=0)
     # Non-streamed requests: the guess per output token until it is learned, how many tokens
     # to assume when a request sets no max_tokens, and headroom over the learned rate.
-    initial_per_token: Duration = Field(default=0.1, gt=0)
+    initial_per_token: Duration = Field(default=0.05, gt=0)
     assumed_max_tokens: int = Field(default=4096, ge=1)
     token_headroom: Annotated[float, Field(ge=0.0)] = 0.5
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,13 @@ log = logging.getLogger("gateway.ingress")
 # Most requests finish within milliseconds: a timer is cheaper than a task, so only a request
 # still running after this long gets a task that waits for its client to disconnect.
 WATCH_AFTER_S = 0.02
+
+
+def _positive_seconds(raw: bytes) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(raw)
+    return value
 
 
 class _DisconnectWatch:
@@ -148,6 +156,16 @@ class DataPlane:
         if pool is None:
             await send_error(send, ModelNotFound(f"the model {facts.model!r} does not exist"))
             return
+        budget_s = pool.policy.timeouts.ceiling
+        client_budget = headers.gateway.get(b"x-gateway-timeout")
+        if client_budget is not None:
+            try:
+                budget_s = min(budget_s, _positive_seconds(client_budget))
+            except ValueError:
+                await send_error(
+                    send, InvalidRequest("x-gateway-timeout must be a positive number of seconds")
+                )
+                return
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -158,7 +176,7 @@ class DataPlane:
             body=body,
             headers=headers.forward,
             facts=facts,
-            deadline=self._loop.time() + pool.policy.timeouts.ceiling,
+            deadline=self._loop.time() + budget_s,
             task=task,
         )
         watch = _DisconnectWatch(self._loop, task, receive)
@@ -168,7 +186,13 @@ class DataPlane:
             except GatewayError as error:
                 await send_error(send, error, call.attempts)
                 return
-            idle_s = pool.policy.timeouts.initial
+            timeouts = call.timeouts
+            # A non-streamed body that still comes in pieces may pause as long as its first byte.
+            idle_s = (
+                timeouts.idle_s or timeouts.first_byte_s
+                if timeouts
+                else pool.policy.timeouts.initial
+            )
             await relay(send, response, call.attempts, idle_s, call.deadline)
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.

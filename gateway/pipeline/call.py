@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.core.timeouts import AttemptTimeouts
 from gateway.ingress.body import RequestFacts
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -26,7 +27,9 @@ class Call:
     task: asyncio.Task[Any]  # the request's task: what a deadline or a disconnect cancels
     attempts: int = 0
     tried: list[InstanceState] = field(default_factory=list)
-    instance: InstanceState | None = None
+    instance: InstanceState | None = None  # of the current attempt
+    k: float = 1.0  # the deviation multiplier of the pool's current retry tier
+    timeouts: AttemptTimeouts | None = None  # of the current attempt
 
 
 Handler = Callable[[Call], Awaitable[UpstreamResponse]]

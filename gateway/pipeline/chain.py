@@ -1,11 +1,14 @@
 """Composition of the request pipeline, in one place.
 
 Order, outermost first (each layer wraps everything after it):
-  pick      - chooses the instance for the attempt (round robin over the pool's instances)
+  retry     - the retry loop, per client request; every attempt below re-runs what follows
+  pick      - chooses the instance for the attempt (round robin, skipping tried and paused ones)
+  account   - counts the attempt against its instance and pool when it ends
+  deadline  - sets the attempt's timeouts from the instance's latency prediction
   transport - sends the attempt and reads up to the first byte (terminal)
 
-Later layers slot in here: retries wrap `pick` so every attempt re-picks, and a deadline sits
-inside the retry loop so it bounds one attempt.
+Retries wrap `pick` so every attempt re-picks; the deadline sits inside the retry loop, so it
+bounds one attempt; accounting wraps the deadline, so a timed-out attempt is counted too.
 """
 
 from __future__ import annotations

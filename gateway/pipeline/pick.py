@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from gateway.core.picker import round_robin
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.response import UpstreamResponse
 
 
 async def pick(call: Call, next_handler: Handler) -> UpstreamResponse:
+    """Round robin over the pool, avoiding instances this request already tried and those
+    waiting out a Retry-After (unless nothing else is left)."""
     pool = call.pool
-    instance, pool.next_index = round_robin(pool.instances, pool.next_index, call.tried)
+    exclude = call.tried
+    if pool.blocked_until > 0.0:
+        now = asyncio.get_running_loop().time()
+        if pool.blocked_until > now:
+            exclude = exclude + [i for i in pool.instances if i.not_before > now]
+        else:
+            pool.blocked_until = 0.0
+    instance, pool.next_index = round_robin(pool.instances, pool.next_index, exclude)
     call.instance = instance
     call.tried.append(instance)
     call.attempts += 1

@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import random
 from urllib.parse import urlsplit
 
 from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
+from gateway.core.budget import RetryBudget
+from gateway.core.failure_rate import FailureRateState
+from gateway.core.latency import LatencyState
+from gateway.core.tiers import TierTable
 from gateway.ingress.routes import PROXY_ROUTES
 
 
 class InstanceState:
     """One backend instance: identity, precomputed URLs, and live counters."""
 
-    __slots__ = ("base_url", "in_flight", "name", "name_header", "pool_name", "requests", "urls")
+    __slots__ = (
+        "base_url",
+        "failures",
+        "in_flight",
+        "latency",
+        "name",
+        "name_header",
+        "not_before",
+        "pool_name",
+        "requests",
+        "urls",
+    )
 
-    def __init__(self, pool_name: str, policy: InstancePolicy) -> None:
+    def __init__(self, pool_name: str, policy: InstancePolicy, smoothing: float) -> None:
         self.pool_name = pool_name
         self.name = policy.name
         self.base_url = policy.url
@@ -27,24 +43,49 @@ class InstanceState:
             path: URL(policy.url).with_path(base_path + path) for path in PROXY_ROUTES
         }
         self.in_flight = 0
-        self.requests = 0
+        self.requests = 0  # attempts sent
+        self.failures = 0  # attempts that failed through the instance's fault
+        self.latency = LatencyState(smoothing)
+        # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
+        self.not_before = 0.0
 
 
 class PoolState:
-    __slots__ = ("instances", "name", "next_index", "policy")
+    """A pool's instances and the decisions it keeps about them as a whole."""
 
-    def __init__(self, name: str, policy: PoolPolicy) -> None:
+    __slots__ = (
+        "blocked_until",
+        "budget",
+        "failure",
+        "instances",
+        "name",
+        "next_index",
+        "policy",
+        "retry_on",
+        "rng",
+        "tiers",
+    )
+
+    def __init__(self, name: str, policy: PoolPolicy, rng: random.Random) -> None:
         self.name = name
         self.policy = policy
-        self.instances = [InstanceState(name, inst) for inst in policy.instances]
+        smoothing = policy.timeouts.smoothing
+        self.instances = [InstanceState(name, inst, smoothing) for inst in policy.instances]
         self.next_index = 0
+        self.failure = FailureRateState(policy.retries.failure_smoothing)
+        self.tiers = TierTable(policy.retries.tiers)
+        self.budget = RetryBudget.from_policy(policy.retries.budget)
+        self.retry_on: frozenset[str | int] = frozenset(policy.retries.on)
+        self.rng = rng  # jitter and backoff draws
+        self.blocked_until = 0.0  # the latest `not_before` of its instances
 
 
 class Registry:
     """Pools by name and by the models they serve."""
 
-    def __init__(self, policy: Policy) -> None:
-        self.pools = {name: PoolState(name, pool) for name, pool in policy.pools.items()}
+    def __init__(self, policy: Policy, rng: random.Random | None = None) -> None:
+        rng = rng or random.Random()
+        self.pools = {name: PoolState(name, pool, rng) for name, pool in policy.pools.items()}
         self.by_model = {
             model: self.pools[name] for name, pool in policy.pools.items() for model in pool.models
         }

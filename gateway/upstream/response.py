@@ -8,11 +8,14 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
     from gateway.upstream.registry import InstanceState
+
+FinishHook = Callable[["UpstreamResponse", "UpstreamError | None"], None]
 
 
 class UpstreamResponse:
@@ -20,23 +23,34 @@ class UpstreamResponse:
 
     For a stream, `first_chunk` was already read, so a failure before the first byte happens
     while the attempt can still be retried. `finish()` must be called exactly once when the
-    relay ends; it closes the upstream connection if the body was not read to the end.
+    relay ends (or the response is discarded for a retry); it closes the upstream connection if
+    the body was not read to the end, then runs `on_finish` (the accounting of a stream).
     `is_sse` is true only for an uncompressed event stream: the gateway may append an error
     event to it, which would corrupt a compressed one.
+
+    Timing (event-loop seconds): `started_at` when the attempt began, `first_at` when the first
+    body byte (or the whole body) arrived, `last_at` the latest chunk, `max_gap_s` the longest
+    wait between two chunks; `tail` is the last chunk (where a stream's usage figures are).
     """
 
     __slots__ = (
         "_deadline",
         "_loop_time",
-        "_on_finish",
         "_raw",
         "_watchdog",
         "body",
+        "first_at",
         "first_chunk",
         "headers",
         "instance",
         "is_sse",
+        "last_at",
+        "max_gap_s",
+        "on_finish",
+        "outcome",
+        "started_at",
         "status",
+        "tail",
     )
 
     def __init__(
@@ -49,7 +63,7 @@ class UpstreamResponse:
         is_sse: bool,
         deadline: Deadline,
         watchdog: Watchdog,
-        on_finish: Callable[[UpstreamResponse, bool], None],
+        started_at: float,
     ) -> None:
         self.instance = instance
         self._raw = raw
@@ -61,7 +75,16 @@ class UpstreamResponse:
         self._deadline = deadline
         self._watchdog = watchdog
         self._loop_time = asyncio.get_running_loop().time
-        self._on_finish = on_finish
+        self.started_at = started_at
+        self.first_at = self.last_at = self._loop_time()
+        self.max_gap_s: float | None = None
+        self.tail = body if body is not None else first_chunk
+        head = self.tail[:512] if raw.status == 500 else None
+        self.outcome = Outcome.from_status(raw.status, head, raw.headers)
+        self.on_finish: FinishHook | None = None
+
+    def header(self, name: str) -> str | None:
+        return self._raw.headers.get(name)
 
     async def next_chunk(self, idle_s: float, end_at: float) -> bytes:
         """The next piece of the body as it arrives (b"" at the end); raises UpstreamError.
@@ -75,7 +98,7 @@ class UpstreamResponse:
         else:
             deadline.move(end_at, "total")
         try:
-            return await self._raw.content.readany()
+            chunk = await self._raw.content.readany()
         except asyncio.CancelledError:
             if expired(deadline):
                 raise self.timeout() from None
@@ -84,6 +107,14 @@ class UpstreamResponse:
             raise map_upstream_exception(exc, phase="body") from exc
         finally:
             deadline.move(end_at, "total")  # while the client is being written to
+        if chunk:
+            arrived = self._loop_time()
+            gap = arrived - self.last_at
+            if self.max_gap_s is None or gap > self.max_gap_s:
+                self.max_gap_s = gap
+            self.last_at = arrived
+            self.tail = chunk
+        return chunk
 
     def cancelled_by_deadline(self) -> UpstreamError | None:
         """After a CancelledError outside `next_chunk`: the timeout it stands for, if any."""
@@ -93,11 +124,17 @@ class UpstreamResponse:
         phase = self._deadline.phase
         return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
 
-    def finish(self, ok: bool) -> None:
-        """Release the connection (or close it when the body was cut short); account once."""
+    def finish(self, ok: bool, error: UpstreamError | None = None) -> None:
+        """Release the connection (or close it when the body was cut short); account once.
+
+        `ok`: the body reached the client whole; `error`: what broke it, if the upstream did.
+        """
         self._watchdog.disarm(self._deadline)
         if self._raw.connection is not None and not ok:
             self._raw.close()
         else:
             self._raw.release()
-        self._on_finish(self, ok)
+        hook = self.on_finish
+        if hook is not None:
+            self.on_finish = None
+            hook(self, error)

@@ -18,7 +18,6 @@ import aiohttp
 from gateway.errors import UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
 from gateway.pipeline.watchdog import Deadline, Watchdog, expired
-from gateway.upstream.registry import InstanceState
 from gateway.upstream.response import UpstreamResponse
 
 # Bodies up to this size are read whole before the commit point (so a backend dying mid-body
@@ -69,11 +68,12 @@ class Transport:
         url = instance.urls[call.path]
         if call.query:
             url = url.with_query(call.query)
-        wait_s = call.pool.policy.timeouts.initial
-        first_byte_at = min(self._loop_time() + wait_s, call.deadline)
-        deadline = self._watchdog.arm(call.task, first_byte_at, "first_byte")
-        instance.in_flight += 1
-        instance.requests += 1
+        timeouts = call.timeouts
+        wait_s = timeouts.first_byte_s if timeouts else call.pool.policy.timeouts.initial
+        started_at = self._loop_time()
+        deadline = self._watchdog.arm(
+            call.task, min(started_at + wait_s, call.deadline), "first_byte"
+        )
         raw: aiohttp.ClientResponse | None = None
         try:
             raw = await self._session.request(
@@ -90,7 +90,7 @@ class Transport:
                 is_sse = False
             length = raw.content_length
             if not is_sse and length is not None and length <= WHOLE_BODY_LIMIT:
-                deadline.move(min(self._loop_time() + wait_s, call.deadline), "body")
+                # A non-streamed answer's first byte is its whole body: same deadline.
                 body = await raw.read()
                 first = b""
                 self._watchdog.disarm(deadline)
@@ -105,27 +105,20 @@ class Transport:
                 is_sse=is_sse,
                 deadline=deadline,
                 watchdog=self._watchdog,
-                on_finish=_done,
+                started_at=started_at,
             )
         except asyncio.CancelledError:
-            self._abandon(instance, raw, deadline)
+            self._abandon(raw, deadline)
             if expired(deadline):
                 phase = deadline.phase
                 raise UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase) from None
             raise
         except Exception as exc:
-            self._abandon(instance, raw, deadline)
+            self._abandon(raw, deadline)
             raise map_upstream_exception(exc, phase=deadline.phase) from exc
 
-    def _abandon(
-        self, instance: InstanceState, raw: aiohttp.ClientResponse | None, deadline: Deadline
-    ) -> None:
+    def _abandon(self, raw: aiohttp.ClientResponse | None, deadline: Deadline) -> None:
         """Undo an attempt that failed before reaching the client."""
         self._watchdog.disarm(deadline)
-        instance.in_flight -= 1
         if raw is not None:
             raw.close()
-
-
-def _done(response: UpstreamResponse, ok: bool) -> None:
-    response.instance.in_flight -= 1

@@ -1,0 +1,87 @@
+"""The retry loop: re-sends a failed attempt, before the commit point only.
+
+Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`);
+an attempt whose outcome `retries.on` lists is retried on another instance when one is left,
+after exponential backoff with full jitter, if the retry budget and the request's deadline
+allow. A Retry-After from a backend keeps new attempts off that instance until it passes. The
+upstream's own error answer is relayed unchanged when no retry is allowed. Everything here
+happens before a byte reaches the client: the transport returns at the first byte, and the
+relay (the commit point) starts only after this loop has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.core.backoff import backoff_s, retry_after_s
+from gateway.errors import UpstreamError
+from gateway.pipeline.call import Call, Handler
+from gateway.upstream.registry import PoolState
+from gateway.upstream.response import UpstreamResponse
+
+
+async def retry(call: Call, next_handler: Handler) -> UpstreamResponse:
+    pool = call.pool
+    loop = asyncio.get_running_loop()
+    pool.budget.record_request(loop.time())
+    tier = pool.tiers.choose(pool.failure.rate)
+    call.k = tier.k
+    retries_policy = pool.policy.retries
+    while True:
+        response: UpstreamResponse | None = None
+        failure: UpstreamError | None = None
+        try:
+            response = await next_handler(call)
+            outcome = response.outcome
+            if outcome.kind == "ok":
+                return response
+        except UpstreamError as error:
+            failure = error
+            outcome = error.outcome
+        now = loop.time()
+        wait_s = 0.0
+        if response is not None:
+            wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
+        allowed = (
+            outcome.retryable(pool.retry_on)
+            and call.attempts - 1 < tier.max_retries
+            and now < call.deadline
+        )
+        if allowed:
+            delay = backoff_s(call.attempts, tier.backoff_s, retries_policy.max_backoff, pool.rng)
+            delay = max(delay, wait_s)
+            allowed = now + delay < call.deadline and pool.budget.try_spend(now)
+        if not allowed:
+            if response is not None:
+                return response  # the backend's own answer, unchanged
+            assert failure is not None
+            raise failure
+        if response is not None:
+            response.finish(ok=False)  # closed before the next attempt starts
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def _honour_retry_after(
+    pool: PoolState, response: UpstreamResponse, now: float, cap_s: float
+) -> float:
+    """Keep new attempts off an instance that asked for a pause (429/503 + Retry-After).
+
+    Returns how long a retry must wait: nothing while another instance is not paused.
+    """
+    if response.status not in (429, 503):
+        return 0.0
+    pause = retry_after_s(
+        response.header("retry-after"),
+        response.header("retry-after-ms"),
+        now_wall=time.time(),
+        cap_s=cap_s,
+    )
+    if not pause:
+        return 0.0
+    instance = response.instance
+    instance.not_before = now + pause
+    pool.blocked_until = max(pool.blocked_until, instance.not_before)
+    unblocked = any(i.not_before <= now for i in pool.instances)
+    return 0.0 if unblocked else pause

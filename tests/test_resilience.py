@@ -1,0 +1,215 @@
+"""Adaptive timeouts and tiered retries, end to end: three fake instances and the gateway."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import Backend, Gateway, start_backend, start_gateway
+
+NAMES = ("r0", "r1", "r2")
+TICK_S = 0.025  # the watchdog's resolution
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = {
+        name: start_backend(name, ["res", "outage"], "--ttft", "0.01", "--per-token", "0.001")
+        for name in NAMES
+    }
+    yield started
+    for backend in started.values():
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    instances = ", ".join(f'{{name: {n}, url: "{backends[n].url}"}}' for n in NAMES)
+    policy = f"""
+listen: 127.0.0.1:0
+admin: {{listen: 127.0.0.1:0}}
+pools:
+  res:
+    models: [res]
+    instances: [{instances}]
+    timeouts: {{initial: 2s, min_samples: 3, floor: 100ms, jitter: 0ms}}
+  outage:
+    models: [outage]
+    instances: [{instances}]
+    timeouts: {{initial: 2s, min_samples: 3, floor: 100ms, jitter: 0ms}}
+    retries: {{budget: {{ratio: 0.2, min_per_second: 0}}}}
+"""
+    gw = start_gateway(tmp_path_factory.mktemp("res") / "policy.yaml", policy)
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        for i in range(30):  # teach every instance its latency, streamed and not
+            body = chat(max_tokens=16, stream=i % 2 == 0)
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.reset()
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        yield http
+
+
+def chat(model: str = "res", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def instance_state(gateway: Gateway, pool: str = "res") -> dict[str, dict[str, Any]]:
+    state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+    return {i["name"]: i for i in state["pools"][pool]["instances"]}
+
+
+def sse_lines(response: httpx.Response) -> list[str]:
+    return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_instances_learned_their_latency(gateway: Gateway) -> None:
+    for name, inst in instance_state(gateway).items():
+        assert inst["ewma"]["ttfb"]["samples"] >= 3, name
+        assert inst["ewma"]["per_token"]["samples"] >= 3, name
+        # Learned ~10 ms to the first token: the timeout is near the floor, not `initial` (2 s).
+        assert inst["timeouts"]["stream_first_byte_s"] < 0.5
+
+
+def test_hang_before_headers_fails_over_within_the_predicted_timeout(
+    gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    predicted = instance_state(gateway)["r0"]["timeouts"]["stream_first_byte_s"]
+    backends["r0"].set_faults(hang_rate=1.0)
+    answers = []
+    for _ in range(3):  # round robin: one of them lands on r0 first
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status_code == 200
+            assert sse_lines(r)[-1] == "data: [DONE]"
+            answers.append((r.headers["x-gateway-instance"], r.headers["x-gateway-attempts"]))
+    assert "r0" not in {instance for instance, _ in answers}
+    assert "2" in {attempts for _, attempts in answers}
+    hung = backends["r0"].requests()
+    hung = backends["r0"].requests(wait_for=len(hung))  # (no breaker yet: r0 stays in rotation)
+    assert hung and all(r["outcome"] == "cancelled" for r in hung)
+    for record in hung:
+        spent = record["ended"] - record["started"]
+        # Given up after the predicted first-byte timeout, give or take a watchdog tick.
+        assert spent <= predicted + 2 * TICK_S + 0.1, (spent, predicted)
+
+
+def test_stall_mid_stream_ends_with_error_event_within_the_idle_timeout(
+    gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for name in NAMES:
+        backends[name].set_faults(stall_rate=1.0, stall_after=3)
+    idle = max(i["timeouts"]["stream_idle_s"] for i in instance_state(gateway).values())
+    started = time.monotonic()
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=50)) as r:
+        lines = sse_lines(r)
+    elapsed = time.monotonic() - started
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "upstream_timeout"
+    assert len(lines) >= 3  # the tokens sent before the stall came through
+    assert elapsed < 0.1 + idle + 2 * TICK_S + 0.3, (elapsed, idle)
+    # After the first byte nothing is retried: exactly one request reached a backend.
+    assert sum(len(backends[n].requests()) for n in NAMES) == 1
+
+
+def test_backend_dying_mid_stream_is_not_retried(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for name in NAMES:
+        backends[name].set_faults(die_rate=1.0, die_after=2)
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=40)) as r:
+        lines = sse_lines(r)
+    assert lines[-1] == "data: [DONE]" and "error" in lines[-2]
+    assert sum(len(backends[n].requests()) for n in NAMES) == 1
+
+
+def test_long_healthy_generation_never_times_out(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    # 4096 tokens at 1 ms: ~4.1 s, far beyond what 16-token requests took while learning.
+    whole = client.post("/v1/chat/completions", json=chat(max_tokens=4096))
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["usage"]["completion_tokens"] == 4096
+    assert whole.headers["x-gateway-attempts"] == "1"
+    with client.stream(
+        "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=4096)
+    ) as streamed:
+        lines = sse_lines(streamed)
+    assert lines[-1] == "data: [DONE]" and all("error" not in line for line in lines)
+
+
+def test_503_burst_is_retried_onto_healthy_instances(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    backends["r1"].set_faults(error_rate=1.0, error_status=503)
+    results = [client.post("/v1/chat/completions", json=chat(max_tokens=4)) for _ in range(12)]
+    assert [r.status_code for r in results] == [200] * 12
+    assert {r.headers["x-gateway-instance"] for r in results} <= {"r0", "r2"}
+    assert any(r.headers["x-gateway-attempts"] == "2" for r in results)
+    assert len(backends["r1"].requests()) >= 1
+
+
+def test_429_retry_after_keeps_traffic_off_the_instance(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    backends["r2"].set_faults(rate_limit_rate=1.0, retry_after=3)
+    results = [client.post("/v1/chat/completions", json=chat(max_tokens=4)) for _ in range(12)]
+    assert [r.status_code for r in results] == [200] * 12
+    # One 429 taught the gateway to leave r2 alone for 3 s: it saw one request, not four.
+    assert len(backends["r2"].requests()) == 1
+
+
+def test_total_outage_stays_within_the_retry_budget(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for name in NAMES:
+        backends[name].set_faults(error_rate=1.0, error_status=503)
+    requests = 40
+    statuses = [
+        client.post("/v1/chat/completions", json=chat("outage", max_tokens=4)).status_code
+        for _ in range(requests)
+    ]
+    assert statuses == [503] * requests  # the backends' own answer, relayed
+    attempts = sum(len(backends[n].requests()) for n in NAMES)
+    # Budget: retries <= 20 % of requests (no per-second floor in this pool), not 2 per request.
+    assert requests < attempts <= requests * 1.2 + 1, attempts
+
+
+def test_client_deadline_header_bounds_the_whole_request(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    for name in NAMES:
+        backends[name].set_faults(hang_rate=1.0)
+    started = time.monotonic()
+    response = client.post(
+        "/v1/chat/completions", json=chat(max_tokens=4), headers={"x-gateway-timeout": "0.3"}
+    )
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    assert elapsed < 0.3 + 2 * TICK_S + 0.3
+
+
+def test_admin_state_shows_failure_rate_and_tier(gateway: Gateway) -> None:
+    state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+    pool = state["pools"]["res"]
+    assert 0.0 <= pool["failure_rate"] <= 1.0
+    assert set(pool["tier"]) == {"index", "max_retries", "backoff_s", "k"}
+    instance = pool["instances"][0]
+    assert set(instance["timeouts"]) >= {"stream_first_byte_s", "stream_idle_s"}
