@@ -17,7 +17,7 @@ from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import pick
-from gateway.pipeline.retry import retry
+from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
@@ -32,7 +32,7 @@ class Gateway:
         self.session: aiohttp.ClientSession = new_session()
         self.watchdog = Watchdog()
         self.watchdog.start()
-        layers: list[Layer] = [retry, pick, Account(self.registry.pools), deadline]
+        layers: list[Layer] = [Retry(), pick, Account(self.registry.pools), deadline]
         handler = compose(layers, Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,

@@ -21,46 +21,54 @@ from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 
-async def retry(call: Call, next_handler: Handler) -> UpstreamResponse:
-    pool = call.pool
-    loop = asyncio.get_running_loop()
-    pool.budget.record_request(loop.time())
-    tier = pool.tiers.choose(pool.failure.rate)
-    call.k = tier.k
-    retries_policy = pool.policy.retries
-    while True:
-        response: UpstreamResponse | None = None
-        failure: UpstreamError | None = None
-        try:
-            response = await next_handler(call)
-            outcome = response.outcome
-            if outcome.kind == "ok":
-                return response
-        except UpstreamError as error:
-            failure = error
-            outcome = error.outcome
-        now = loop.time()
-        wait_s = 0.0
-        if response is not None:
-            wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
-        allowed = (
-            outcome.retryable(pool.retry_on)
-            and call.attempts - 1 < tier.max_retries
-            and now < call.deadline
-        )
-        if allowed:
-            delay = backoff_s(call.attempts, tier.backoff_s, retries_policy.max_backoff, pool.rng)
-            delay = max(delay, wait_s)
-            allowed = now + delay < call.deadline and pool.budget.try_spend(now)
-        if not allowed:
+class Retry:
+    """The retry layer; built inside the running loop (it keeps the loop's clock)."""
+
+    def __init__(self) -> None:
+        self._clock = asyncio.get_running_loop().time
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        clock = self._clock
+        pool = call.pool
+        pool.budget.record_request(clock())
+        tier = pool.tiers.choose(pool.failure.rate)
+        call.k = tier.k
+        retries_policy = pool.policy.retries
+        while True:
+            response: UpstreamResponse | None = None
+            failure: UpstreamError | None = None
+            try:
+                response = await next_handler(call)
+                outcome = response.outcome
+                if outcome.kind == "ok":
+                    return response
+            except UpstreamError as error:
+                failure = error
+                outcome = error.outcome
+            now = clock()
+            wait_s = 0.0
             if response is not None:
-                return response  # the backend's own answer, unchanged
-            assert failure is not None
-            raise failure
-        if response is not None:
-            response.finish(ok=False)  # closed before the next attempt starts
-        if delay > 0:
-            await asyncio.sleep(delay)
+                wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
+            allowed = (
+                outcome.retryable(pool.retry_on)
+                and call.attempts - 1 < tier.max_retries
+                and now < call.deadline
+            )
+            if allowed:
+                delay = backoff_s(
+                    call.attempts, tier.backoff_s, retries_policy.max_backoff, pool.rng
+                )
+                delay = max(delay, wait_s)
+                allowed = now + delay < call.deadline and pool.budget.try_spend(now)
+            if not allowed:
+                if response is not None:
+                    return response  # the backend's own answer, unchanged
+                assert failure is not None
+                raise failure
+            if response is not None:
+                response.finish(ok=False)  # closed before the next attempt starts
+            if delay > 0:
+                await asyncio.sleep(delay)
 
 
 def _honour_retry_after(

@@ -64,6 +64,7 @@ class UpstreamResponse:
         deadline: Deadline,
         watchdog: Watchdog,
         started_at: float,
+        clock: Callable[[], float],
     ) -> None:
         self.instance = instance
         self._raw = raw
@@ -74,13 +75,16 @@ class UpstreamResponse:
         self.is_sse = is_sse
         self._deadline = deadline
         self._watchdog = watchdog
-        self._loop_time = asyncio.get_running_loop().time
+        self._loop_time = clock
         self.started_at = started_at
-        self.first_at = self.last_at = self._loop_time()
+        self.first_at = self.last_at = clock()
         self.max_gap_s: float | None = None
         self.tail = body if body is not None else first_chunk
-        head = self.tail[:512] if raw.status == 500 else None
-        self.outcome = Outcome.from_status(raw.status, head, raw.headers)
+        status = raw.status
+        if status == 500:  # only a 500 can be an OOM: look closer
+            self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)
+        else:
+            self.outcome = Outcome.from_status(status)
         self.on_finish: FinishHook | None = None
 
     def header(self, name: str) -> str | None:

@@ -106,6 +106,7 @@ class Transport:
                 deadline=deadline,
                 watchdog=self._watchdog,
                 started_at=started_at,
+                clock=self._loop_time,
             )
         except asyncio.CancelledError:
             self._abandon(raw, deadline)
