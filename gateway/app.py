@@ -19,6 +19,7 @@ from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
+from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
 
@@ -28,7 +29,8 @@ class Gateway:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.registry = Registry(policy)
+        self.registry = Registry(policy, now=asyncio.get_running_loop().time())
+        self.health = HealthChecker(self.registry)
         self.session: aiohttp.ClientSession = new_session()
         self.watchdog = Watchdog()
         self.watchdog.start()
@@ -44,13 +46,19 @@ class Gateway:
 
         self.admin_app: ASGIApp = build_admin_app(self)
 
+    async def start(self) -> None:
+        """Know which instances are healthy before serving, then keep checking."""
+        await self.health.first_round()
+        self.health.start()
+
     async def close(self) -> None:
+        await self.health.close()
         await self.watchdog.close()
         await self.session.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the policy is loaded and every pool has an instance that takes traffic."""
-        pools = {name: len(pool.instances) > 0 for name, pool in self.registry.pools.items()}
+        pools = {name: bool(pool.routable) for name, pool in self.registry.pools.items()}
         ready = all(pools.values())
         return ready, {"ready": ready, "pools": pools}
 
@@ -96,6 +104,11 @@ def _instance_state(pool: PoolState, inst: InstanceState, k: float, now: float) 
         "requests": inst.requests,
         "failures": inst.failures,
         "retry_after_remaining_s": max(0.0, inst.not_before - now),
+        "health": {
+            "healthy": inst.health.healthy,
+            "reason": inst.health.last_reason,
+            "cold_start_s": inst.health.cold_start_s,
+        },
         "ewma": {
             "ttfb": _estimate(inst.latency.ttfb),
             "gap": _estimate(inst.latency.gap),

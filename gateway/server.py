@@ -106,6 +106,7 @@ async def serve(policy: Policy) -> None:
     data_sock = bind_listener(*split_host_port(policy.listen))
     admin_sock = bind_listener(*split_host_port(policy.admin.listen))
     gateway = Gateway(policy)
+    await gateway.start()
     _tune_gc()
     servers = [
         _Server(_uvicorn_config(gateway.data_app)),

@@ -52,6 +52,7 @@ pools:
   dead:
     models: [dead-model]
     instances: [{{name: nobody, url: "http://127.0.0.1:{closed_port()}"}}]
+    health: {{enabled: false}}  # so the refusal reaches the request path
 """
     gw = start_gateway(
         tmp_path_factory.mktemp("gw") / "policy.yaml",

@@ -96,6 +96,7 @@ pools:
     models: [{models}]
     instances: [{{name: scripted, url: "{upstream.url}"}}]
     timeouts: {{initial: 1s, ceiling: 2s, floor: 100ms}}
+    health: {{enabled: false}}  # the scripted backend only plays its scripts
 """
     gw = start_gateway(tmp_path_factory.mktemp("edge") / "policy.yaml", policy)
     yield gw

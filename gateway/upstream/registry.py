@@ -10,6 +10,7 @@ from yarl import URL
 from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.core.budget import RetryBudget
 from gateway.core.failure_rate import FailureRateState
+from gateway.core.health import HealthState
 from gateway.core.latency import LatencyState
 from gateway.core.tiers import TierTable
 from gateway.ingress.routes import PROXY_ROUTES
@@ -21,6 +22,7 @@ class InstanceState:
     __slots__ = (
         "base_url",
         "failures",
+        "health",
         "in_flight",
         "latency",
         "name",
@@ -31,7 +33,9 @@ class InstanceState:
         "urls",
     )
 
-    def __init__(self, pool_name: str, policy: InstancePolicy, smoothing: float) -> None:
+    def __init__(
+        self, pool_name: str, policy: InstancePolicy, smoothing: float, health: HealthState
+    ) -> None:
         self.pool_name = pool_name
         self.name = policy.name
         self.base_url = policy.url
@@ -46,6 +50,7 @@ class InstanceState:
         self.requests = 0  # attempts sent
         self.failures = 0  # attempts that failed through the instance's fault
         self.latency = LatencyState(smoothing)
+        self.health = health
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
 
@@ -63,14 +68,26 @@ class PoolState:
         "policy",
         "retry_on",
         "rng",
+        "routable",
         "tiers",
     )
 
-    def __init__(self, name: str, policy: PoolPolicy, rng: random.Random) -> None:
+    def __init__(self, name: str, policy: PoolPolicy, rng: random.Random, now: float) -> None:
         self.name = name
         self.policy = policy
         smoothing = policy.timeouts.smoothing
-        self.instances = [InstanceState(name, inst, smoothing) for inst in policy.instances]
+        health = policy.health
+        self.instances = [
+            InstanceState(
+                name,
+                inst,
+                smoothing,
+                HealthState(now, health.healthy_threshold, health.unhealthy_threshold)
+                if health.enabled
+                else HealthState.assumed_healthy(now),
+            )
+            for inst in policy.instances
+        ]
         self.next_index = 0
         self.failure = FailureRateState(policy.retries.failure_smoothing)
         self.tiers = TierTable(policy.retries.tiers)
@@ -78,14 +95,20 @@ class PoolState:
         self.retry_on: frozenset[str | int] = frozenset(policy.retries.on)
         self.rng = rng  # jitter and backoff draws
         self.blocked_until = 0.0  # the latest `not_before` of its instances
+        self.routable: list[InstanceState] = []  # healthy instances, kept by `refresh_routable`
+        self.refresh_routable()
+
+    def refresh_routable(self) -> None:
+        """Recompute the instances that may take traffic (on every change of a verdict)."""
+        self.routable = [inst for inst in self.instances if inst.health.healthy]
 
 
 class Registry:
     """Pools by name and by the models they serve."""
 
-    def __init__(self, policy: Policy, rng: random.Random | None = None) -> None:
+    def __init__(self, policy: Policy, now: float, rng: random.Random | None = None) -> None:
         rng = rng or random.Random()
-        self.pools = {name: PoolState(name, pool, rng) for name, pool in policy.pools.items()}
+        self.pools = {name: PoolState(name, pool, rng, now) for name, pool in policy.pools.items()}
         self.by_model = {
             model: self.pools[name] for name, pool in policy.pools.items() for model in pool.models
         }

@@ -1,0 +1,81 @@
+"""What active health checks conclude about an instance, from pass/fail results and `now`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    healthy: bool
+    reason: str
+
+
+class HealthState:
+    """Healthy after `healthy_threshold` passes in a row, unhealthy after `unhealthy_threshold`
+    failures in a row. An instance starts *unknown* and takes no traffic until its first
+    verdict is healthy: a vLLM pod loading a model for minutes must get nothing.
+
+    `first_seen` / `first_healthy` give the cold start (time from first seen to first healthy);
+    `healthy_since` feeds slow start.
+    """
+
+    __slots__ = (
+        "_fails",
+        "_healthy_threshold",
+        "_passes",
+        "_unhealthy_threshold",
+        "first_healthy",
+        "first_seen",
+        "healthy",
+        "healthy_since",
+        "last_reason",
+    )
+
+    def __init__(self, now: float, healthy_threshold: int, unhealthy_threshold: int) -> None:
+        self.healthy: bool | None = None  # None: not checked yet
+        self.first_seen = now
+        self.first_healthy: float | None = None
+        self.healthy_since: float | None = None
+        self.last_reason = "not checked yet"
+        self._passes = 0
+        self._fails = 0
+        self._healthy_threshold = healthy_threshold
+        self._unhealthy_threshold = unhealthy_threshold
+
+    @classmethod
+    def assumed_healthy(cls, now: float) -> HealthState:
+        """For a pool without health checks: routable from the start."""
+        state = cls(now, 1, 1)
+        state.healthy = True
+        state.first_healthy = state.healthy_since = now
+        state.last_reason = "health checks disabled"
+        return state
+
+    @property
+    def cold_start_s(self) -> float | None:
+        return None if self.first_healthy is None else self.first_healthy - self.first_seen
+
+    def record(self, now: float, passed: bool, reason: str) -> HealthChange | None:
+        """Fold one check result in; returns the change of verdict, if any."""
+        self.last_reason = reason
+        if passed:
+            self._passes += 1
+            self._fails = 0
+            if self.healthy is not True and self._passes >= self._healthy_threshold:
+                self.healthy = True
+                self.healthy_since = now
+                if self.first_healthy is None:
+                    self.first_healthy = now
+                return HealthChange(True, reason)
+            return None
+        self._fails += 1
+        self._passes = 0
+        if self.healthy is True and self._fails >= self._unhealthy_threshold:
+            self.healthy = False
+            self.healthy_since = None
+            return HealthChange(False, reason)
+        if self.healthy is None and self._fails >= self._unhealthy_threshold:
+            self.healthy = False  # known bad rather than unknown: same routing, clearer state
+            return HealthChange(False, reason)
+        return None

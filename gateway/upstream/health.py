@@ -1,0 +1,80 @@
+"""Active health checks: a light periodic GET of each instance's health path (vLLM: /health).
+
+One task per pool checks all of its instances at once every `health.interval`, each check bounded
+by `health.timeout`; the verdicts (`gateway.core.health`) decide which instances take traffic.
+httpx, not the data plane's client: this is control-plane traffic, a few requests a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+
+from gateway.upstream.registry import InstanceState, PoolState, Registry
+
+log = logging.getLogger("gateway.health")
+
+
+class HealthChecker:
+    def __init__(self, registry: Registry) -> None:
+        self._pools = [p for p in registry.pools.values() if p.policy.health.enabled]
+        self._client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+            follow_redirects=False,
+            trust_env=False,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self._clock = asyncio.get_running_loop().time
+
+    async def first_round(self) -> None:
+        """Check every instance once: the process is not ready before it knows who is healthy."""
+        await asyncio.gather(*(self.check_pool(pool) for pool in self._pools))
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(pool)) for pool in self._pools]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._client.aclose()
+
+    async def _run(self, pool: PoolState) -> None:
+        interval = pool.policy.health.interval
+        while True:
+            await asyncio.sleep(interval)
+            await self.check_pool(pool)
+
+    async def check_pool(self, pool: PoolState) -> None:
+        await asyncio.gather(*(self._check(pool, inst) for inst in pool.instances))
+
+    async def _check(self, pool: PoolState, instance: InstanceState) -> None:
+        policy = pool.policy.health
+        try:
+            response = await self._client.get(
+                instance.base_url + policy.path, timeout=policy.timeout
+            )
+            passed = response.status_code == 200
+            reason = f"HTTP {response.status_code}"
+        except httpx.TimeoutException:
+            passed, reason = False, f"no answer within {policy.timeout:g}s"
+        except httpx.HTTPError as exc:
+            passed, reason = False, type(exc).__name__
+        change = instance.health.record(self._clock(), passed, reason)
+        if change is not None:
+            pool.refresh_routable()
+            cold = instance.health.cold_start_s
+            log.warning(
+                "health pool=%s instance=%s healthy=%s reason=%r cold_start_s=%s",
+                pool.name,
+                instance.name,
+                change.healthy,
+                change.reason,
+                "-" if cold is None else f"{cold:.3f}",
+            )

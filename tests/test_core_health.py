@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from gateway.core.health import HealthState
+
+
+def test_unknown_until_the_first_pass_then_cold_start_is_recorded() -> None:
+    state = HealthState(now=100.0, healthy_threshold=2, unhealthy_threshold=2)
+    assert state.healthy is None and state.cold_start_s is None
+    assert state.record(101.0, False, "connection refused") is None
+    change = state.record(102.0, False, "connection refused")
+    assert change is not None and change.healthy is False
+    assert state.record(103.0, True, "200") is None  # one pass is not enough (threshold 2)
+    change = state.record(104.0, True, "200")
+    assert change is not None and change.healthy is True
+    assert state.cold_start_s == 4.0 and state.healthy_since == 104.0
+
+
+def test_thresholds_in_both_directions() -> None:
+    state = HealthState(now=0.0, healthy_threshold=1, unhealthy_threshold=3)
+    assert state.record(1.0, True, "200") is not None
+    assert state.record(2.0, False, "503") is None
+    assert state.record(3.0, True, "200") is None  # a pass resets the failure streak
+    assert state.record(4.0, False, "503") is None
+    assert state.record(5.0, False, "503") is None
+    change = state.record(6.0, False, "503")
+    assert change is not None and not change.healthy and state.healthy_since is None
+    assert state.record(7.0, True, "200") is not None
+    assert state.healthy_since == 7.0 and state.cold_start_s == 1.0  # the first, not the latest
+
+
+def test_assumed_healthy_without_checks() -> None:
+    state = HealthState.assumed_healthy(5.0)
+    assert state.healthy is True and state.cold_start_s == 0.0

@@ -1,0 +1,95 @@
+"""Active health checks: unhealthy instances get no traffic, come back after passing, and a pool
+with nothing healthy answers at once (503 + Retry-After)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtests.procs import wait_until
+from tests.support import Backend, Gateway, start_backend, start_gateway
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = {
+        name: start_backend(name, ["hm"], "--ttft", "0", "--per-token", "0")
+        for name in ("h0", "h1")
+    }
+    # h1 is still "loading its model" when the gateway starts.
+    started["h1"].set_faults(unhealthy=True)
+    yield started
+    for backend in started.values():
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    policy = f"""
+listen: 127.0.0.1:0
+admin: {{listen: 127.0.0.1:0}}
+pools:
+  hp:
+    models: [hm]
+    instances:
+      - {{name: h0, url: "{backends["h0"].url}"}}
+      - {{name: h1, url: "{backends["h1"].url}"}}
+    health: {{interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}}
+"""
+    gw = start_gateway(tmp_path_factory.mktemp("health") / "policy.yaml", policy)
+    yield gw
+    gw.stop()
+
+
+def health_of(gateway: Gateway, name: str) -> dict[str, Any]:
+    state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+    (inst,) = [i for i in state["pools"]["hp"]["instances"] if i["name"] == name]
+    health: dict[str, Any] = inst["health"]
+    return health
+
+
+def served_by(gateway: Gateway, count: int) -> list[str]:
+    with httpx.Client(base_url=gateway.url, timeout=10) as http:
+        body = {"model": "hm", "max_tokens": 2}
+        replies = [http.post("/v1/chat/completions", json=body) for _ in range(count)]
+    assert [r.status_code for r in replies] == [200] * count
+    return [r.headers["x-gateway-instance"] for r in replies]
+
+
+def test_health_lifecycle(gateway: Gateway, backends: dict[str, Backend]) -> None:
+    # A loading instance gets nothing until its first passing check.
+    assert health_of(gateway, "h1")["healthy"] is False
+    assert set(served_by(gateway, 6)) == {"h0"}
+    assert backends["h1"].requests() == []
+
+    backends["h1"].set_faults(unhealthy=False)  # model loaded
+    assert wait_until(lambda: health_of(gateway, "h1")["healthy"] is True, timeout_s=5)
+    assert health_of(gateway, "h1")["cold_start_s"] > 0
+    assert set(served_by(gateway, 6)) == {"h0", "h1"}
+
+    backends["h0"].set_faults(unhealthy=True)  # fails its checks: taken out of rotation
+    assert wait_until(lambda: health_of(gateway, "h0")["healthy"] is False, timeout_s=5)
+    assert set(served_by(gateway, 6)) == {"h1"}
+
+    backends["h1"].set_faults(unhealthy=True)  # nothing left: answered at once
+    assert wait_until(lambda: health_of(gateway, "h1")["healthy"] is False, timeout_s=5)
+    with httpx.Client(base_url=gateway.url, timeout=10) as http:
+        started = time.monotonic()
+        reply = http.post("/v1/chat/completions", json={"model": "hm"})
+        elapsed = time.monotonic() - started
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "no_instance_available"
+        assert int(reply.headers["retry-after"]) >= 1
+        assert elapsed < 0.5
+        assert http.get("/readyz").status_code == 503
+
+    for name in ("h0", "h1"):
+        backends[name].set_faults(unhealthy=False)
+    assert wait_until(lambda: health_of(gateway, "h0")["healthy"] is True, timeout_s=5)
+    assert set(served_by(gateway, 2)) <= {"h0", "h1"}
