@@ -154,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         print_summary(results)
+        retried = sum(results[1].instances.values()) - results[1].instances.get("b", 0)
         print(
-            "Through this version of the gateway a failing backend's errors reach clients;"
-            "\nretries, breakers and isolation (coming capabilities) are what remove them."
+            "The gateway retried b's failures on a before any byte reached the client, so"
+            f"\nclients saw none of them ({retried} answers came from a in phase 2). Isolating a"
+            "\nfailing backend altogether is the breakers' job (a coming capability)."
         )
         return 0
     finally:
