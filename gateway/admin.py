@@ -55,10 +55,32 @@ def build_admin_app(gateway: Gateway) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def operate(request: Request) -> Response:
+        params = request.path_params
+        action = params["action"]
+        result = (
+            gateway.operator(params["pool"], params["name"], action)
+            if action in ("isolate", "restore")
+            else None
+        )
+        if result is None:
+            error = {
+                "message": "no such instance or action (isolate, restore)",
+                "type": "not_found",
+                "code": "not_found",
+            }
+            return JSONResponse({"error": error}, status_code=404)
+        return JSONResponse(result)
+
     app = Starlette(
         routes=[
             Route("/admin/state", state, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
+            Route(
+                "/admin/instances/{pool}/{name}/{action:str}",
+                operate,
+                methods=["POST"],
+            ),
         ]
     )
     return BearerAuth(app, admin_token(gateway.policy.admin.token_env))

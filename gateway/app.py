@@ -9,14 +9,16 @@ import aiohttp
 from starlette.types import ASGIApp
 
 from gateway.config import Policy
+from gateway.core.balancer import PeakEwma
+from gateway.core.breaker import ADMITTING
 from gateway.core.ewma import Ewma
 from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
-from gateway.pipeline.account import Account
+from gateway.pipeline.account import Account, log_transition
 from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import deadline
-from gateway.pipeline.pick import pick
+from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
 from gateway.upstream.health import HealthChecker
@@ -34,7 +36,7 @@ class Gateway:
         self.session: aiohttp.ClientSession = new_session()
         self.watchdog = Watchdog()
         self.watchdog.start()
-        layers: list[Layer] = [Retry(), pick, Account(self.registry.pools), deadline]
+        layers: list[Layer] = [Retry(), Pick(), Account(self.registry.pools), deadline]
         handler = compose(layers, Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
@@ -57,10 +59,33 @@ class Gateway:
         await self.session.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready when the policy is loaded and every pool has an instance that takes traffic."""
-        pools = {name: bool(pool.routable) for name, pool in self.registry.pools.items()}
+        """Ready when the policy is loaded and every pool has an instance that takes traffic:
+        healthy and not isolated (a sidecar's pod leaves its Service while its vLLM is out)."""
+        pools = {
+            name: any(i.breaker.state == ADMITTING for i in pool.routable)
+            for name, pool in self.registry.pools.items()
+        }
         ready = all(pools.values())
         return ready, {"ready": ready, "pools": pools}
+
+    def operator(self, pool: str, name: str, action: str) -> dict[str, Any] | None:
+        """Isolate or restore an instance by hand; None when there is no such instance."""
+        state = self.registry.pools.get(pool)
+        instance = next((i for i in state.instances if i.name == name), None) if state else None
+        if state is None or instance is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        breaker = instance.breaker
+        if action == "isolate":
+            transition = breaker.isolate(now, state.rng, reason="operator")
+        else:
+            transition = breaker.restore(now, reason="operator")
+            # "It is fine now": forget the slowness the balancer remembers of it too.
+            peers = [i.peak.get(now) for i in state.instances if i is not instance]
+            instance.peak = PeakEwma(now, initial_s=min(peers, default=0.0))
+        if transition is not None:
+            log_transition(pool, transition)
+        return {"pool": pool, "instance": name, "state": breaker.state}
 
     def state(self) -> dict[str, Any]:
         """The operator's view, served as /admin/state."""
@@ -88,6 +113,10 @@ class Gateway:
         }
 
 
+def _finite(value: float) -> float | None:
+    return None if value == float("inf") else value
+
+
 def _estimate(ewma: Ewma) -> dict[str, float | int]:
     return {"mean_s": ewma.mean, "deviation_s": ewma.deviation, "samples": ewma.samples}
 
@@ -99,10 +128,14 @@ def _instance_state(pool: PoolState, inst: InstanceState, k: float, now: float) 
     return {
         "name": inst.name,
         "url": inst.base_url,
-        "state": "ADMITTING",
+        "state": inst.breaker.state,
+        "isolations": inst.breaker.isolations,
+        "isolation_remaining_s": _finite(inst.breaker.remaining_s(now)),
+        "forced": inst.breaker.forced,
         "in_flight": inst.in_flight,
         "requests": inst.requests,
         "failures": inst.failures,
+        "peak_ewma_s": inst.peak.peek(now),
         "retry_after_remaining_s": max(0.0, inst.not_before - now),
         "health": {
             "healthy": inst.health.healthy,

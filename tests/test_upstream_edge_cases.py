@@ -97,6 +97,7 @@ pools:
     instances: [{{name: scripted, url: "{upstream.url}"}}]
     timeouts: {{initial: 1s, ceiling: 2s, floor: 100ms}}
     health: {{enabled: false}}  # the scripted backend only plays its scripts
+    breaker: {{consecutive_timeouts: 1000, error_rate: 1.0}}  # every case must reach it
 """
     gw = start_gateway(tmp_path_factory.mktemp("edge") / "policy.yaml", policy)
     yield gw

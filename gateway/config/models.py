@@ -147,6 +147,7 @@ class HealthPolicy(Strict):
     timeout: Duration = Field(default=1.0, gt=0)
     healthy_threshold: int = Field(default=1, ge=1)
     unhealthy_threshold: int = Field(default=2, ge=1)
+    slow_start: Duration = 0.0  # traffic share ramps from 10 % to full over this after healthy
 
 
 class TimeoutsPolicy(Strict):

@@ -2,14 +2,18 @@
 
 An answer read whole ends with the transport; a stream ends when its relay does, so its
 accounting runs from the response's finish hook (latency, outcome and in-flight count are only
-known then). Only successful attempts teach the latency estimators: a failed one says nothing
-about how long a healthy answer takes.
+known then). Each finished attempt feeds: the pool's failure rate, the instance's breaker (a
+transition is logged, one line, with its reason), and, for successes only, the balancer's
+peak-EWMA and the latency estimators behind the timeouts. A client's own 4xx is nobody's
+fault: the breaker does not count it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
@@ -31,22 +35,66 @@ def completion_tokens(data: bytes) -> int | None:
     return int(digits[:end]) if end else None
 
 
-def _record(pool: PoolState, instance: InstanceState, outcome: Outcome) -> None:
+log = logging.getLogger("gateway.breaker")
+
+
+def _record(
+    pool: PoolState,
+    instance: InstanceState,
+    outcome: Outcome,
+    now: float,
+    elapsed_s: float,
+    probe: bool,
+) -> None:
     failed = outcome.counts_as_failure
     pool.failure.observe(failed)
+    if outcome.kind == "ok":
+        # The balancer weighs how fast an instance answers well; failing (fast or by timing
+        # out) is the breaker's business, which needs those attempts to reach it.
+        instance.peak.observe(now, elapsed_s)
     if failed:
         instance.failures += 1
+    elif outcome.kind != "ok" and not probe:
+        return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
+    transition = instance.breaker.record(
+        now, failed, outcome.kind == "timeout", pool.rng, probe=probe
+    )
+    if transition is not None:
+        log_transition(pool.name, transition)
+
+
+def log_transition(pool: str, transition: Transition) -> None:
+    log.warning(
+        "breaker pool=%s instance=%s from=%s to=%s reason=%r until_s=%s suppressed=%s",
+        pool,
+        transition.instance,
+        transition.state_from,
+        transition.to,
+        transition.reason,
+        "-" if transition.until is None else f"{transition.until:.3f}",
+        transition.suppressed,
+    )
 
 
 class Account:
     def __init__(self, pools: dict[str, PoolState]) -> None:
         self._pools = pools
+        self._clock = asyncio.get_running_loop().time
 
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
         instance = response.instance
         instance.in_flight -= 1
         outcome = error.outcome if error is not None else response.outcome
-        _record(self._pools[instance.pool_name], instance, outcome)
+        now = self._clock()
+        probe = response.probe
+        _record(
+            self._pools[instance.pool_name],
+            instance,
+            outcome,
+            now,
+            now - response.started_at,
+            probe,
+        )
         if outcome.kind == "ok" and error is None:
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
@@ -60,21 +108,27 @@ class Account:
         assert instance is not None, "the pick layer runs first"
         instance.in_flight += 1
         instance.requests += 1
+        started = self._clock()
         try:
             response = await next_handler(call)
         except UpstreamError as error:
             instance.in_flight -= 1
-            _record(call.pool, instance, error.outcome)
+            now = self._clock()
+            _record(call.pool, instance, error.outcome, now, now - started, call.probe)
             raise
         except asyncio.CancelledError:
-            instance.in_flight -= 1  # the client left: nobody's fault
+            instance.in_flight -= 1  # the client left: nobody's fault, but a probe is lost
+            if call.probe:
+                instance.breaker.release_probe(self._clock())
             raise
         if response.body is None:
+            response.probe = call.probe
             response.on_finish = self._stream_finished
             return response
         instance.in_flight -= 1
         outcome = response.outcome
-        _record(call.pool, instance, outcome)
+        now = self._clock()
+        _record(call.pool, instance, outcome, now, now - started, call.probe)
         if outcome.kind == "ok":
             instance.latency.observe_whole(
                 response.first_at - response.started_at, completion_tokens(response.body)

@@ -29,6 +29,7 @@ class Call:
     tried: list[InstanceState] = field(default_factory=list)
     instance: InstanceState | None = None  # of the current attempt
     k: float = 1.0  # the deviation multiplier of the pool's current retry tier
+    probe: bool = False  # the current attempt is its isolated instance's one probe
     timeouts: AttemptTimeouts | None = None  # of the current attempt
 
 

@@ -1,36 +1,83 @@
-"""The layer that chooses an instance for each attempt."""
+"""The layer that chooses an instance for each attempt: the balancer, as a layer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.core.picker import round_robin
+from gateway.core.balancer import choose, load_cost, slow_start_weight
+from gateway.core.breaker import ADMITTING
 from gateway.errors import NoInstanceAvailable
 from gateway.pipeline.call import Call, Handler
+from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
 
-async def pick(call: Call, next_handler: Handler) -> UpstreamResponse:
-    """Round robin over the pool's routable (healthy) instances, avoiding those this request
-    already tried and those waiting out a Retry-After (unless nothing else is left). With no
-    routable instance at all, the client is told at once (503 + Retry-After): no waiting on a
-    dead pool."""
-    pool = call.pool
-    candidates = pool.routable
-    if not candidates:
+class Pick:
+    """Power of two choices over the instances that may take this attempt, by peak-EWMA
+    latency x (in-flight + 1), so a slow-but-alive instance gets less traffic before any breaker
+    trips (as tower, Finagle and Linkerd balance).
+
+    May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
+    Retry-After. An isolated instance whose isolation ran out takes the attempt as its one probe
+    (a real request) first. When every healthy instance was tried or is paused, a tried or
+    paused one is used rather than failing; when none is healthy and admitting, the client is
+    told at once (503 + Retry-After): no waiting on a dead pool.
+    """
+
+    def __init__(self) -> None:
+        self._clock = asyncio.get_running_loop().time
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        pool = call.pool
+        now = self._clock()
+        instance = _probe(pool, now)
+        call.probe = instance is not None
+        if instance is None:
+            instance = _balance(pool, call, now)
+        call.instance = instance
+        call.tried.append(instance)
+        call.attempts += 1
+        return await next_handler(call)
+
+
+def _probe(pool: PoolState, now: float) -> InstanceState | None:
+    for inst in pool.routable:
+        breaker = inst.breaker
+        if breaker.state != ADMITTING and breaker.try_admit(now):
+            return inst
+    return None
+
+
+def _balance(pool: PoolState, call: Call, now: float) -> InstanceState:
+    admitting = [i for i in pool.routable if i.breaker.state == ADMITTING]
+    if not admitting:
         raise NoInstanceAvailable(
             f"no instance of pool {pool.name!r} is available",
-            retry_after_s=pool.policy.health.interval,
+            retry_after_s=_retry_after_s(pool, now),
         )
-    exclude = call.tried
-    if pool.blocked_until > 0.0:
-        now = asyncio.get_running_loop().time()
-        if pool.blocked_until > now:
-            exclude = exclude + [i for i in candidates if i.not_before > now]
-        else:
-            pool.blocked_until = 0.0
-    instance, pool.next_index = round_robin(candidates, pool.next_index, exclude)
-    call.instance = instance
-    call.tried.append(instance)
-    call.attempts += 1
-    return await next_handler(call)
+    tried = call.tried
+    fresh = [i for i in admitting if i not in tried and i.not_before <= now]
+    candidates = fresh or admitting
+    slow_start_s = pool.policy.health.slow_start
+    # An instance with no finished attempt yet has no latency of its own: it is costed at its
+    # peers' average, neither shunned (a made-up high guess) nor flooded (a guess of zero).
+    measured = [i.peak.get(now) for i in candidates if i.requests > i.in_flight]
+    unknown_s = sum(measured) / len(measured) if measured else 0.0
+
+    def cost(inst: InstanceState) -> float:
+        weight = 1.0
+        if slow_start_s and inst.health.healthy_since is not None:
+            weight = slow_start_weight(now, inst.health.healthy_since, slow_start_s)
+        latency = inst.peak.get(now) if inst.requests > inst.in_flight else unknown_s
+        return load_cost(latency, inst.in_flight, weight)
+
+    chosen = choose(candidates, cost, pool.rng)
+    assert chosen is not None
+    return chosen
+
+
+def _retry_after_s(pool: PoolState, now: float) -> float:
+    """When to come back: the nearest end of an isolation, else the next health check."""
+    ends = [i.breaker.remaining_s(now) for i in pool.routable]
+    finite = [e for e in ends if 0 < e < float("inf")]
+    return min(finite) if finite else pool.policy.health.interval

@@ -90,6 +90,5 @@ def _honour_retry_after(
         return 0.0
     instance = response.instance
     instance.not_before = now + pause
-    pool.blocked_until = max(pool.blocked_until, instance.not_before)
     unblocked = any(i.not_before <= now for i in pool.instances)
     return 0.0 if unblocked else pause

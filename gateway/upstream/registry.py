@@ -8,6 +8,8 @@ from urllib.parse import urlsplit
 from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
+from gateway.core.balancer import PeakEwma
+from gateway.core.breaker import BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
@@ -21,6 +23,7 @@ class InstanceState:
 
     __slots__ = (
         "base_url",
+        "breaker",
         "failures",
         "health",
         "in_flight",
@@ -28,13 +31,20 @@ class InstanceState:
         "name",
         "name_header",
         "not_before",
+        "peak",
         "pool_name",
         "requests",
         "urls",
     )
 
     def __init__(
-        self, pool_name: str, policy: InstancePolicy, smoothing: float, health: HealthState
+        self,
+        pool_name: str,
+        policy: InstancePolicy,
+        smoothing: float,
+        health: HealthState,
+        breaker: BreakerState,
+        now: float,
     ) -> None:
         self.pool_name = pool_name
         self.name = policy.name
@@ -51,6 +61,9 @@ class InstanceState:
         self.failures = 0  # attempts that failed through the instance's fault
         self.latency = LatencyState(smoothing)
         self.health = health
+        self.breaker = breaker
+        # Peak-EWMA of attempt durations: the balancer's latency, quick to see a slowdown.
+        self.peak = PeakEwma(now)
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
 
@@ -59,7 +72,7 @@ class PoolState:
     """A pool's instances and the decisions it keeps about them as a whole."""
 
     __slots__ = (
-        "blocked_until",
+        "breakers",
         "budget",
         "failure",
         "instances",
@@ -77,6 +90,7 @@ class PoolState:
         self.policy = policy
         smoothing = policy.timeouts.smoothing
         health = policy.health
+        self.breakers = PoolBreakers(policy.breaker, [inst.name for inst in policy.instances])
         self.instances = [
             InstanceState(
                 name,
@@ -85,6 +99,8 @@ class PoolState:
                 HealthState(now, health.healthy_threshold, health.unhealthy_threshold)
                 if health.enabled
                 else HealthState.assumed_healthy(now),
+                self.breakers[inst.name],
+                now,
             )
             for inst in policy.instances
         ]
@@ -94,12 +110,11 @@ class PoolState:
         self.budget = RetryBudget.from_policy(policy.retries.budget)
         self.retry_on: frozenset[str | int] = frozenset(policy.retries.on)
         self.rng = rng  # jitter and backoff draws
-        self.blocked_until = 0.0  # the latest `not_before` of its instances
         self.routable: list[InstanceState] = []  # healthy instances, kept by `refresh_routable`
         self.refresh_routable()
 
     def refresh_routable(self) -> None:
-        """Recompute the instances that may take traffic (on every change of a verdict)."""
+        """Recompute the healthy instances (on every change of a health verdict)."""
         self.routable = [inst for inst in self.instances if inst.health.healthy]
 
 

@@ -48,6 +48,7 @@ class UpstreamResponse:
         "max_gap_s",
         "on_finish",
         "outcome",
+        "probe",
         "started_at",
         "status",
         "tail",
@@ -86,6 +87,7 @@ class UpstreamResponse:
         else:
             self.outcome = Outcome.from_status(status)
         self.on_finish: FinishHook | None = None
+        self.probe = False  # this attempt is its isolated instance's probe
 
     def header(self, name: str) -> str | None:
         return self._raw.headers.get(name)

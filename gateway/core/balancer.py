@@ -1,0 +1,131 @@
+"""Load balancing: power of two choices over a peak-EWMA cost, with Envoy-style slow start.
+
+Pure: `now` (monotonic seconds) and a `random.Random` are arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# tower's default: with no sample yet, assume 1 s, so a new instance is not flooded before it
+# has a baseline (and the guess decays, so it is tried soon if the others are slower).
+DEFAULT_RTT_S = 1.0
+# How fast the estimate forgets: e^(-Δt/τ); 10 s as in tower's and Linkerd's defaults.
+DEFAULT_TAU_S = 10.0
+# Envoy's slow start begins new hosts at 10 % of their weight (min_weight_percent).
+SLOW_START_FLOOR = 0.1
+
+
+class PeakEwma:
+    """Peak-EWMA latency, exactly as tower's `peak_ewma` (after Finagle): fast up, slow down.
+
+    State: `value` and the time `stamp` of the last update. With `w = exp(-max(0, now -
+    stamp) / tau_s)`, an update with a sample s at `now` sets
+
+    - `value = s` when `s > value` (the peak: one slow answer counts at once, fully);
+    - otherwise `value = value·w + s·(1 - w)` (decay toward the sample),
+
+    then `stamp = now` (unless `now` is earlier: a clock that went back decays nothing).
+    `get(now)` is an update with s = 0: between samples the estimate decays toward 0 by
+    `e^(-Δt/τ)`, however often it is read, so an idle or long-unused instance is tried again.
+    As in tower, a sample below the estimate weighs `1 - w` with Δt counted from the last
+    update, read or sample: on an instance read often, low samples move it little and the
+    estimate follows the recent peaks, each fading with time constant τ.
+
+    Starts at `initial_s` (default 1 s) stamped at `now`.
+    """
+
+    __slots__ = ("_stamp", "_tau_s", "_value")
+
+    def __init__(
+        self, now: float, initial_s: float = DEFAULT_RTT_S, tau_s: float = DEFAULT_TAU_S
+    ) -> None:
+        if tau_s <= 0.0:
+            raise ValueError(f"tau_s must be positive, got {tau_s}")
+        if initial_s < 0.0:
+            raise ValueError(f"initial_s must not be negative, got {initial_s}")
+        self._value = initial_s
+        self._stamp = now
+        self._tau_s = tau_s
+
+    def observe(self, now: float, sample_s: float) -> float:
+        """Fold one latency sample (seconds) in at `now` (rule in the class docstring)."""
+        value = self._value
+        elapsed = now - self._stamp
+        if sample_s > value:
+            value = sample_s
+        elif elapsed > 0.0:
+            decay = math.exp(-elapsed / self._tau_s)
+            value = value * decay + sample_s * (1.0 - decay)
+        self._value = value
+        if elapsed > 0.0:
+            self._stamp = now
+        return value
+
+    def get(self, now: float) -> float:
+        """The estimate at `now`, decayed toward 0 since the last update (and stored so)."""
+        return self.observe(now, 0.0)
+
+    def peek(self, now: float) -> float:
+        """What `get(now)` would return, without updating (for /admin/state)."""
+        elapsed = now - self._stamp
+        if elapsed <= 0.0:
+            return self._value
+        return self._value * math.exp(-elapsed / self._tau_s)
+
+    def __repr__(self) -> str:
+        return f"PeakEwma(value={self._value:.6g}, stamp={self._stamp:.6g}, tau={self._tau_s:g})"
+
+
+def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
+    """The cost P2C compares: `latency_s * (in_flight + 1) / weight`.
+
+    `latency_s` is `PeakEwma.get(now)`; `+ 1` counts the request being placed, so an idle
+    instance still costs its latency; `weight` is the slow-start weight in (0, 1].
+    """
+    return latency_s * (in_flight + 1) / weight
+
+
+def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:
+    """Power of two choices: draw two distinct candidates uniformly, keep the cheaper one.
+
+    Ties go to the first drawn (not the first in the sequence: that would send every tie to
+    the same instance). One candidate: it, without calling `cost` or the rng. None: None.
+    `cost` is called exactly twice otherwise. The caller filters out isolated and tried ones.
+    """
+    count = len(candidates)
+    if count < 2:
+        return candidates[0] if count else None
+    # int(random() * n) rather than randrange: a tenth of the cost, and for any n below 2^52
+    # it is uniform to within 2^-53 and never reaches n.
+    first = int(rng.random() * count)
+    second = int(rng.random() * (count - 1))
+    if second >= first:
+        second += 1  # skip `first`: the pair is distinct and every pair equally likely
+    a = candidates[first]
+    b = candidates[second]
+    return b if cost(b) < cost(a) else a
+
+
+def slow_start_weight(
+    now: float, healthy_since: float, window_s: float, floor: float = SLOW_START_FLOOR
+) -> float:
+    """Envoy's slow start: the weight of an instance that became healthy at `healthy_since`.
+
+    `floor + (1 - floor) * (now - healthy_since) / window_s`, clamped to `[floor, 1]`: `floor`
+    (0.1) at the moment it became healthy (and before, should the clock say so), rising
+    linearly to 1 at `healthy_since + window_s` and staying there. `window_s ≤ 0`: always 1.
+    """
+    if window_s <= 0.0:
+        return 1.0
+    elapsed = now - healthy_since
+    if elapsed >= window_s:
+        return 1.0
+    if elapsed <= 0.0:
+        return floor
+    return floor + (1.0 - floor) * elapsed / window_s

@@ -1,0 +1,443 @@
+"""The per-instance breaker (ADMITTING → ISOLATED → PROBING → ADMITTING) and the pool's cap.
+
+Words: ADMITTING (traffic flows), ISOLATED (no traffic), PROBING (one probe request at a time).
+Pure: `now` (monotonic seconds) and a `random.Random` are arguments; every state change returns
+a `Transition` for the async shell to log, count and publish.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from gateway.config.models import BreakerPolicy
+
+StateName = Literal["ADMITTING", "ISOLATED", "PROBING"]
+ADMITTING: Final = "ADMITTING"
+ISOLATED: Final = "ISOLATED"
+PROBING: Final = "PROBING"
+
+# Isolations last their nominal length times a factor drawn from [1 - JITTER, 1 + JITTER], so
+# instances isolated together (one bad switch, one shared cause) do not all probe at once.
+JITTER = 0.1
+_INF = math.inf
+# Products such as 0.29 * 100 land a hair under the integer they mean.
+_EPSILON = 1e-9
+# 2**62 * any sane isolation is far past max_isolation; the cap keeps the power finite.
+_MAX_DOUBLINGS = 62
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A breaker's change of state, or a trip the pool's cap refused (`suppressed`).
+
+    `until` is the monotonic time the isolation ends when `to` is ISOLATED (`inf` for an
+    operator's isolation), else None. A suppressed trip has `state_from == to == "ADMITTING"`:
+    nothing changed, but the shell should log and count it (Envoy's `ejections_overflow`).
+    """
+
+    instance: str
+    state_from: StateName
+    to: StateName
+    reason: str
+    until: float | None = None
+    suppressed: bool = False
+
+
+def isolation_cap(fraction: float, size: int) -> int:
+    """How many of a pool's `size` instances may be isolated at once: `max(1, ⌊fraction·size⌋)`.
+
+    At least one, so a single bad instance can always be taken out, even in a pool of one.
+    """
+    return max(1, math.floor(fraction * size + _EPSILON))
+
+
+class BreakerState:
+    """One instance's breaker. The rules, exactly:
+
+    **ADMITTING** (`try_admit` → True). `record` counts every finished attempt the caller
+    classified (a client's 4xx is not recorded at all; `timeout` implies `failed`):
+
+    - `consecutive_timeouts` rises on a timeout and drops to 0 on any other result, failure or
+      success;
+    - a sliding window of `ceil(policy.window)` one-second buckets (a fixed ring keyed by
+      `floor(now)`: the current second and the ones before it) counts results and failures.
+
+    The trip is checked when a failure is recorded, never on a success (a success that brings
+    the window to `min_requests` must not isolate an instance that just answered well):
+    it trips when `consecutive_timeouts ≥ policy.consecutive_timeouts`, else when the window
+    holds `≥ policy.min_requests` results and `failures / results > policy.error_rate`
+    (strictly above: exactly 15 % with a 15 % threshold does not trip).
+
+    **Trip.** If the pool's guard (`may_isolate`, see `PoolBreakers`) refuses, the breaker stays
+    ADMITTING with its counters untouched, `suppressed_isolations` rises and `record` returns a
+    Transition with `suppressed=True`; the next failure checks again, so the instance is
+    isolated as soon as there is room and it still fails. Otherwise it becomes **ISOLATED**:
+    `streak` rises by one and, with n the new streak, the isolation lasts
+    `min(isolation · 2^(n-1), max_isolation) * f`, f drawn uniformly from `[1 - jitter,
+    1 + jitter]` with the rng passed in (so up to `1.1 * max_isolation` with the default jitter).
+    `isolated_until = now + that`.
+
+    **ISOLATED** (`try_admit` → False before `isolated_until`). At `now ≥ isolated_until`, the
+    next `try_admit` turns the breaker to **PROBING** and returns True: that caller holds the
+    probe (it can tell: `state == "PROBING"` right after a True). Every other `try_admit` gets
+    False until the probe's result, `record(..., probe=True)`:
+
+    - success → ADMITTING, window and `consecutive_timeouts` cleared, `streak = max(0, n - 1)`;
+    - failure → ISOLATED again with streak n + 1 (the next, longer isolation).
+
+    The streak also decays with time, as Envoy's ejection multiplier does: at a trip, one step
+    is forgiven per whole `max_isolation` spent ADMITTING since the last return to ADMITTING
+    (`streak = max(0, streak - ⌊admitting time / max_isolation⌋)` before adding 1). Without it
+    the streak could only go up by one per trip and down by one per probe, so an instance that
+    tripped a few times a week would keep long isolations forever. `streak` as read is the
+    value before that forgiveness.
+
+    A probe that never reports (its request was cancelled) must not wedge the breaker:
+    `release_probe(now)` puts it back to ISOLATED with `isolated_until` already passed, so the
+    next `try_admit` probes again; and a probe outstanding longer than `max_isolation` lets one
+    more probe through (the later of the two that reports decides, whichever it is).
+
+    Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
+    requests admitted before the isolation, and describe the instance before the pause.
+
+    **Operator.** `isolate(now, rng, reason)` forces ISOLATED with `isolated_until = inf` from
+    any state, regardless of the pool's cap, until `restore(now)`; `restore` returns to
+    ADMITTING with the window, `consecutive_timeouts` and `streak` cleared.
+    `isolate(..., forced=False)` is an automatic isolation from outside the request path (a
+    health check, a decision shared by another replica): a trip as above, capped, from ADMITTING
+    only.
+
+    The ISOLATED → PROBING change happens inside `try_admit`, which returns only a bool so that
+    the hot path allocates nothing: the shell sees it as a True with `state == "PROBING"`.
+    """
+
+    __slots__ = (
+        "_admitting_since",
+        "_error_rate",
+        "_failures",
+        "_failures_total",
+        "_guard",
+        "_head",
+        "_isolation_s",
+        "_jitter",
+        "_max_isolation_s",
+        "_min_requests",
+        "_results",
+        "_results_total",
+        "_size",
+        "_timeout_limit",
+        "_window_s",
+        "consecutive_timeouts",
+        "instance",
+        "isolated_until",
+        "isolations",
+        "probe_started_at",
+        "state",
+        "streak",
+        "suppressed_isolations",
+    )
+
+    def __init__(
+        self,
+        policy: BreakerPolicy,
+        instance: str = "",
+        may_isolate: Callable[[], bool] | None = None,
+        jitter: float = JITTER,
+    ) -> None:
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.instance = instance
+        self.state: StateName = ADMITTING
+        self.isolated_until = 0.0
+        self.probe_started_at = 0.0
+        self.streak = 0
+        self.isolations = 0
+        self.suppressed_isolations = 0
+        self.consecutive_timeouts = 0
+        self._admitting_since = -_INF
+        self._guard = may_isolate
+        self._jitter = jitter
+        self._timeout_limit = policy.consecutive_timeouts
+        self._error_rate = policy.error_rate
+        self._min_requests = policy.min_requests
+        self._isolation_s = policy.isolation
+        self._max_isolation_s = policy.max_isolation
+        self._window_s = policy.window
+        self._size = max(1, math.ceil(policy.window))
+        self._results = [0] * self._size
+        self._failures = [0] * self._size
+        self._results_total = 0
+        self._failures_total = 0
+        # The second of the newest bucket; far in the past, so the first call empties the ring.
+        self._head = -(1 << 62)
+
+    # -- the request path ---------------------------------------------------------------------
+
+    def try_admit(self, now: float) -> bool:
+        """May this instance take a new request at `now`? (Rules in the class docstring.)"""
+        state = self.state
+        if state == ADMITTING:
+            return True
+        if state == ISOLATED:
+            if now < self.isolated_until:
+                return False
+            self.state = PROBING
+            self.probe_started_at = now
+            return True
+        # PROBING: one probe at a time, unless the outstanding one looks lost.
+        if now - self.probe_started_at > self._max_isolation_s:
+            self.probe_started_at = now
+            return True
+        return False
+
+    def record(
+        self,
+        now: float,
+        failed: bool,
+        timeout: bool,
+        rng: random.Random,
+        probe: bool = False,
+    ) -> Transition | None:
+        """Count one finished attempt; the Transition when it changes the state (or is refused).
+
+        `failed`: the instance is to blame; `timeout`: that failure was a timeout (implies
+        `failed`); `probe`: this attempt was the probe `try_admit` let through.
+        """
+        if self.state != ADMITTING:
+            if probe and self.state == PROBING:
+                return self._probe_result(now, failed or timeout, timeout, rng)
+            return None
+        slot = self._advance(now)
+        self._results[slot] += 1
+        self._results_total += 1
+        if not (failed or timeout):
+            self.consecutive_timeouts = 0
+            return None
+        self._failures[slot] += 1
+        self._failures_total += 1
+        if timeout:
+            self.consecutive_timeouts += 1
+            if self.consecutive_timeouts >= self._timeout_limit:
+                return self._trip(now, rng, f"{self.consecutive_timeouts} consecutive timeouts")
+        else:
+            self.consecutive_timeouts = 0
+        results = self._results_total
+        if results >= self._min_requests:
+            failures = self._failures_total
+            # A division, not `failures > rate * results`: the quotient is correctly rounded,
+            # so an exact 3/20 equals 0.15 while 0.15 * 20 need not equal 3.
+            rate = failures / results
+            if rate > self._error_rate:
+                return self._trip(
+                    now,
+                    rng,
+                    f"error rate {rate:.2f} over {self._window_s:g} s ({failures}/{results})",
+                )
+        return None
+
+    def release_probe(self, now: float) -> Transition | None:
+        """The probe ended without a result (cancelled): back to ISOLATED, already expired.
+
+        The next `try_admit` sends a new probe. No-op (None) unless PROBING.
+        """
+        if self.state != PROBING:
+            return None
+        self.state = ISOLATED
+        self.isolated_until = min(self.isolated_until, now)
+        return Transition(self.instance, PROBING, ISOLATED, "probe released", self.isolated_until)
+
+    # -- operator and out-of-band actions -------------------------------------------------
+
+    def isolate(
+        self,
+        now: float,
+        rng: random.Random,
+        reason: str = "operator",
+        forced: bool = True,
+    ) -> Transition | None:
+        """Isolate now. Forced (the operator): from any state, ignoring the pool's cap, with
+        `isolated_until = inf` until `restore`; None if already so. Not forced: an automatic
+        trip (streak, backoff, jitter, cap) from ADMITTING; None from the other states.
+        """
+        if not forced:
+            if self.state != ADMITTING:
+                return None
+            return self._trip(now, rng, reason)
+        if self.state == ISOLATED and self.isolated_until == _INF:
+            return None
+        state_from = self.state
+        self.state = ISOLATED
+        self.isolated_until = _INF
+        self.isolations += 1
+        return Transition(self.instance, state_from, ISOLATED, reason, _INF)
+
+    def restore(self, now: float, reason: str = "operator") -> Transition | None:
+        """Back to ADMITTING with the window, `consecutive_timeouts` and `streak` cleared.
+
+        From ADMITTING it only clears those (None): the operator vouches for the instance.
+        """
+        self._clear()
+        self.streak = 0
+        if self.state == ADMITTING:
+            return None
+        state_from = self.state
+        self.state = ADMITTING
+        self._admitting_since = now
+        self.isolated_until = min(self.isolated_until, now)
+        return Transition(self.instance, state_from, ADMITTING, reason)
+
+    # -- introspection (for /admin/state and metrics) ----------------------------------------
+
+    def remaining_s(self, now: float) -> float:
+        """Seconds of isolation left: `max(0, isolated_until - now)` when ISOLATED (inf when
+        forced), else 0."""
+        if self.state != ISOLATED:
+            return 0.0
+        return max(0.0, self.isolated_until - now)
+
+    def window_counts(self, now: float) -> tuple[int, int]:
+        """`(results, failures)` in the window that ends at `now`."""
+        self._advance(now)
+        return self._results_total, self._failures_total
+
+    @property
+    def forced(self) -> bool:
+        """Whether an operator's isolation holds it (only `restore` ends it)."""
+        return self.state == ISOLATED and self.isolated_until == _INF
+
+    def __repr__(self) -> str:
+        return (
+            f"BreakerState({self.instance!r}, {self.state}, streak={self.streak}, "
+            f"until={self.isolated_until:.6g})"
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _trip(self, now: float, rng: random.Random, reason: str) -> Transition:
+        guard = self._guard
+        if guard is not None and not guard():
+            # Counters stay: the next failure asks again, and isolates once there is room.
+            self.suppressed_isolations += 1
+            return Transition(
+                self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
+            )
+        return self._isolate(now, rng, reason, ADMITTING)
+
+    def _isolate(
+        self, now: float, rng: random.Random, reason: str, state_from: StateName
+    ) -> Transition:
+        if state_from == ADMITTING and self.streak:
+            forgiven = (now - self._admitting_since) // self._max_isolation_s
+            if forgiven > 0:
+                self.streak -= int(min(forgiven, self.streak))
+        self.streak += 1
+        nominal = self._isolation_s * 2.0 ** min(self.streak - 1, _MAX_DOUBLINGS)
+        duration = min(nominal, self._max_isolation_s)
+        jitter = self._jitter
+        if jitter:
+            duration *= 1.0 + jitter * (2.0 * rng.random() - 1.0)
+        self.state = ISOLATED
+        self.isolated_until = now + duration
+        self.isolations += 1
+        return Transition(self.instance, state_from, ISOLATED, reason, self.isolated_until)
+
+    def _probe_result(
+        self, now: float, failed: bool, timeout: bool, rng: random.Random
+    ) -> Transition:
+        if failed:
+            reason = "probe timed out" if timeout else "probe failed"
+            return self._isolate(now, rng, reason, PROBING)
+        self._clear()
+        self.streak = max(0, self.streak - 1)
+        self.state = ADMITTING
+        self._admitting_since = now
+        return Transition(self.instance, PROBING, ADMITTING, "probe succeeded")
+
+    def _clear(self) -> None:
+        self.consecutive_timeouts = 0
+        results = self._results
+        failures = self._failures
+        for slot in range(self._size):
+            results[slot] = 0
+            failures[slot] = 0
+        self._results_total = 0
+        self._failures_total = 0
+
+    def _advance(self, now: float) -> int:
+        # Move the window's head to `now`'s second, emptying the buckets it leaves behind: O(1)
+        # amortised, and a gap of a whole window or more empties the ring at once. A `now`
+        # before the head (a clock that went back) counts in the newest bucket.
+        second = math.floor(now)
+        head = self._head
+        size = self._size
+        if second <= head:
+            return head % size
+        results = self._results
+        failures = self._failures
+        if second - head >= size:
+            for slot in range(size):
+                results[slot] = 0
+                failures[slot] = 0
+            self._results_total = 0
+            self._failures_total = 0
+        else:
+            for passed in range(head + 1, second + 1):
+                slot = passed % size
+                self._results_total -= results[slot]
+                self._failures_total -= failures[slot]
+                results[slot] = 0
+                failures[slot] = 0
+        self._head = second
+        return second % size
+
+
+class PoolBreakers:
+    """A pool's breakers and its guard rail, Envoy's ejection cap.
+
+    At most `cap = isolation_cap(policy.max_isolated_fraction, n)` of the pool's n instances are
+    out (ISOLATED or PROBING, operator isolations included) at once. Each breaker asks
+    `may_isolate` before an automatic trip: `out < cap`. A refused trip is not an error: the
+    breaker stays ADMITTING, its `suppressed_isolations` rises and `record` returns a
+    `suppressed` Transition. Operator isolations ignore the cap (but count toward it).
+
+    Counting the out instances walks the pool: trips are rare, and a count kept by hand could
+    drift from the states it mirrors.
+    """
+
+    __slots__ = ("breakers", "cap")
+
+    def __init__(
+        self, policy: BreakerPolicy, instances: Sequence[str], jitter: float = JITTER
+    ) -> None:
+        if len(set(instances)) != len(instances):
+            raise ValueError("instance names must be unique within a pool")
+        self.cap = isolation_cap(policy.max_isolated_fraction, len(instances))
+        self.breakers: dict[str, BreakerState] = {
+            name: BreakerState(policy, name, self.may_isolate, jitter) for name in instances
+        }
+
+    def __getitem__(self, instance: str) -> BreakerState:
+        return self.breakers[instance]
+
+    def __iter__(self) -> Iterator[BreakerState]:
+        return iter(self.breakers.values())
+
+    def __len__(self) -> int:
+        return len(self.breakers)
+
+    def isolated_count(self) -> int:
+        """How many instances are out (ISOLATED or PROBING)."""
+        return sum(1 for breaker in self.breakers.values() if breaker.state != ADMITTING)
+
+    def may_isolate(self) -> bool:
+        """Whether one more instance may be isolated now: `isolated_count() < cap`."""
+        return self.isolated_count() < self.cap
+
+    @property
+    def suppressed_isolations(self) -> int:
+        """Trips refused by the cap, over the pool's instances."""
+        return sum(breaker.suppressed_isolations for breaker in self.breakers.values())

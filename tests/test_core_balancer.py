@@ -1,0 +1,171 @@
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.core.balancer import PeakEwma, choose, load_cost, slow_start_weight
+
+E1 = math.exp(-1.0)
+
+
+# -- PeakEwma -------------------------------------------------------------------------------------
+
+
+def test_peak_ewma_starts_at_the_guess_and_decays_toward_zero_when_read() -> None:
+    ewma = PeakEwma(0.0)  # 1 s, tau 10 s
+    assert ewma.get(0.0) == 1.0
+    assert ewma.get(10.0) == pytest.approx(E1)
+    # Reading often or once gives the same decay: e^-a * e^-b = e^-(a+b).
+    once, often = PeakEwma(0.0), PeakEwma(0.0)
+    for t in range(1, 21):
+        often.get(float(t))
+    assert often.get(20.0) == pytest.approx(once.get(20.0)) == pytest.approx(math.exp(-2.0))
+
+
+def test_peak_ewma_jumps_to_a_peak_and_decays_toward_lower_samples() -> None:
+    ewma = PeakEwma(0.0, initial_s=1.0, tau_s=10.0)
+    assert ewma.observe(0.0, 2.0) == 2.0  # above: taken at once
+    # 10 s later a 1 s sample: 2 * e^-1 + 1 * (1 - e^-1)
+    assert ewma.observe(10.0, 1.0) == pytest.approx(2 * E1 + (1 - E1))  # 1.3679
+    assert ewma.observe(10.0, 5.0) == 5.0
+    # No time passed: a lower sample weighs 1 - e^0 = 0.
+    assert ewma.observe(10.0, 0.5) == 5.0
+    # 5 s later a 3 s sample (below 5): w = e^-0.5.
+    w = math.exp(-0.5)
+    assert ewma.observe(15.0, 3.0) == pytest.approx(5 * w + 3 * (1 - w))  # 4.2131
+
+
+def test_peak_ewma_compares_against_the_stored_not_the_decayed_value() -> None:
+    # As in tower: 1.5 is below the stored 2.0, so it is averaged in, not taken as a peak.
+    ewma = PeakEwma(0.0, initial_s=2.0)
+    assert ewma.observe(10.0, 1.5) == pytest.approx(2 * E1 + 1.5 * (1 - E1))
+
+
+def test_peak_ewma_peek_does_not_update() -> None:
+    ewma = PeakEwma(0.0, initial_s=2.0)
+    assert ewma.peek(10.0) == pytest.approx(2 * E1)
+    assert ewma.observe(10.0, 1.5) == pytest.approx(2 * E1 + 1.5 * (1 - E1))
+
+
+def test_peak_ewma_ignores_a_clock_going_back() -> None:
+    ewma = PeakEwma(10.0, initial_s=2.0)
+    assert ewma.get(5.0) == 2.0
+    assert ewma.observe(5.0, 1.0) == 2.0
+    assert ewma.get(20.0) == pytest.approx(2 * E1)
+
+
+def test_peak_ewma_rejects_a_bad_tau() -> None:
+    with pytest.raises(ValueError):
+        PeakEwma(0.0, tau_s=0.0)
+
+
+# -- cost and slow start --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("latency", "in_flight", "weight", "cost"),
+    [(0.5, 0, 1.0, 0.5), (0.5, 3, 1.0, 2.0), (0.5, 3, 0.5, 4.0), (2.0, 0, 0.1, 20.0)],
+)
+def test_load_cost(latency: float, in_flight: int, weight: float, cost: float) -> None:
+    assert load_cost(latency, in_flight, weight) == pytest.approx(cost)
+
+
+@pytest.mark.parametrize(
+    ("now", "weight"),
+    [
+        (90.0, 0.1),  # before it became healthy (a clock oddity): the floor
+        (100.0, 0.1),
+        (115.0, 0.55),  # half way: 0.1 + 0.9 * 0.5
+        (127.0, 0.91),
+        (130.0, 1.0),
+        (1000.0, 1.0),
+    ],
+)
+def test_slow_start_ramp(now: float, weight: float) -> None:
+    assert slow_start_weight(now, healthy_since=100.0, window_s=30.0) == pytest.approx(weight)
+
+
+def test_slow_start_without_a_window_and_with_another_floor() -> None:
+    assert slow_start_weight(0.0, 0.0, 0.0) == 1.0
+    assert slow_start_weight(5.0, 0.0, 10.0, floor=0.5) == pytest.approx(0.75)
+
+
+# -- choose (P2C) ---------------------------------------------------------------------------------
+
+
+def test_choose_with_no_or_one_candidate() -> None:
+    rng = random.Random(0)
+
+    def never(_: str) -> float:
+        raise AssertionError("cost must not be called")
+
+    assert choose([], never, rng) is None
+    assert choose(["a"], never, rng) == "a"
+
+
+def test_choose_draws_two_distinct_and_keeps_the_cheaper() -> None:
+    rng = random.Random(3)
+    calls: list[list[str]] = []
+    costs = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+    for _ in range(1000):
+        pair: list[str] = []
+
+        def cost(name: str, pair: list[str] = pair) -> float:
+            pair.append(name)
+            return costs[name]
+
+        picked = choose(list(costs), cost, rng)
+        assert len(pair) == 2 and pair[0] != pair[1]
+        assert picked == min(pair, key=costs.__getitem__)
+        calls.append(pair)
+    # Every ordered pair of distinct candidates turns up (12 of them), roughly evenly.
+    seen = Counter((p[0], p[1]) for p in calls)
+    assert len(seen) == 12
+    assert min(seen.values()) > 50
+
+
+def test_ties_go_to_the_first_drawn_so_they_spread() -> None:
+    rng = random.Random(11)
+    picks = Counter(choose(["a", "b"], lambda _: 1.0, rng) for _ in range(10_000))
+    assert 4_700 < picks["a"] < 5_300
+
+
+def test_a_ten_times_costlier_instance_gets_a_clearly_smaller_share() -> None:
+    rng = random.Random(2024)
+    costs = {"a": 1.0, "b": 1.0, "slow": 10.0}
+    picks = Counter(choose(list(costs), costs.__getitem__, rng) for _ in range(10_000))
+    assert picks["slow"] == 0  # any pair with it has a cheaper member
+    assert 4_700 < picks["a"] < 5_300
+
+
+def test_p2c_with_peak_ewma_and_in_flight_sheds_load_from_a_slow_instance() -> None:
+    # A fake clock: a request every 10 ms; "slow" answers in 1 s, the others in 100 ms.
+    rng = random.Random(99)
+    latency = {"a": 0.1, "b": 0.1, "slow": 1.0}
+    names = list(latency)
+    ewma = {name: PeakEwma(0.0, initial_s=0.5) for name in names}
+    in_flight = dict.fromkeys(names, 0)
+    pending: list[tuple[float, str]] = []
+    picks: Counter[str] = Counter()
+    for i in range(10_000):
+        now = i * 0.01
+        while pending and pending[0][0] <= now:
+            done_at, name = heapq.heappop(pending)
+            in_flight[name] -= 1
+            ewma[name].observe(done_at, latency[name])
+
+        def cost(name: str, now: float = now) -> float:
+            return load_cost(ewma[name].get(now), in_flight[name])
+
+        picked = choose(names, cost, rng)
+        assert picked is not None
+        picks[picked] += 1
+        in_flight[picked] += 1
+        heapq.heappush(pending, (now + latency[picked], picked))
+    assert picks["slow"] < 0.1 * 10_000
+    assert picks["slow"] * 4 < min(picks["a"], picks["b"])
+    assert picks["slow"] > 0  # it is not starved: its cost decays between samples

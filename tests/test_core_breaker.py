@@ -1,0 +1,434 @@
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gateway.config.models import BreakerPolicy
+from gateway.core.breaker import (
+    ADMITTING,
+    ISOLATED,
+    PROBING,
+    BreakerState,
+    PoolBreakers,
+    Transition,
+    isolation_cap,
+)
+
+POLICY = BreakerPolicy()  # 3 timeouts, > 15 % over 60 s with >= 20, 5 s doubling to 120 s
+RNG = random.Random(7)
+
+
+def breaker(policy: BreakerPolicy = POLICY, jitter: float = 0.0) -> BreakerState:
+    return BreakerState(policy, "a", jitter=jitter)
+
+
+def ok(b: BreakerState, now: float, probe: bool = False) -> Transition | None:
+    return b.record(now, False, False, RNG, probe)
+
+
+def fail(b: BreakerState, now: float, probe: bool = False) -> Transition | None:
+    return b.record(now, True, False, RNG, probe)
+
+
+def timeout(b: BreakerState, now: float, probe: bool = False) -> Transition | None:
+    return b.record(now, True, True, RNG, probe)
+
+
+def trip_on_timeouts(b: BreakerState, now: float) -> Transition:
+    for _ in range(POLICY.consecutive_timeouts - 1):
+        assert timeout(b, now) is None
+    transition = timeout(b, now)
+    assert transition is not None
+    return transition
+
+
+# -- ADMITTING: the two trip rules --------------------------------------------------------------
+
+
+def test_three_consecutive_timeouts_isolate() -> None:
+    b = breaker()
+    assert b.try_admit(0.0)
+    assert timeout(b, 0.1) is None
+    assert timeout(b, 0.2) is None
+    assert timeout(b, 0.3) == Transition("a", ADMITTING, ISOLATED, "3 consecutive timeouts", 5.3)
+    assert b.state == ISOLATED
+    assert (b.streak, b.isolations, b.isolated_until) == (1, 1, 5.3)
+
+
+@pytest.mark.parametrize(
+    ("between", "isolated"),
+    [
+        (None, True),  # timeout, timeout, timeout
+        (ok, False),  # a success resets the count
+        (fail, False),  # so does a non-timeout failure
+    ],
+)
+def test_any_other_result_resets_the_consecutive_timeouts(between: object, isolated: bool) -> None:
+    b = breaker()
+    timeout(b, 1.0)
+    timeout(b, 1.0)
+    if callable(between):
+        between(b, 1.0)
+    timeout(b, 1.0)
+    assert (b.state == ISOLATED) is isolated
+
+
+@pytest.mark.parametrize(
+    ("successes", "failures", "isolated"),
+    [
+        (17, 3, False),  # 3/20 = 0.15: not strictly above 0.15
+        (16, 4, True),  # 4/20 = 0.20
+        (15, 4, False),  # 4/19 > 0.15 but fewer than min_requests (20) results
+        (0, 19, False),  # 19 failures, 19 results: still below min_requests
+        (0, 20, True),
+    ],
+)
+def test_error_rate_over_the_window(successes: int, failures: int, isolated: bool) -> None:
+    b = breaker()
+    for i in range(successes):
+        ok(b, i * 0.1)
+    last = None
+    for _ in range(failures):
+        last = fail(b, 5.0)
+    assert (b.state == ISOLATED) is isolated
+    if isolated:
+        assert last is not None
+        results = successes + failures
+        assert last.reason == (
+            f"error rate {failures / results:.2f} over 60 s ({failures}/{results})"
+        )
+
+
+def test_error_rate_reason_text() -> None:
+    b = breaker(BreakerPolicy(min_requests=50))
+    for _ in range(29):
+        ok(b, 1.0)
+    transitions = [fail(b, 2.0) for _ in range(21)]
+    assert transitions[-1] is not None
+    assert transitions[-1].reason == "error rate 0.42 over 60 s (21/50)"
+    assert [t for t in transitions[:-1] if t is not None] == []
+
+
+def test_a_success_never_trips_even_when_it_completes_min_requests() -> None:
+    b = breaker()
+    for _ in range(10):
+        fail(b, 1.0)
+    for _ in range(10):
+        assert ok(b, 1.0) is None  # 10/20 failed, but the last result was a success
+    assert b.state == ADMITTING
+    assert fail(b, 1.0) is not None  # the next failure trips: 11/21
+
+
+def test_the_window_slides_per_second() -> None:
+    b = breaker()
+    for _ in range(10):
+        fail(b, 0.5)  # second 0
+    for _ in range(30):
+        ok(b, 30.5)  # second 30
+    assert b.window_counts(30.5) == (40, 10)
+    # Second 59 still holds second 0 (60 buckets: 0..59); second 60 has dropped it.
+    assert b.window_counts(59.9) == (40, 10)
+    assert b.window_counts(60.0) == (30, 0)
+    # Second 90 drops second 30 too.
+    assert b.window_counts(90.0) == (0, 0)
+
+
+def test_old_failures_leave_the_window_before_they_can_trip() -> None:
+    b = breaker()
+    for _ in range(15):
+        fail(b, 0.0)  # 15 failures, under min_requests
+    for _ in range(5):
+        ok(b, 1.0)
+    assert b.state == ADMITTING
+    # At second 60 the failures are gone: 5 more failures are 5/10, under min_requests.
+    for _ in range(5):
+        fail(b, 60.0)
+    assert b.state == ADMITTING
+    assert b.window_counts(60.0) == (10, 5)
+
+
+def test_a_long_gap_empties_the_window() -> None:
+    b = breaker()
+    for _ in range(19):
+        fail(b, 100.0)
+    assert b.window_counts(100.0) == (19, 19)
+    assert b.window_counts(10_000.0) == (0, 0)
+    fail(b, 10_000.0)
+    assert b.state == ADMITTING
+
+
+def test_a_clock_that_goes_back_counts_in_the_newest_bucket() -> None:
+    b = breaker()
+    ok(b, 10.0)
+    ok(b, 5.0)
+    assert b.window_counts(10.0) == (2, 0)
+
+
+def test_a_fractional_window_has_whole_second_buckets() -> None:
+    b = breaker(BreakerPolicy(window=0.5, min_requests=2))
+    ok(b, 0.1)
+    assert b.window_counts(0.9) == (1, 0)
+    assert b.window_counts(1.0) == (0, 0)
+
+
+# -- ISOLATED: how long -------------------------------------------------------------------------
+
+
+def test_isolations_double_up_to_the_cap_and_decay_after_successful_probes() -> None:
+    b = breaker(BreakerPolicy(isolation=5.0, max_isolation=60.0))
+    now = 0.0
+    durations = [trip_on_timeouts(b, now).until]
+    for _ in range(5):  # five failed probes in a row
+        now = b.isolated_until
+        assert b.try_admit(now)
+        transition = timeout(b, now, probe=True)
+        assert transition is not None
+        assert (transition.state_from, transition.to, transition.reason) == (
+            PROBING,
+            ISOLATED,
+            "probe timed out",
+        )
+        assert transition.until is not None
+        durations.append(transition.until - now)
+    assert durations == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    assert (b.streak, b.isolations) == (6, 6)
+
+    # A successful probe: ADMITTING, the streak down by one (6 -> 5).
+    now = b.isolated_until
+    assert b.try_admit(now)
+    assert ok(b, now, probe=True) == Transition("a", PROBING, ADMITTING, "probe succeeded")
+    assert b.streak == 5
+    assert b.window_counts(now) == (0, 0)
+    assert b.consecutive_timeouts == 0
+    # Tripping again at once is the 6th in the streak: still at the cap.
+    assert trip_on_timeouts(b, now).until == now + 60.0
+
+
+@pytest.mark.parametrize(
+    ("admitting_s", "streak_before", "isolation_s"),
+    [
+        (0.0, 3, 40.0),  # at once: streak 3 -> 4th isolation, 5 * 2**3
+        (119.0, 3, 40.0),  # less than one max_isolation (120 s): nothing forgiven
+        (120.0, 2, 20.0),  # one forgiven
+        (359.0, 1, 10.0),  # two
+        (360.0, 0, 5.0),  # three: back to the first step
+        (10_000.0, 0, 5.0),  # never below zero
+    ],
+)
+def test_the_streak_decays_with_probes_and_with_time_admitting(
+    admitting_s: float, streak_before: int, isolation_s: float
+) -> None:
+    b = breaker()
+    now = 0.0
+    trip_on_timeouts(b, now)
+    for _ in range(3):  # failed probes: streak 4
+        now = b.isolated_until
+        b.try_admit(now)
+        fail(b, now, probe=True)
+    assert b.streak == 4
+    now = b.isolated_until
+    b.try_admit(now)
+    ok(b, now, probe=True)
+    assert b.streak == 3  # the successful probe forgave one
+    now += admitting_s
+    transition = trip_on_timeouts(b, now)
+    assert transition.until == now + isolation_s
+    assert b.streak == streak_before + 1
+
+
+def test_jitter_stays_within_ten_percent() -> None:
+    rng = random.Random(1234)
+    seen = []
+    for _ in range(200):
+        b = BreakerState(POLICY, "a")  # default jitter 0.1
+        for _ in range(3):
+            transition = b.record(0.0, True, True, rng)
+        assert transition is not None and transition.until is not None
+        seen.append(transition.until)
+    assert all(4.5 <= until <= 5.5 for until in seen)
+    assert max(seen) - min(seen) > 0.5  # it does vary
+
+
+def test_jitter_is_reproducible_with_a_seed() -> None:
+    def until(seed: int) -> float | None:
+        b = BreakerState(POLICY, "a")
+        rng = random.Random(seed)
+        for _ in range(3):
+            transition = b.record(0.0, True, True, rng)
+        assert transition is not None
+        return transition.until
+
+    assert until(42) == until(42)
+    assert until(42) != until(43)
+
+
+def test_jitter_applies_after_the_cap() -> None:
+    class High(random.Random):
+        def random(self) -> float:
+            return 0.999999
+
+    b = BreakerState(BreakerPolicy(isolation=100.0, max_isolation=100.0), "a")
+    for _ in range(3):
+        b.record(0.0, True, True, High())
+    assert b.isolated_until == pytest.approx(110.0, abs=1e-3)
+
+
+# -- ISOLATED -> PROBING -> ... -----------------------------------------------------------------
+
+
+def test_no_traffic_while_isolated_then_exactly_one_probe() -> None:
+    b = breaker()
+    trip_on_timeouts(b, 0.0)
+    assert [b.try_admit(t) for t in (0.0, 1.0, 4.999)] == [False, False, False]
+    assert b.remaining_s(2.0) == 3.0
+    admitted = [b.try_admit(5.0 + i * 0.01) for i in range(100)]
+    assert admitted.count(True) == 1 and admitted[0]
+    assert b.state == PROBING
+    assert b.remaining_s(6.0) == 0.0
+
+
+def test_late_results_of_earlier_requests_do_not_decide_the_probe() -> None:
+    b = breaker()
+    trip_on_timeouts(b, 0.0)
+    assert ok(b, 1.0) is None  # ISOLATED: ignored
+    assert b.try_admit(5.0)
+    assert ok(b, 5.5) is None  # not the probe: ignored
+    assert fail(b, 5.6) is None
+    assert b.state == PROBING
+    assert fail(b, 6.0, probe=True) == Transition("a", PROBING, ISOLATED, "probe failed", 16.0)
+
+
+def test_a_released_probe_lets_the_next_caller_probe() -> None:
+    b = breaker()
+    trip_on_timeouts(b, 0.0)
+    assert b.try_admit(5.0)
+    assert not b.try_admit(6.0)
+    assert b.release_probe(7.0) == Transition("a", PROBING, ISOLATED, "probe released", 5.0)
+    assert b.state == ISOLATED
+    assert b.release_probe(7.0) is None  # not probing: nothing to release
+    assert b.try_admit(7.0)
+    assert not b.try_admit(7.0)
+    assert b.streak == 1  # a cancelled probe is no evidence either way
+
+
+def test_a_probe_outstanding_longer_than_max_isolation_lets_another_through() -> None:
+    b = breaker()  # max_isolation 120 s
+    trip_on_timeouts(b, 0.0)
+    assert b.try_admit(5.0)
+    assert not b.try_admit(125.0)  # exactly 120 s: not longer
+    assert b.try_admit(125.5)
+    assert not b.try_admit(126.0)
+    assert ok(b, 130.0, probe=True) is not None
+    assert b.state == ADMITTING
+
+
+# -- operator actions ---------------------------------------------------------------------------
+
+
+def test_operator_isolate_holds_until_restore() -> None:
+    b = breaker()
+    assert b.isolate(1.0, RNG) == Transition("a", ADMITTING, ISOLATED, "operator", math.inf)
+    assert b.forced and b.remaining_s(2.0) == math.inf
+    assert not b.try_admit(1e9)
+    assert b.isolate(2.0, RNG) is None  # already forced
+    assert ok(b, 3.0, probe=True) is None
+    assert b.restore(4.0) == Transition("a", ISOLATED, ADMITTING, "operator")
+    assert b.try_admit(4.0) and not b.forced
+    assert b.restore(5.0) is None
+
+
+def test_operator_isolate_overrides_a_probe_and_restore_clears_everything() -> None:
+    b = breaker()
+    for _ in range(15):
+        ok(b, 0.0)
+    trip_on_timeouts(b, 0.0)
+    assert b.try_admit(5.0)
+    transition = b.isolate(6.0, RNG, reason="maintenance")
+    assert transition == Transition("a", PROBING, ISOLATED, "maintenance", math.inf)
+    assert ok(b, 7.0, probe=True) is None  # the probe's late result changes nothing
+    assert b.state == ISOLATED
+    assert b.restore(8.0) is not None
+    assert (b.streak, b.consecutive_timeouts, b.window_counts(8.0)) == (0, 0, (0, 0))
+    assert b.isolations == 2
+
+
+def test_an_unforced_isolate_is_a_regular_trip() -> None:
+    b = breaker()
+    transition = b.isolate(1.0, RNG, reason="health check failed", forced=False)
+    assert transition == Transition("a", ADMITTING, ISOLATED, "health check failed", 6.0)
+    assert b.isolate(2.0, RNG, reason="again", forced=False) is None
+    assert b.try_admit(6.0)  # it probes back like any other
+
+
+# -- the pool's ejection cap --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fraction", "size", "cap"),
+    [(0.5, 3, 1), (0.5, 4, 2), (0.0, 5, 1), (1.0, 1, 1), (0.29, 100, 29), (0.1, 3, 1)],
+)
+def test_isolation_cap(fraction: float, size: int, cap: int) -> None:
+    assert isolation_cap(fraction, size) == cap
+
+
+def test_the_cap_suppresses_a_second_isolation_until_the_first_returns() -> None:
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0)
+    assert pool.cap == 1
+    a, b = pool["a"], pool["b"]
+    trip_on_timeouts(a, 0.0)
+    assert a.state == ISOLATED and pool.isolated_count() == 1
+
+    timeout(b, 1.0)
+    timeout(b, 1.0)
+    marker = timeout(b, 1.0)
+    assert marker == Transition(
+        "b", ADMITTING, ADMITTING, "3 consecutive timeouts (suppressed: cap)", None, True
+    )
+    assert b.state == ADMITTING and b.try_admit(1.0)
+    assert b.suppressed_isolations == 1
+    # It keeps failing: each further trip is refused and counted.
+    assert timeout(b, 2.0) is not None
+    assert (b.suppressed_isolations, pool.suppressed_isolations) == (2, 2)
+    assert ok(b, 2.0) is None  # a success does not ask
+
+    # While `a` probes it still counts; once `a` is back, `b` isolates on its next failures.
+    assert a.try_admit(5.0)
+    assert timeout(b, 5.5) is None  # consecutive count restarted by the success above
+    timeout(b, 5.5)
+    assert timeout(b, 5.5) is not None and b.state == ADMITTING
+    assert ok(a, 6.0, probe=True) == Transition("a", PROBING, ADMITTING, "probe succeeded")
+    transition = timeout(b, 6.0)
+    assert transition is not None and not transition.suppressed
+    assert (transition.to, transition.reason) == (ISOLATED, "4 consecutive timeouts")
+    assert pool.isolated_count() == 1
+    assert b.suppressed_isolations == 3
+
+
+def test_operator_isolation_ignores_the_cap_but_counts_toward_it() -> None:
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0)
+    assert pool["a"].isolate(0.0, RNG) is not None
+    assert pool["b"].isolate(0.0, RNG) is not None  # forced: allowed past the cap
+    assert pool.isolated_count() == 2
+    marker = pool["c"].isolate(0.0, RNG, reason="health", forced=False)
+    assert marker is not None and marker.suppressed
+    assert pool["c"].state == ADMITTING
+
+
+def test_a_pool_of_one_may_isolate_its_only_instance() -> None:
+    pool = PoolBreakers(POLICY, ["only"], jitter=0.0)
+    trip_on_timeouts(pool["only"], 0.0)
+    assert pool["only"].state == ISOLATED
+    assert len(pool) == 1 and [x.instance for x in pool] == ["only"]
+
+
+def test_duplicate_instance_names_are_refused() -> None:
+    with pytest.raises(ValueError):
+        PoolBreakers(POLICY, ["a", "a"])
+
+
+def test_a_standalone_breaker_has_no_cap() -> None:
+    b = breaker()
+    trip_on_timeouts(b, 0.0)
+    assert b.suppressed_isolations == 0 and b.state == ISOLATED
