@@ -30,45 +30,49 @@ class Pick:
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         pool = call.pool
         now = self._clock()
-        instance = _probe(pool, now)
-        call.probe = instance is not None
-        if instance is None:
-            instance = _balance(pool, call, now)
+        tried = call.tried
+        # One pass: a due probe wins; else the admitting instances this request may use.
+        fresh: list[InstanceState] = []
+        admitting: list[InstanceState] = []
+        probe = None
+        for inst in pool.routable:
+            breaker = inst.breaker
+            if breaker.state == ADMITTING:
+                admitting.append(inst)
+                if inst.not_before <= now and inst not in tried:
+                    fresh.append(inst)
+            elif probe is None and breaker.try_admit(now):
+                probe = inst
+        if probe is not None:
+            instance = probe
+        elif admitting:
+            instance = _balance(pool, fresh or admitting, now)
+        else:
+            raise NoInstanceAvailable(
+                f"no instance of pool {pool.name!r} is available",
+                retry_after_s=_retry_after_s(pool, now),
+            )
+        call.probe = probe is not None
         call.instance = instance
-        call.tried.append(instance)
+        tried.append(instance)
         call.attempts += 1
         return await next_handler(call)
 
 
-def _probe(pool: PoolState, now: float) -> InstanceState | None:
-    for inst in pool.routable:
-        breaker = inst.breaker
-        if breaker.state != ADMITTING and breaker.try_admit(now):
-            return inst
-    return None
-
-
-def _balance(pool: PoolState, call: Call, now: float) -> InstanceState:
-    admitting = [i for i in pool.routable if i.breaker.state == ADMITTING]
-    if not admitting:
-        raise NoInstanceAvailable(
-            f"no instance of pool {pool.name!r} is available",
-            retry_after_s=_retry_after_s(pool, now),
-        )
-    tried = call.tried
-    fresh = [i for i in admitting if i not in tried and i.not_before <= now]
-    candidates = fresh or admitting
+def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
     slow_start_s = pool.policy.health.slow_start
-    # An instance with no finished attempt yet has no latency of its own: it is costed at its
-    # peers' average, neither shunned (a made-up high guess) nor flooded (a guess of zero).
-    measured = [i.peak.get(now) for i in candidates if i.requests > i.in_flight]
-    unknown_s = sum(measured) / len(measured) if measured else 0.0
 
     def cost(inst: InstanceState) -> float:
         weight = 1.0
         if slow_start_s and inst.health.healthy_since is not None:
             weight = slow_start_weight(now, inst.health.healthy_since, slow_start_s)
-        latency = inst.peak.get(now) if inst.requests > inst.in_flight else unknown_s
+        if inst.requests > inst.in_flight:
+            latency = inst.peak.get(now)
+        else:
+            # No finished attempt yet, so no latency of its own: costed at its peers' average,
+            # neither shunned (a made-up high guess) nor flooded (a guess of zero).
+            measured = [i.peak.get(now) for i in candidates if i.requests > i.in_flight]
+            latency = sum(measured) / len(measured) if measured else 0.0
         return load_cost(latency, inst.in_flight, weight)
 
     chosen = choose(candidates, cost, pool.rng)
