@@ -101,7 +101,7 @@ def test_the_ring_stays_fixed_and_deterministic() -> None:
             budget.record_request(now)
             if i % 3 == 0:
                 results.append(budget.try_spend(now))
-        assert len(budget._requests) == len(budget._retries) == 10
+        assert len(budget._window._first) == len(budget._window._second) == 10
         return results
 
     first = run()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from gateway.config.models import BreakerPolicy
+from gateway.core.window import WindowPair
 
 StateName = Literal["ADMITTING", "ISOLATED", "PROBING"]
 ADMITTING: Final = "ADMITTING"
@@ -118,18 +119,13 @@ class BreakerState:
     __slots__ = (
         "_admitting_since",
         "_error_rate",
-        "_failures",
-        "_failures_total",
         "_guard",
-        "_head",
         "_isolation_s",
         "_jitter",
         "_max_isolation_s",
         "_min_requests",
-        "_results",
-        "_results_total",
-        "_size",
         "_timeout_limit",
+        "_window",
         "_window_s",
         "consecutive_timeouts",
         "instance",
@@ -167,13 +163,8 @@ class BreakerState:
         self._isolation_s = policy.isolation
         self._max_isolation_s = policy.max_isolation
         self._window_s = policy.window
-        self._size = max(1, math.ceil(policy.window))
-        self._results = [0] * self._size
-        self._failures = [0] * self._size
-        self._results_total = 0
-        self._failures_total = 0
-        # The second of the newest bucket; far in the past, so the first call empties the ring.
-        self._head = -(1 << 62)
+        # first: results, second: failures
+        self._window = WindowPair(max(1, math.ceil(policy.window)))
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -211,23 +202,22 @@ class BreakerState:
             if probe and self.state == PROBING:
                 return self._probe_result(now, failed or timeout, timeout, rng)
             return None
-        slot = self._advance(now)
-        self._results[slot] += 1
-        self._results_total += 1
+        window = self._window
+        slot = window.advance(now)
+        window.add_first(slot)
         if not (failed or timeout):
             self.consecutive_timeouts = 0
             return None
-        self._failures[slot] += 1
-        self._failures_total += 1
+        window.add_second(slot)
         if timeout:
             self.consecutive_timeouts += 1
             if self.consecutive_timeouts >= self._timeout_limit:
                 return self._trip(now, rng, f"{self.consecutive_timeouts} consecutive timeouts")
         else:
             self.consecutive_timeouts = 0
-        results = self._results_total
+        results = window.first_total
         if results >= self._min_requests:
-            failures = self._failures_total
+            failures = window.second_total
             # A division, not `failures > rate * results`: the quotient is correctly rounded,
             # so an exact 3/20 equals 0.15 while 0.15 * 20 need not equal 3.
             rate = failures / results
@@ -301,8 +291,8 @@ class BreakerState:
 
     def window_counts(self, now: float) -> tuple[int, int]:
         """`(results, failures)` in the window that ends at `now`."""
-        self._advance(now)
-        return self._results_total, self._failures_total
+        self._window.advance(now)
+        return self._window.first_total, self._window.second_total
 
     @property
     def forced(self) -> bool:
@@ -359,40 +349,7 @@ class BreakerState:
 
     def _clear(self) -> None:
         self.consecutive_timeouts = 0
-        results = self._results
-        failures = self._failures
-        for slot in range(self._size):
-            results[slot] = 0
-            failures[slot] = 0
-        self._results_total = 0
-        self._failures_total = 0
-
-    def _advance(self, now: float) -> int:
-        # Move the window's head to `now`'s second, emptying the buckets it leaves behind: O(1)
-        # amortised, and a gap of a whole window or more empties the ring at once. A `now`
-        # before the head (a clock that went back) counts in the newest bucket.
-        second = math.floor(now)
-        head = self._head
-        size = self._size
-        if second <= head:
-            return head % size
-        results = self._results
-        failures = self._failures
-        if second - head >= size:
-            for slot in range(size):
-                results[slot] = 0
-                failures[slot] = 0
-            self._results_total = 0
-            self._failures_total = 0
-        else:
-            for passed in range(head + 1, second + 1):
-                slot = passed % size
-                self._results_total -= results[slot]
-                self._failures_total -= failures[slot]
-                results[slot] = 0
-                failures[slot] = 0
-        self._head = second
-        return second % size
+        self._window.clear()
 
 
 class PoolBreakers:

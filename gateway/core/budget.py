@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from gateway.config.models import BudgetPolicy
+from gateway.core.window import WindowPair
 
 WINDOW_S = 10
 # Products such as 0.29 * 100 land a hair under the integer they mean.
@@ -25,65 +24,24 @@ class RetryBudget:
     bucket (a clock that went back) counts in the newest bucket.
     """
 
-    __slots__ = (
-        "_allowance",
-        "_head",
-        "_ratio",
-        "_requests",
-        "_requests_total",
-        "_retries",
-        "_retries_total",
-        "_window_s",
-    )
+    __slots__ = ("_allowance", "_ratio", "_window")
 
     def __init__(self, ratio: float, min_per_second: float, window_s: int = WINDOW_S) -> None:
         if window_s < 1:
             raise ValueError(f"the window must be at least 1 s, got {window_s}")
         self._ratio = ratio
         self._allowance = min_per_second * window_s + _EPSILON
-        self._window_s = window_s
-        self._requests = [0] * window_s
-        self._retries = [0] * window_s
-        self._requests_total = 0
-        self._retries_total = 0
-        # The second of the newest bucket; far in the past, so the first call empties the ring.
-        self._head = -(1 << 62)
+        self._window = WindowPair(window_s)  # first: requests, second: retries
 
     @classmethod
     def from_policy(cls, policy: BudgetPolicy, window_s: int = WINDOW_S) -> RetryBudget:
         """The budget of `retries.budget`."""
         return cls(policy.ratio, policy.min_per_second, window_s)
 
-    def _advance(self, now: float) -> int:
-        # Move the window's head to `now`'s second, emptying the buckets it leaves behind.
-        second = math.floor(now)
-        head = self._head
-        if second <= head:
-            return head % self._window_s
-        window = self._window_s
-        requests = self._requests
-        retries = self._retries
-        if second - head >= window:
-            for slot in range(window):
-                requests[slot] = 0
-                retries[slot] = 0
-            self._requests_total = 0
-            self._retries_total = 0
-        else:
-            for passed in range(head + 1, second + 1):
-                slot = passed % window
-                self._requests_total -= requests[slot]
-                self._retries_total -= retries[slot]
-                requests[slot] = 0
-                retries[slot] = 0
-        self._head = second
-        return second % window
-
     def record_request(self, now: float) -> None:
         """Count one client request at `now`."""
-        slot = self._advance(now)
-        self._requests[slot] += 1
-        self._requests_total += 1
+        window = self._window
+        window.add_first(window.advance(now))
 
     def try_spend(self, now: float) -> bool:
         """Whether one more retry fits at `now`; when it does, it is counted.
@@ -91,14 +49,14 @@ class RetryBudget:
         Allowed when `retries + 1 ≤ ratio * requests + min_per_second * window_s`, counting the
         requests and retries of the window that ends at `now`.
         """
-        slot = self._advance(now)
-        if self._retries_total + 1 > self._ratio * self._requests_total + self._allowance:
+        window = self._window
+        slot = window.advance(now)
+        if window.second_total + 1 > self._ratio * window.first_total + self._allowance:
             return False
-        self._retries[slot] += 1
-        self._retries_total += 1
+        window.add_second(slot)
         return True
 
     def counts(self, now: float) -> tuple[int, int]:
         """`(requests, retries)` in the window that ends at `now` (for metrics and admin)."""
-        self._advance(now)
-        return self._requests_total, self._retries_total
+        self._window.advance(now)
+        return self._window.first_total, self._window.second_total
