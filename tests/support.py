@@ -52,6 +52,21 @@ def start_backend(name: str, models: list[str], *extra: str) -> Backend:
     return Backend(name, ManagedProcess(argv))
 
 
+def start_backends(names: tuple[str, ...], models: list[str], *extra: str) -> dict[str, Backend]:
+    """Several fake backends serving the same models, by name."""
+    return {name: start_backend(name, models, *extra) for name in names}
+
+
+def stop_backends(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.stop()
+
+
+def instances_yaml(backends: dict[str, Backend]) -> str:
+    """A policy's flow list of instances for these backends."""
+    return ", ".join(f'{{name: {name}, url: "{b.url}"}}' for name, b in backends.items())
+
+
 @dataclass
 class Gateway:
     """`gateway run` in its own process, on ports it chose itself."""

@@ -11,24 +11,30 @@ import httpx
 import pytest
 
 from loadtests.procs import wait_until
-from tests.support import Backend, Gateway, start_backend, start_gateway
+from tests.support import (
+    Backend,
+    Gateway,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
 
 NAMES = ("b0", "b1", "b2")
 
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = {n: start_backend(n, ["bm"], "--ttft", "0.02", "--per-token", "0.001") for n in NAMES}
+    started = start_backends(NAMES, ["bm"], "--ttft", "0.02", "--per-token", "0.001")
     yield started
-    for backend in started.values():
-        backend.stop()
+    stop_backends(started)
 
 
 @pytest.fixture(scope="module")
 def gateway(
     backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    instances = ", ".join(f'{{name: {n}, url: "{backends[n].url}"}}' for n in NAMES)
+    instances = instances_yaml(backends)
     policy = f"""
 listen: 127.0.0.1:0
 admin: {{listen: 127.0.0.1:0}}

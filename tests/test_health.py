@@ -11,20 +11,23 @@ import httpx
 import pytest
 
 from loadtests.procs import wait_until
-from tests.support import Backend, Gateway, start_backend, start_gateway
+from tests.support import (
+    Backend,
+    Gateway,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
 
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = {
-        name: start_backend(name, ["hm"], "--ttft", "0", "--per-token", "0")
-        for name in ("h0", "h1")
-    }
+    started = start_backends(("h0", "h1"), ["hm"], "--ttft", "0", "--per-token", "0")
     # h1 is still "loading its model" when the gateway starts.
     started["h1"].set_faults(unhealthy=True)
     yield started
-    for backend in started.values():
-        backend.stop()
+    stop_backends(started)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,7 @@ admin: {{listen: 127.0.0.1:0}}
 pools:
   hp:
     models: [hm]
-    instances:
-      - {{name: h0, url: "{backends["h0"].url}"}}
-      - {{name: h1, url: "{backends["h1"].url}"}}
+    instances: [{instances_yaml(backends)}]
     health: {{interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}}
 """
     gw = start_gateway(tmp_path_factory.mktemp("health") / "policy.yaml", policy)

@@ -10,7 +10,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Backend, Gateway, start_backend, start_gateway
+from tests.support import (
+    Backend,
+    Gateway,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
 
 NAMES = ("r0", "r1", "r2")
 TICK_S = 0.025  # the watchdog's resolution
@@ -18,20 +25,16 @@ TICK_S = 0.025  # the watchdog's resolution
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = {
-        name: start_backend(name, ["res", "outage"], "--ttft", "0.01", "--per-token", "0.001")
-        for name in NAMES
-    }
+    started = start_backends(NAMES, ["res", "outage"], "--ttft", "0.01", "--per-token", "0.001")
     yield started
-    for backend in started.values():
-        backend.stop()
+    stop_backends(started)
 
 
 @pytest.fixture(scope="module")
 def gateway(
     backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    instances = ", ".join(f'{{name: {n}, url: "{backends[n].url}"}}' for n in NAMES)
+    instances = instances_yaml(backends)
     policy = f"""
 listen: 127.0.0.1:0
 admin: {{listen: 127.0.0.1:0}}
