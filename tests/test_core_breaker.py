@@ -16,7 +16,9 @@ from gateway.core.breaker import (
     isolation_cap,
 )
 
-POLICY = BreakerPolicy()  # 3 timeouts, > 15 % over 60 s with >= 20, 5 s doubling to 120 s
+# 3 timeouts, > 15 % over 60 s with >= 20, 5 s doubling to 120 s. The window rules are tested
+# apart from consecutive failures (tested on their own below).
+POLICY = BreakerPolicy(consecutive_failures=10_000)
 RNG = random.Random(7)
 
 
@@ -102,7 +104,7 @@ def test_error_rate_over_the_window(successes: int, failures: int, isolated: boo
 
 
 def test_error_rate_reason_text() -> None:
-    b = breaker(BreakerPolicy(min_requests=50))
+    b = breaker(BreakerPolicy(consecutive_failures=10_000, min_requests=50))
     for _ in range(29):
         ok(b, 1.0)
     transitions = [fail(b, 2.0) for _ in range(21)]
@@ -167,7 +169,7 @@ def test_a_clock_that_goes_back_counts_in_the_newest_bucket() -> None:
 
 
 def test_a_fractional_window_has_whole_second_buckets() -> None:
-    b = breaker(BreakerPolicy(window=0.5, min_requests=2))
+    b = breaker(BreakerPolicy(consecutive_failures=10_000, window=0.5, min_requests=2))
     ok(b, 0.1)
     assert b.window_counts(0.9) == (1, 0)
     assert b.window_counts(1.0) == (0, 0)
@@ -432,3 +434,24 @@ def test_a_standalone_breaker_has_no_cap() -> None:
     b = breaker()
     trip_on_timeouts(b, 0.0)
     assert b.suppressed_isolations == 0 and b.state == ISOLATED
+
+
+def test_consecutive_failures_trip_before_the_window_would() -> None:
+    # A long healthy history keeps the error rate low; five refusals in a row still isolate.
+    b = breaker(BreakerPolicy(consecutive_failures=5))
+    rng = random.Random(0)
+    for i in range(500):
+        assert b.record(float(i) / 10, False, False, rng) is None
+    for i in range(4):
+        assert b.record(50.0 + i / 10, True, False, rng) is None
+    transition = b.record(51.0, True, False, rng)
+    assert transition is not None and transition.reason == "5 consecutive failures"
+    assert b.state == "ISOLATED"
+
+
+def test_a_success_resets_the_consecutive_failures() -> None:
+    b = breaker(BreakerPolicy(consecutive_failures=3, min_requests=1000))
+    rng = random.Random(0)
+    for now, failed in [(1.0, True), (1.1, True), (1.2, False), (1.3, True), (1.4, True)]:
+        assert b.record(now, failed, False, rng) is None
+    assert b.record(1.5, True, False, rng) is not None

@@ -204,6 +204,7 @@ class RetriesPolicy(Strict):
 
 class BreakerPolicy(Strict):
     consecutive_timeouts: int = Field(default=3, ge=1)
+    consecutive_failures: int = Field(default=5, ge=1)  # of any kind, as Envoy's consecutive_5xx
     error_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.15
     window: Duration = Field(default=60.0, gt=0)
     min_requests: int = Field(default=20, ge=1)

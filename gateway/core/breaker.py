@@ -63,13 +63,16 @@ class BreakerState:
     classified (a client's 4xx is not recorded at all; `timeout` implies `failed`):
 
     - `consecutive_timeouts` rises on a timeout and drops to 0 on any other result, failure or
-      success;
+      success; `consecutive_failures` rises on any failure and drops to 0 on a success (a
+      dead instance refusing connections is isolated after a few attempts, not once its
+      window's error rate catches up with minutes of past successes);
     - a sliding window of `ceil(policy.window)` one-second buckets (a fixed ring keyed by
       `floor(now)`: the current second and the ones before it) counts results and failures.
 
     The trip is checked when a failure is recorded, never on a success (a success that brings
     the window to `min_requests` must not isolate an instance that just answered well):
-    it trips when `consecutive_timeouts ≥ policy.consecutive_timeouts`, else when the window
+    it trips when `consecutive_timeouts ≥ policy.consecutive_timeouts`, or when
+    `consecutive_failures ≥ policy.consecutive_failures`, else when the window
     holds `≥ policy.min_requests` results and `failures / results > policy.error_rate`
     (strictly above: exactly 15 % with a 15 % threshold does not trip).
 
@@ -119,6 +122,7 @@ class BreakerState:
     __slots__ = (
         "_admitting_since",
         "_error_rate",
+        "_failure_limit",
         "_guard",
         "_isolation_s",
         "_jitter",
@@ -127,6 +131,7 @@ class BreakerState:
         "_timeout_limit",
         "_window",
         "_window_s",
+        "consecutive_failures",
         "consecutive_timeouts",
         "instance",
         "isolated_until",
@@ -154,10 +159,12 @@ class BreakerState:
         self.isolations = 0
         self.suppressed_isolations = 0
         self.consecutive_timeouts = 0
+        self.consecutive_failures = 0
         self._admitting_since = -_INF
         self._guard = may_isolate
         self._jitter = jitter
         self._timeout_limit = policy.consecutive_timeouts
+        self._failure_limit = policy.consecutive_failures
         self._error_rate = policy.error_rate
         self._min_requests = policy.min_requests
         self._isolation_s = policy.isolation
@@ -207,14 +214,18 @@ class BreakerState:
         window.add_first(slot)
         if not (failed or timeout):
             self.consecutive_timeouts = 0
+            self.consecutive_failures = 0
             return None
         window.add_second(slot)
+        self.consecutive_failures += 1
         if timeout:
             self.consecutive_timeouts += 1
             if self.consecutive_timeouts >= self._timeout_limit:
                 return self._trip(now, rng, f"{self.consecutive_timeouts} consecutive timeouts")
         else:
             self.consecutive_timeouts = 0
+        if self.consecutive_failures >= self._failure_limit:
+            return self._trip(now, rng, f"{self.consecutive_failures} consecutive failures")
         results = window.first_total
         if results >= self._min_requests:
             failures = window.second_total
@@ -349,6 +360,7 @@ class BreakerState:
 
     def _clear(self) -> None:
         self.consecutive_timeouts = 0
+        self.consecutive_failures = 0
         self._window.clear()
 
 
