@@ -32,8 +32,8 @@ class Gateway:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
-        self.health = HealthChecker(self.registry)
         self.session: aiohttp.ClientSession = new_session()
+        self.health = HealthChecker(self.registry, self.session)
         self.watchdog = Watchdog()
         self.watchdog.start()
         layers: list[Layer] = [Retry(), Pick(), Account(self.registry.pools), deadline]
