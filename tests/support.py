@@ -45,9 +45,11 @@ class Backend:
         self.proc.stop()
 
 
-def start_backend(name: str, models: list[str], *extra: str) -> Backend:
+def start_backend(name: str, models: list[str], *extra: str, port: int = 0) -> Backend:
     argv = python_module(
-        "loadtests.fake_vllm", "--port", "0", "--name", name, "--models", ",".join(models), *extra
+        "loadtests.fake_vllm",
+        *("--port", str(port), "--name", name, "--models", ",".join(models)),
+        *extra,
     )
     return Backend(name, ManagedProcess(argv))
 

@@ -3,6 +3,8 @@ slow ones get less traffic, operators can isolate and restore."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +17,7 @@ from tests.support import (
     Backend,
     Gateway,
     instances_yaml,
+    start_backend,
     start_backends,
     start_gateway,
     stop_backends,
@@ -64,6 +67,11 @@ def state_of(gateway: Gateway, name: str) -> dict[str, Any]:
     (inst,) = [i for i in state["pools"]["bp"]["instances"] if i["name"] == name]
     result: dict[str, Any] = inst
     return result
+
+
+def in_rotation(gateway: Gateway, name: str) -> bool:
+    state = state_of(gateway, name)
+    return state["state"] == "ADMITTING" and state["health"]["healthy"] is True
 
 
 def send(gateway: Gateway, count: int, **extra: Any) -> list[httpx.Response]:
@@ -121,3 +129,27 @@ def test_operator_isolate_and_restore(gateway: Gateway, backends: dict[str, Back
     assert httpx.post(f"{url}/explode", timeout=5).status_code == 404
     missing = f"{gateway.admin_url}/admin/instances/bp/nope/isolate"
     assert httpx.post(missing, timeout=5).status_code == 404
+
+
+def test_restarted_instance_is_probed_back_in(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    port = int(backends["b1"].url.rsplit(":", 1)[1])
+    backends["b1"].proc.signal(signal.SIGKILL)  # the pod dies
+    backends["b1"].proc.proc.wait(5)
+    replies = []
+    while in_rotation(gateway, "b1") and len(replies) < 60:
+        replies.extend(send(gateway, 1))
+    assert all(r.status_code == 200 for r in replies)  # its failures were retried elsewhere
+    assert not in_rotation(gateway, "b1")  # its breaker or its health checks took it out
+
+    backends["b1"] = start_backend(
+        "b1", ["bm"], "--ttft", "0.02", "--per-token", "0.001", port=port
+    )
+    # Back after its isolation ends and a health check passes: one probe, then admitting.
+    served: list[str] = []
+    deadline = time.monotonic() + 15
+    while "b1" not in served and time.monotonic() < deadline:
+        served += [r.headers["x-gateway-instance"] for r in send(gateway, 1)]
+    assert "b1" in served
+    assert in_rotation(gateway, "b1")
