@@ -23,7 +23,7 @@ from tests.support import (
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(("h0", "h1"), ["hm"], "--ttft", "0", "--per-token", "0")
+    started = start_backends(("h0", "h1"), ["hm", "hm-panic"], "--ttft", "0", "--per-token", "0")
     # h1 is still "loading its model" when the gateway starts.
     started["h1"].set_faults(unhealthy=True)
     yield started
@@ -42,15 +42,20 @@ pools:
     models: [hm]
     instances: [{instances_yaml(backends)}]
     health: {{interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}}
+  panicky:
+    models: [hm-panic]
+    instances: [{instances_yaml(backends)}]
+    health: {{interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}}
+    breaker: {{when_none_available: panic}}
 """
     gw = start_gateway(tmp_path_factory.mktemp("health") / "policy.yaml", policy)
     yield gw
     gw.stop()
 
 
-def health_of(gateway: Gateway, name: str) -> dict[str, Any]:
+def health_of(gateway: Gateway, name: str, pool: str = "hp") -> dict[str, Any]:
     state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
-    (inst,) = [i for i in state["pools"]["hp"]["instances"] if i["name"] == name]
+    (inst,) = [i for i in state["pools"][pool]["instances"] if i["name"] == name]
     health: dict[str, Any] = inst["health"]
     return health
 
@@ -92,6 +97,14 @@ def test_health_lifecycle(gateway: Gateway, backends: dict[str, Backend]) -> Non
         assert int(reply.headers["retry-after"]) >= 1
         assert elapsed < 0.5
         assert http.get("/readyz").status_code == 503
+        # A pool whose policy says panic spreads over every instance instead of refusing.
+        for name in ("h0", "h1"):
+            assert wait_until(
+                lambda name=name: health_of(gateway, name, "panicky")["healthy"] is False,
+                timeout_s=5,
+            )
+        panicked = http.post("/v1/chat/completions", json={"model": "hm-panic", "max_tokens": 2})
+        assert panicked.status_code == 200
 
     for name in ("h0", "h1"):
         backends[name].set_faults(unhealthy=False)

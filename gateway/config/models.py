@@ -7,7 +7,7 @@ Checks that relate several fields (duplicate names, tier order, floor vs ceiling
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -211,6 +211,9 @@ class BreakerPolicy(Strict):
     isolation: Duration = Field(default=5.0, gt=0)
     max_isolation: Duration = Field(default=120.0, gt=0)
     max_isolated_fraction: Fraction = 0.5
+    # With nothing healthy and admitting: answer 503 at once, or (panic) spread the traffic
+    # over every instance anyway, as Envoy's panic threshold does.
+    when_none_available: Literal["fail_fast", "panic"] = "fail_fast"
 
 
 class PoolPolicy(Strict):

@@ -21,7 +21,8 @@ class Pick:
     Retry-After. An isolated instance whose isolation ran out takes the attempt as its one probe
     (a real request) first. When every healthy instance was tried or is paused, a tried or
     paused one is used rather than failing; when none is healthy and admitting, the client is
-    told at once (503 + Retry-After): no waiting on a dead pool.
+    told at once (503 + Retry-After): no waiting on a dead pool; unless the pool's policy says
+    `breaker.when_none_available: panic`, and then every instance is a candidate again.
     """
 
     def __init__(self) -> None:
@@ -47,6 +48,9 @@ class Pick:
             instance = probe
         elif admitting:
             instance = _balance(pool, fresh or admitting, now)
+        elif pool.policy.breaker.when_none_available == "panic":
+            untried = [i for i in pool.instances if i not in tried]
+            instance = _balance(pool, untried or pool.instances, now)
         else:
             raise NoInstanceAvailable(
                 f"no instance of pool {pool.name!r} is available",
