@@ -78,6 +78,15 @@ def _time_axis(buckets: Buckets) -> TimeAxis:
     return TimeAxis(1.0, "time since the run's start (s)")
 
 
+def _time_chart(buckets: Buckets, *, grid: bool) -> tuple[Figure, Axes, TimeAxis]:
+    """A blank chart of the report's size, with its time axis."""
+    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    if grid:
+        ax.grid(True, alpha=0.3)
+    return fig, ax, _time_axis(buckets)
+
+
 def _bucket_words(buckets: Buckets) -> str:
     step = buckets.step
     if step >= 60 and step % 60 == 0:
@@ -165,10 +174,7 @@ def _line_style(buckets: Buckets) -> dict[str, Any]:
 def latency_chart(
     mode: ModeData, buckets: Buckets, marks: list[Marker], span: float, path: Path
 ) -> None:
-    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.grid(True, alpha=0.3)
-    axis = _time_axis(buckets)
+    fig, ax, axis = _time_chart(buckets, grid=True)
     x = buckets.centers / axis.scale
     p50, p99 = (a * 1000.0 for a in bucket_percentiles(mode, buckets, (50.0, 99.0)))
     failed = bucket_counts(mode, buckets, ~mode.ok)
@@ -208,10 +214,7 @@ def latency_chart(
 def latency_compare_chart(
     modes: Sequence[ModeData], buckets: Buckets, marks: list[Marker], span: float, path: Path
 ) -> None:
-    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.grid(True, alpha=0.3)
-    axis = _time_axis(buckets)
+    fig, ax, axis = _time_chart(buckets, grid=True)
     x = buckets.centers / axis.scale
     series: list[Floats] = []
     handles: list[Any] = []
@@ -241,10 +244,7 @@ def latency_compare_chart(
 def failures_compare_chart(
     modes: Sequence[ModeData], buckets: Buckets, marks: list[Marker], span: float, path: Path
 ) -> None:
-    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.grid(True, alpha=0.3)
-    axis = _time_axis(buckets)
+    fig, ax, axis = _time_chart(buckets, grid=True)
     handles: list[Any] = []
     labels: list[str] = []
     top = 0.0
@@ -286,9 +286,7 @@ def share_chart(
     colors: dict[str, str],
     path: Path,
 ) -> None:
-    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    axis = _time_axis(buckets)
+    fig, ax, axis = _time_chart(buckets, grid=False)
     edges = np.arange(buckets.count + 1, dtype=np.float64) * buckets.step / axis.scale
     grid = bucket_instance_counts(mode, buckets)
     sums = grid.sum(axis=0)
