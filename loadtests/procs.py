@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 READY_RE = re.compile(r"\bREADY\b(?P<fields>.*)$")
 FIELD_RE = re.compile(r"(\w+)=(\S+)")
@@ -111,11 +111,13 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def wait_until(predicate: object, timeout_s: float = 5.0, interval_s: float = 0.01) -> bool:
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 5.0, interval_s: float = 0.01
+) -> bool:
     """Poll a condition on another process's state (for use only where no event exists)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if callable(predicate) and predicate():
+        if predicate():
             return True
         time.sleep(interval_s)
     return False

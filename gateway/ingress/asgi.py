@@ -187,12 +187,9 @@ class DataPlane:
                 await send_error(send, error, call.attempts)
                 return
             timeouts = call.timeouts
+            assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
-            idle_s = (
-                timeouts.idle_s or timeouts.first_byte_s
-                if timeouts
-                else pool.policy.timeouts.initial
-            )
+            idle_s = timeouts.idle_s or timeouts.first_byte_s
             await relay(send, response, call.attempts, idle_s, call.deadline)
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.

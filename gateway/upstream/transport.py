@@ -69,7 +69,8 @@ class Transport:
         if call.query:
             url = url.with_query(call.query)
         timeouts = call.timeouts
-        wait_s = timeouts.first_byte_s if timeouts else call.pool.policy.timeouts.initial
+        assert timeouts is not None, "the deadline layer runs before the transport"
+        wait_s = timeouts.first_byte_s
         started_at = self._loop_time()
         deadline = self._watchdog.arm(
             call.task, min(started_at + wait_s, call.deadline), "first_byte"
