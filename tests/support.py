@@ -69,6 +69,10 @@ def instances_yaml(backends: dict[str, Backend]) -> str:
     return ", ".join(f'{{name: {name}, url: "{b.url}"}}' for name, b in backends.items())
 
 
+# A test gateway's listeners: loopback, on ports the kernel picks (announced when READY).
+LOOPBACK_LISTENERS = "listen: 127.0.0.1:0\nadmin: {listen: 127.0.0.1:0}"
+
+
 @dataclass
 class Gateway:
     """`gateway run` in its own process, on ports it chose itself."""

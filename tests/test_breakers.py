@@ -14,6 +14,7 @@ import pytest
 
 from loadtests.procs import wait_until
 from tests.support import (
+    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
     instances_yaml,
@@ -39,8 +40,7 @@ def gateway(
 ) -> Iterator[Gateway]:
     instances = instances_yaml(backends)
     policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
+{LOOPBACK_LISTENERS}
 pools:
   bp:
     models: [bm]

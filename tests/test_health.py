@@ -12,6 +12,7 @@ import pytest
 
 from loadtests.procs import wait_until
 from tests.support import (
+    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
     instances_yaml,
@@ -35,8 +36,7 @@ def gateway(
     backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
     policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
+{LOOPBACK_LISTENERS}
 pools:
   hp:
     models: [hm]

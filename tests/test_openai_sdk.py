@@ -7,15 +7,14 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.support import Backend, Gateway, start_backend, start_gateway
+from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Backend, Gateway]]:
     backend = start_backend("sdk", ["sdk-model"], "--ttft", "0.01", "--per-token", "0.001")
     policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
+{LOOPBACK_LISTENERS}
 pools:
   sdk:
     models: [sdk-model]

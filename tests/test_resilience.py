@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support import (
+    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
     instances_yaml,
@@ -36,8 +37,7 @@ def gateway(
 ) -> Iterator[Gateway]:
     instances = instances_yaml(backends)
     policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
+{LOOPBACK_LISTENERS}
 pools:
   res:
     models: [res]

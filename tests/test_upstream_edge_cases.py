@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.scripted_upstream import ScriptedUpstream, chunk, trickle
-from tests.support import Gateway, start_gateway
+from tests.support import LOOPBACK_LISTENERS, Gateway, start_gateway
 
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -89,8 +89,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     upstream = ScriptedUpstream(SCRIPTS)
     models = ", ".join(SCRIPTS)
     policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
+{LOOPBACK_LISTENERS}
 pools:
   edge:
     models: [{models}]
