@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from starlette.types import ASGIApp
 
+from gateway.cluster import build_store
 from gateway.config import Policy
 from gateway.core.balancer import PeakEwma
-from gateway.core.breaker import ADMITTING
+from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
 from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
-from gateway.pipeline.account import Account, log_transition
+from gateway.pipeline.account import Account
 from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import deadline
@@ -34,9 +38,15 @@ class Gateway:
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
         self.session: aiohttp.ClientSession = new_session()
         self.health = HealthChecker(self.registry, self.session)
+        self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
         self.watchdog.start()
-        layers: list[Layer] = [Retry(), Pick(), Account(self.registry.pools), deadline]
+        layers: list[Layer] = [
+            Retry(),
+            Pick(),
+            Account(self.registry.pools, self.decisions.record),
+            deadline,
+        ]
         handler = compose(layers, Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
@@ -49,12 +59,14 @@ class Gateway:
         self.admin_app: ASGIApp = build_admin_app(self)
 
     async def start(self) -> None:
-        """Know which instances are healthy before serving, then keep checking."""
-        await self.health.first_round()
+        """Know which instances are healthy, and what other replicas decided (bounded: Redis
+        being down must not keep us from serving), before serving; then keep checking."""
+        await asyncio.gather(self.health.first_round(), self.decisions.start())
         self.health.start()
 
     async def close(self) -> None:
         await self.health.close()
+        await self.decisions.close()
         await self.watchdog.close()
         await self.session.close()
 
@@ -83,13 +95,17 @@ class Gateway:
             # "It is fine now": forget the slowness the balancer remembers of it too.
             peers = [i.peak.get(now) for i in state.instances if i is not instance]
             instance.peak = PeakEwma(now, initial_s=min(peers, default=0.0))
+        if transition is None and action == "restore":
+            # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
+            transition = Transition(name, ADMITTING, ADMITTING, "operator")
         if transition is not None:
-            log_transition(pool, transition)
+            self.decisions.record(pool, transition, operator=True)
         return {"pool": pool, "instance": name, "state": breaker.state}
 
     def state(self) -> dict[str, Any]:
         """The operator's view, served as /admin/state."""
         now = asyncio.get_running_loop().time()
+        wall = time.time()
         pools: dict[str, Any] = {}
         for name, pool in self.registry.pools.items():
             rate = pool.failure.rate
@@ -105,23 +121,33 @@ class Gateway:
                     "k": tier.k,
                 },
                 "retry_budget": {"requests": requests, "retries": retries},
-                "instances": [_instance_state(pool, inst, tier.k, now) for inst in pool.instances],
+                "instances": [
+                    _instance_state(pool, inst, tier.k, now, wall, self.decisions.decided_by)
+                    for inst in pool.instances
+                ],
             }
         return {
             "pools": pools,
-            "shared_state": {"configured": self.policy.shared is not None, "connected": False},
+            "shared_state": self.decisions.status(),
         }
 
 
 def _finite(value: float) -> float | None:
-    return None if value == float("inf") else value
+    return value if math.isfinite(value) else None
 
 
 def _estimate(ewma: Ewma) -> dict[str, float | int]:
     return {"mean_s": ewma.mean, "deviation_s": ewma.deviation, "samples": ewma.samples}
 
 
-def _instance_state(pool: PoolState, inst: InstanceState, k: float, now: float) -> dict[str, Any]:
+def _instance_state(
+    pool: PoolState,
+    inst: InstanceState,
+    k: float,
+    now: float,
+    wall: float,
+    decided_by: Callable[[str, str], str | None],
+) -> dict[str, Any]:
     policy = pool.policy.timeouts
     stream = attempt_timeouts(inst.latency, policy, k, stream=True, max_tokens=None, jitter_s=0.0)
     whole = attempt_timeouts(inst.latency, policy, k, stream=False, max_tokens=None, jitter_s=0.0)
@@ -129,6 +155,9 @@ def _instance_state(pool: PoolState, inst: InstanceState, k: float, now: float) 
         "name": inst.name,
         "url": inst.base_url,
         "state": inst.breaker.state,
+        # Wall-clock time of the last change of state; who decided an isolation shared with us.
+        "state_since": _finite(wall - (now - inst.breaker.changed_at)),
+        "decided_by": decided_by(pool.name, inst.name),
         "isolations": inst.breaker.isolations,
         "isolation_remaining_s": _finite(inst.breaker.remaining_s(now)),
         "forced": inst.breaker.forced,

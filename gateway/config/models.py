@@ -127,7 +127,13 @@ class LimitsPolicy(Strict):
 class SharedPolicy(Strict):
     redis_url: RedisUrl
     key_prefix: Name = "gw"
-    decision_ttl: Duration = Field(default=3.0, gt=0)
+    decision_ttl: Duration = Field(default=3.0, ge=0.3)
+    # Bound on each Redis call (never retried): Redis is off the request path, but a slow one
+    # must not stall the shared-state session for long either.
+    timeout: Duration = Field(default=0.05, gt=0, le=1.0)
+    # Learn other replicas' decisions in milliseconds from the channel; off (for a Redis
+    # without pub/sub), the key re-reads every decision_ttl / 3 are the only source.
+    pubsub: bool = True
 
 
 class TelemetryPolicy(Strict):

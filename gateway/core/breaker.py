@@ -29,6 +29,7 @@ _INF = math.inf
 _EPSILON = 1e-9
 # 2**62 * any sane isolation is far past max_isolation; the cap keeps the power finite.
 _MAX_DOUBLINGS = 62
+PROBE_RELEASED: Final = "probe released"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,12 @@ class BreakerState:
     health check, a decision shared by another replica): a trip as above, capped, from ADMITTING
     only.
 
+    **Shared decisions.** `adopt` and `lift` apply what another replica decided (see their
+    docstrings). `lease_until` gates the ISOLATED → PROBING step: a probe starts only while
+    `now < lease_until` (default `inf`, always). Replicas sharing decisions set it to 0 and let
+    the replica holding the instance's probe lease through, so a recovering instance is probed
+    by one replica, not by all of them at once.
+
     The ISOLATED → PROBING change happens inside `try_admit`, which returns only a bool so that
     the hot path allocates nothing: the shell sees it as a True with `state == "PROBING"`.
     """
@@ -131,11 +138,13 @@ class BreakerState:
         "_timeout_limit",
         "_window",
         "_window_s",
+        "changed_at",
         "consecutive_failures",
         "consecutive_timeouts",
         "instance",
         "isolated_until",
         "isolations",
+        "lease_until",
         "probe_started_at",
         "state",
         "streak",
@@ -155,6 +164,12 @@ class BreakerState:
         self.state: StateName = ADMITTING
         self.isolated_until = 0.0
         self.probe_started_at = 0.0
+        # When the state last changed (monotonic), for the operator's view.
+        self.changed_at = -_INF
+        # Until when this replica may start a probe. `inf`: no one else to ask. A shared
+        # decision store sets it to 0 and grants a moment at a time, so that one replica at a
+        # time probes an instance they all isolated.
+        self.lease_until = _INF
         self.streak = 0
         self.isolations = 0
         self.suppressed_isolations = 0
@@ -181,10 +196,11 @@ class BreakerState:
         if state == ADMITTING:
             return True
         if state == ISOLATED:
-            if now < self.isolated_until:
+            if now < self.isolated_until or now >= self.lease_until:
                 return False
             self.state = PROBING
             self.probe_started_at = now
+            self.changed_at = now
             return True
         # PROBING: one probe at a time, unless the outstanding one looks lost.
         if now - self.probe_started_at > self._max_isolation_s:
@@ -248,8 +264,9 @@ class BreakerState:
         if self.state != PROBING:
             return None
         self.state = ISOLATED
+        self.changed_at = now
         self.isolated_until = min(self.isolated_until, now)
-        return Transition(self.instance, PROBING, ISOLATED, "probe released", self.isolated_until)
+        return Transition(self.instance, PROBING, ISOLATED, PROBE_RELEASED, self.isolated_until)
 
     # -- operator and out-of-band actions -------------------------------------------------
 
@@ -272,6 +289,7 @@ class BreakerState:
             return None
         state_from = self.state
         self.state = ISOLATED
+        self.changed_at = now
         self.isolated_until = _INF
         self.isolations += 1
         return Transition(self.instance, state_from, ISOLATED, reason, _INF)
@@ -287,6 +305,58 @@ class BreakerState:
             return None
         state_from = self.state
         self.state = ADMITTING
+        self.changed_at = now
+        self._admitting_since = now
+        self.isolated_until = min(self.isolated_until, now)
+        return Transition(self.instance, state_from, ADMITTING, reason)
+
+    # -- decisions shared by other replicas ---------------------------------------------------
+
+    def adopt(self, now: float, until: float, reason: str) -> Transition | None:
+        """Another replica isolated this instance until `until` (already converted to this
+        clock and bounded by how long the decision may be trusted).
+
+        From ADMITTING: a trip capped by the pool's guard, ending at `until` (the streak is
+        left alone: it measures this replica's own experience of the instance); refused, it
+        returns a `suppressed` Transition and counts it. From ISOLATED (not forced): the
+        isolation is extended to `until` if that is later (None). PROBING: our probe's result
+        will decide (None). `until <= now`: nothing to adopt (None).
+        """
+        if until <= now:
+            return None
+        state = self.state
+        if state == ISOLATED:
+            if until > self.isolated_until:
+                self.isolated_until = until
+            return None
+        if state != ADMITTING:
+            return None
+        guard = self._guard
+        if guard is not None and not guard():
+            self.suppressed_isolations += 1
+            return Transition(
+                self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
+            )
+        self.state = ISOLATED
+        self.changed_at = now
+        self.isolated_until = until
+        self.isolations += 1
+        return Transition(self.instance, ADMITTING, ISOLATED, reason, until)
+
+    def lift(self, now: float, reason: str, operator: bool = False) -> Transition | None:
+        """Another replica found the instance good again (its probe succeeded, or an operator
+        restored it there): back to ADMITTING as after a successful probe of our own.
+
+        An operator's isolation here is lifted only by an operator's restore (`operator`),
+        which also clears the streak. None when already ADMITTING or not lifted.
+        """
+        if self.state == ADMITTING or (self.forced and not operator):
+            return None
+        state_from = self.state
+        self._clear()
+        self.streak = 0 if operator else max(0, self.streak - 1)
+        self.state = ADMITTING
+        self.changed_at = now
         self._admitting_since = now
         self.isolated_until = min(self.isolated_until, now)
         return Transition(self.instance, state_from, ADMITTING, reason)
@@ -342,6 +412,7 @@ class BreakerState:
         if jitter:
             duration *= 1.0 + jitter * (2.0 * rng.random() - 1.0)
         self.state = ISOLATED
+        self.changed_at = now
         self.isolated_until = now + duration
         self.isolations += 1
         return Transition(self.instance, state_from, ISOLATED, reason, self.isolated_until)
@@ -355,6 +426,7 @@ class BreakerState:
         self._clear()
         self.streak = max(0, self.streak - 1)
         self.state = ADMITTING
+        self.changed_at = now
         self._admitting_since = now
         return Transition(self.instance, PROBING, ADMITTING, "probe succeeded")
 

@@ -11,7 +11,7 @@ fault: the breaker does not count it.
 from __future__ import annotations
 
 import asyncio
-import logging
+from collections.abc import Callable
 
 from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
@@ -35,7 +35,8 @@ def completion_tokens(data: bytes) -> int | None:
     return int(digits[:end]) if end else None
 
 
-log = logging.getLogger("gateway.breaker")
+# Where a breaker's transitions go: logged, and shared with other replicas if so configured.
+OnTransition = Callable[[str, Transition], None]
 
 
 def _record(
@@ -45,6 +46,7 @@ def _record(
     now: float,
     elapsed_s: float,
     probe: bool,
+    on_transition: OnTransition,
 ) -> None:
     failed = outcome.counts_as_failure
     pool.failure.observe(failed)
@@ -60,25 +62,13 @@ def _record(
         now, failed, outcome.kind == "timeout", pool.rng, probe=probe
     )
     if transition is not None:
-        log_transition(pool.name, transition)
-
-
-def log_transition(pool: str, transition: Transition) -> None:
-    log.warning(
-        "breaker pool=%s instance=%s from=%s to=%s reason=%r until_s=%s suppressed=%s",
-        pool,
-        transition.instance,
-        transition.state_from,
-        transition.to,
-        transition.reason,
-        "-" if transition.until is None else f"{transition.until:.3f}",
-        transition.suppressed,
-    )
+        on_transition(pool.name, transition)
 
 
 class Account:
-    def __init__(self, pools: dict[str, PoolState]) -> None:
+    def __init__(self, pools: dict[str, PoolState], on_transition: OnTransition) -> None:
         self._pools = pools
+        self._on_transition = on_transition
         self._clock = asyncio.get_running_loop().time
 
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
@@ -94,6 +84,7 @@ class Account:
             now,
             now - response.started_at,
             probe,
+            self._on_transition,
         )
         if outcome.kind == "ok" and error is None:
             instance.latency.observe_stream(
@@ -114,7 +105,15 @@ class Account:
         except UpstreamError as error:
             instance.in_flight -= 1
             now = self._clock()
-            _record(call.pool, instance, error.outcome, now, now - started, call.probe)
+            _record(
+                call.pool,
+                instance,
+                error.outcome,
+                now,
+                now - started,
+                call.probe,
+                self._on_transition,
+            )
             raise
         except asyncio.CancelledError:
             instance.in_flight -= 1  # the client left: nobody's fault, but a probe is lost
@@ -128,7 +127,7 @@ class Account:
         instance.in_flight -= 1
         outcome = response.outcome
         now = self._clock()
-        _record(call.pool, instance, outcome, now, now - started, call.probe)
+        _record(call.pool, instance, outcome, now, now - started, call.probe, self._on_transition)
         if outcome.kind == "ok":
             instance.latency.observe_whole(
                 response.first_at - response.started_at, completion_tokens(response.body)

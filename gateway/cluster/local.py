@@ -1,0 +1,25 @@
+"""The in-process store: decisions are logged and stay in this replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.cluster.store import log_transition
+from gateway.core.breaker import Transition
+
+
+class LocalDecisions:
+    def record(self, pool: str, transition: Transition, operator: bool = False) -> None:
+        log_transition(pool, transition)
+
+    def decided_by(self, pool: str, instance: str) -> str | None:
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {"configured": False, "connected": False}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

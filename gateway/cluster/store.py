@@ -1,0 +1,51 @@
+"""The decision store's interface, and what every store does with a transition: log it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from typing import Any, Protocol
+
+from gateway.core.breaker import Transition
+
+log = logging.getLogger("gateway.breaker")
+
+
+class DecisionStore(Protocol):
+    def record(self, pool: str, transition: Transition, operator: bool = False) -> None:
+        """One of this replica's own breaker transitions (`operator`: made through the admin
+        API). Called on the request path: must not wait or do I/O."""
+
+    def decided_by(self, pool: str, instance: str) -> str | None:
+        """The other replica whose isolation holds this instance here, if one does."""
+
+    def status(self) -> dict[str, Any]:
+        """The `shared_state` section of /admin/state."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def log_transition(pool: str, transition: Transition) -> None:
+    log.warning(
+        "breaker pool=%s instance=%s from=%s to=%s reason=%r until_s=%s suppressed=%s",
+        pool,
+        transition.instance,
+        transition.state_from,
+        transition.to,
+        transition.reason,
+        "-" if transition.until is None else f"{transition.until:.3f}",
+        transition.suppressed,
+    )
+
+
+def replica_id() -> str:
+    """This process's name in shared decisions: `GATEWAY_REPLICA_ID`, else host/pid/random (a
+    restarted process is a new replica: it does not own what its predecessor decided)."""
+    configured = os.environ.get("GATEWAY_REPLICA_ID", "").strip()
+    if configured:
+        return configured
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
