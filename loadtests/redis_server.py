@@ -74,7 +74,7 @@ class RedisServer:
 
     def pause(self, seconds: float) -> None:
         """`CLIENT PAUSE ... ALL`: the server holds every client's commands for that long."""
-        self.client().execute_command("CLIENT", "PAUSE", str(round(seconds * 1000)), "ALL")
+        self.client().execute_command("CLIENT", "PAUSE", str(round(seconds * 1000)), "ALL")  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
