@@ -24,6 +24,7 @@ from gateway.core.decision import (
     apply_remote,
     decode,
     from_transition,
+    withdraw,
 )
 
 RNG = random.Random(3)
@@ -277,3 +278,19 @@ def test_a_newer_isolation_elsewhere_supersedes_ours() -> None:
     apply(b, marks, isolated(WALL0 + 2, WALL0 + 8, replica="r3"), now=2.0)
     assert marks.decided_by == "r3"
     assert b.isolated_until == pytest.approx(6.0)  # the later end of the two is kept
+
+
+def test_a_withdrawn_decision_is_lifted_only_where_it_was_adopted() -> None:
+    b, marks = BreakerState(POLICY, "a"), Marks()
+    apply(b, marks, isolated(WALL0, WALL0 + 30), now=0.0)
+    t = withdraw(b, marks, 1.0)
+    assert t is not None and t.to == ADMITTING and "withdrawn or expired" in t.reason
+    assert marks.decided_by is None and b.state == ADMITTING
+    # Our own isolation, or a probe of ours, is not for the store to lift.
+    own = BreakerState(POLICY, "a")
+    own.record(0.0, True, True, RNG)
+    assert withdraw(own, Marks(), 1.0) is None and own.state == ISOLATED
+    probing, marks2 = BreakerState(POLICY, "a"), Marks()
+    apply(probing, marks2, isolated(WALL0, WALL0 + 1), now=0.0)
+    assert probing.try_admit(2.0)
+    assert withdraw(probing, marks2, 2.0) is None and probing.state == PROBING

@@ -205,6 +205,31 @@ async def test_without_pubsub_the_key_reads_carry_decisions(redis_server: RedisS
         # Read back within a refresh period (ttl / 3) and a tick.
         assert loop.time() - started <= TTL_S / 3 + 0.3
         assert r1.store.counters["received"] == 0
+        # The restore deletes the key: the next read lifts the isolation.
+        restore = r0.breaker("a").restore(loop.time())
+        assert restore is not None
+        r0.store.record("p", restore, operator=True)
+        started = loop.time()
+        assert await eventually(lambda: r1.breaker("a").state == ADMITTING, timeout_s=3)
+        assert loop.time() - started <= TTL_S / 3 + 0.3
+        assert r1.store.counters["withdrawn"] == 1
+    finally:
+        await asyncio.gather(r0.store.close(), r1.store.close())
+
+
+async def test_an_isolation_nobody_renews_expires_everywhere(redis_server: RedisServer) -> None:
+    text = policy_text(redis_server.url, isolation_s=30.0)
+    r0, r1 = Replica(text, "r0"), Replica(text, "r1")
+    await asyncio.gather(r0.store.start(), r1.store.start())
+    try:
+        r0.trip("a")
+        assert await eventually(lambda: r1.breaker("a").state == ISOLATED)
+        await r0.store.close()  # r0 dies: nobody renews its 30 s isolation
+        loop = asyncio.get_running_loop()
+        died = loop.time()
+        assert await eventually(lambda: r1.breaker("a").state == ADMITTING, timeout_s=3)
+        # The key's TTL, then at most one refresh period.
+        assert loop.time() - died <= TTL_S + TTL_S / 3 + 0.3
     finally:
         await asyncio.gather(r0.store.close(), r1.store.close())
 

@@ -9,7 +9,9 @@ The request path only reads breakers in memory and, on a transition, drops a not
 - **listen**: messages on the channel from other replicas are applied at once
   (`gateway.core.decision.apply_remote`: capped by the pool's guard, last writer wins);
 - **refresh**, every `decision_ttl / 3`: our own isolations are renewed, and every decision key
-  of our pools is read back (the backstop when a message was missed, or pub/sub is off);
+  of our pools is read back (the backstop when a message was missed, or pub/sub is off). An
+  isolation we adopted whose key is gone (restored, or expired: its replica stopped renewing)
+  is lifted here;
 - **probe lease** `{prefix}:probe:{pool}:{instance}`: an isolation that is due may be probed
   only by the replica holding this short lease (SET NX), so a recovering instance gets one
   probe, not one per replica. The lease is renewed while the probe runs and released after.
@@ -43,7 +45,14 @@ from redis.exceptions import RedisError
 from gateway.cluster.store import log_transition
 from gateway.config.models import SharedPolicy
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, BreakerState, Transition
-from gateway.core.decision import Decision, MalformedDecision, Marks, apply_remote, decode
+from gateway.core.decision import (
+    Decision,
+    MalformedDecision,
+    Marks,
+    apply_remote,
+    decode,
+    withdraw,
+)
 from gateway.core.decision import from_transition as decision_for
 from gateway.upstream.registry import Registry
 
@@ -116,6 +125,7 @@ class RedisDecisions:
         self._own: dict[Key, bytes] = {}  # our isolations in force, encoded, to renew
         self._outbox: dict[Key, Decision] = {}  # our transitions not yet written
         self._retract: dict[Key, bytes] = {}  # our lifted isolations to delete if still ours
+        self._heard: dict[Key, float] = {}  # when we last applied an isolation, per instance
         self._leases: dict[Key, float] = {}  # probe leases we hold: when they lapse (monotonic)
         self._lease_renewed: dict[Key, float] = {}
         self._wake = asyncio.Event()
@@ -140,6 +150,7 @@ class RedisDecisions:
                 "received",
                 "adopted",
                 "lifted",
+                "withdrawn",
                 "suppressed",
                 "stale_or_unchanged",
                 "malformed",
@@ -364,6 +375,7 @@ class RedisDecisions:
 
     async def _refresh(self) -> None:
         """Renew our isolations and read every decision about our instances (the backstop)."""
+        started = self._clock()
         pipe = self._client.pipeline(transaction=False)
         own = list(self._own.items())
         for key, encoded in own:
@@ -379,6 +391,8 @@ class RedisDecisions:
         for index, (key, _) in enumerate(keys):
             raw, pttl = reads[2 * index], reads[2 * index + 1]
             if raw is None:
+                if self._heard.get(key, -math.inf) < started:  # not adopted since we read
+                    self._withdrawn(key)
                 continue
             trusted_s = self._ttl_s if not isinstance(pttl, int) or pttl < 0 else pttl / 1000
             self._take(raw, min(trusted_s, self._ttl_s), expected=key)
@@ -415,6 +429,8 @@ class RedisDecisions:
         transition = apply_remote(breaker, marks, decision, self._clock(), self._wall(), trusted_s)
         if marks.decided_by is not None:
             self._own.pop(key, None)  # a newer isolation than ours holds it: theirs to renew
+            if decision.state == ISOLATED:
+                self._heard[key] = self._clock()
         if transition is None:
             self.counters["stale_or_unchanged"] += 1
             return
@@ -430,6 +446,12 @@ class RedisDecisions:
                 self._retract[key] = encoded
                 self._outbox.pop(key, None)
                 self._wake.set()
+
+    def _withdrawn(self, key: Key) -> None:
+        transition = withdraw(self._breakers[key], self._marks[key], self._clock())
+        if transition is not None:
+            log_transition(key[0], transition)
+            self.counters["withdrawn"] += 1
 
     def _bad(self, counter: str, message: str) -> None:
         self.counters[counter] += 1

@@ -208,3 +208,16 @@ def apply_remote(
     if transition is not None:
         marks.decided_by = None
     return transition
+
+
+def withdraw(breaker: BreakerState, marks: Marks, mono_now: float) -> Transition | None:
+    """The store no longer holds the isolation we adopted: its replica restored it (and we
+    missed the message) or stopped renewing it (it expired). Lift it here, unless a probe of
+    ours is running (its result decides) or the isolation is our own."""
+    holder = marks.decided_by
+    if holder is None or breaker.state != ISOLATED:
+        return None
+    transition = breaker.lift(mono_now, f"decision of {holder} withdrawn or expired")
+    if transition is not None:
+        marks.decided_by = None
+    return transition
