@@ -1,0 +1,404 @@
+"""Shared decisions end to end: gateway processes, one real redis-server, fake vLLM backends.
+
+Several replicas agree on isolations and on who probes; Redis dying, pausing, restarting empty
+or lying never fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.core.decision import Decision
+from loadtests.procs import wait_until
+from loadtests.redis_server import RedisServer
+from tests.support import (
+    LOOPBACK_LISTENERS,
+    Backend,
+    Gateway,
+    closed_port,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
+
+NAMES = ("a", "b", "c")
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# A request through the gateway takes ~30 ms here (20 ms to the first token). Redis is never on
+# the request path, so a Redis fault must not make any request take anywhere near this long:
+# a Redis call that waited out the 2 s pause, or redis-py's default retries, would.
+SLOWEST_ALLOWED_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = start_backends(NAMES, ["m"], "--ttft", "0.02", "--per-token", "0.001")
+    yield started
+    stop_backends(started)
+
+
+@pytest.fixture(autouse=True)
+def clean_backends(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.reset()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def policy(
+    redis_url: str,
+    instances: str,
+    breaker: str = "{consecutive_failures: 3, isolation: 30s, max_isolation: 60s}",
+    ttl: str = "1s",
+) -> str:
+    return f"""
+{LOOPBACK_LISTENERS}
+shared: {{redis_url: "{redis_url}", key_prefix: it, decision_ttl: {ttl}}}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances}]
+    breaker: {breaker}
+    health: {{interval: 500ms, timeout: 250ms}}
+"""
+
+
+class Replicas:
+    """Gateway processes sharing one policy file's settings, named r0, r1, ..."""
+
+    def __init__(self, tmp_path: Path, text: str, count: int, first: int = 0) -> None:
+        self.gateways: list[Gateway] = []
+        try:
+            for i in range(first, first + count):
+                env = {"GATEWAY_REPLICA_ID": f"r{i}"}
+                self.gateways.append(start_gateway(tmp_path / f"r{i}.yaml", text, env))
+        except BaseException:
+            self.stop()
+            raise
+
+    def __getitem__(self, index: int) -> Gateway:
+        return self.gateways[index]
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+
+
+@pytest.fixture
+def replica_set(tmp_path: Path) -> Iterator[Callable[..., Replicas]]:
+    started: list[Replicas] = []
+
+    def start(text: str, count: int, first: int = 0) -> Replicas:
+        replicas = Replicas(tmp_path, text, count, first)
+        started.append(replicas)
+        return replicas
+
+    yield start
+    for replicas in started:
+        replicas.stop()
+
+
+def state(gateway: Gateway) -> dict[str, Any]:
+    response = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5)
+    response.raise_for_status()
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def instance(gateway: Gateway, name: str, pool: str = "chat") -> dict[str, Any]:
+    found: dict[str, Any] = next(
+        i for i in state(gateway)["pools"][pool]["instances"] if i["name"] == name
+    )
+    return found
+
+
+def shows(gateway: Gateway, name: str, wanted: str, pool: str = "chat") -> bool:
+    return bool(instance(gateway, name, pool)["state"] == wanted)
+
+
+def operate(gateway: Gateway, name: str, action: str, pool: str = "chat") -> None:
+    url = f"{gateway.admin_url}/admin/instances/{pool}/{name}/{action}"
+    httpx.post(url, timeout=5).raise_for_status()
+
+
+def chat(gateway: Gateway) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/chat/completions", json=BODY, timeout=10)
+
+
+@dataclass
+class Traffic:
+    """Results of `drive`: (status, seconds) per request, and when each fault was injected."""
+
+    results: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[tuple[int, float]]:
+        return [r for r in self.results if r[0] != 200]
+
+    @property
+    def slowest_s(self) -> float:
+        return max(seconds for _, seconds in self.results)
+
+
+async def drive(
+    gateways: list[Gateway],
+    duration_s: float,
+    events: list[tuple[float, Callable[[], None]]] = (),  # type: ignore[assignment]
+    per_gateway: int = 2,
+    max_requests: int = 5000,
+) -> Traffic:
+    """Steady closed-loop traffic through the gateways for `duration_s` (bounded in count);
+    at each `(t, action)`, run `action` in a thread, `t` seconds after the start."""
+    traffic = Traffic()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    stop_at = start + duration_s
+
+    async def worker(client: httpx.AsyncClient, url: str) -> None:
+        while loop.time() < stop_at and len(traffic.results) < max_requests:
+            sent = loop.time()
+            try:
+                response = await client.post(f"{url}/v1/chat/completions", json=BODY)
+                status = response.status_code
+            except httpx.HTTPError:
+                status = 0
+            traffic.results.append((status, loop.time() - sent))
+
+    async def inject() -> None:
+        for at, action in sorted(events, key=lambda e: e[0]):
+            await asyncio.sleep(max(0.0, start + at - loop.time()))
+            await asyncio.to_thread(action)
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        await asyncio.gather(
+            inject(),
+            *(worker(client, gw.url) for gw in gateways for _ in range(per_gateway)),
+        )
+    return traffic
+
+
+# -- agreement between replicas ---------------------------------------------------------------
+
+
+def test_one_replica_isolates_and_every_replica_stops_routing_there(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    r = replica_set(policy(redis_server.url, instances_yaml(backends)), 3)
+    backends["b"].set_faults(error_rate=1.0, error_status=500)
+    # Traffic through r0 only, until r0's breaker isolates b (3 failures; each retried).
+    for _ in range(60):
+        assert chat(r[0]).status_code == 200
+        if shows(r[0], "b", "ISOLATED"):
+            break
+    assert shows(r[0], "b", "ISOLATED")
+    # r1 and r2 learnt it from r0, without sending b anything.
+    assert wait_until(lambda: shows(r[1], "b", "ISOLATED") and shows(r[2], "b", "ISOLATED"), 2)
+    assert instance(r[1], "b")["decided_by"] == "r0"
+    seen = len(backends["b"].requests())
+    for _ in range(20):
+        assert chat(r[1]).status_code == 200
+        assert chat(r[2]).status_code == 200
+    assert len(backends["b"].requests()) == seen
+    # The operator restores b on r0: every replica routes to it again.
+    backends["b"].reset()
+    operate(r[0], "b", "restore")
+    assert wait_until(lambda: shows(r[1], "b", "ADMITTING") and shows(r[2], "b", "ADMITTING"), 2)
+    for _ in range(60):
+        assert chat(r[1]).status_code == 200
+        if backends["b"].requests():
+            break
+    assert backends["b"].requests(), "r1 sends b traffic again"
+
+
+async def test_one_probe_at_a_time_across_replicas(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    # b answers every request with a 504 after 0.3 s: each probe is visible as an interval.
+    breaker = "{consecutive_failures: 2, isolation: 500ms, max_isolation: 500ms}"
+    r = replica_set(policy(redis_server.url, instances_yaml(backends), breaker), 3)
+    backends["b"].set_faults(hang_rate=1.0, hang_s=0.3)
+    traffic = await drive(list(r.gateways), duration_s=5.0, per_gateway=3)
+    assert not traffic.failures
+    log = sorted(
+        (q["started"], q["ended"] or time.time())
+        for q in backends["b"].requests()
+        if q["path"] == "/v1/chat/completions"
+    )
+    # The first requests went to b before anyone had isolated it; after that, only probes.
+    first = log[0][0]
+    probes = [q for q in log if q[0] > first + 1.2]
+    assert len(probes) >= 3, log
+    for (_, ended), (started, _) in itertools.pairwise(probes):
+        assert started >= ended, f"two probes of b overlapped: {probes}"
+    # Each replica alone would probe every ~0.8 s: three replicas, about three times as many.
+    span = probes[-1][0] - probes[0][0]
+    assert len(probes) <= span / 0.7 + 2, probes
+
+
+def test_sidecar_isolation_reaches_the_central_gateway(
+    backends: dict[str, Backend], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A sidecar next to pod "a" and a central gateway in front of pods a, b, c use the same
+    pool and instance names, as in policies/sidecar.yaml and policies/central.yaml."""
+    shared = f'shared: {{redis_url: "{redis_server.url}", key_prefix: gw, decision_ttl: 1s}}'
+    sidecar_text = f"""
+{LOOPBACK_LISTENERS}
+{shared}
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: a, url: "{backends["a"].url}"}}]
+    breaker: {{consecutive_failures: 3, isolation: 30s, max_isolation: 60s}}
+"""
+    central_text = f"""
+{LOOPBACK_LISTENERS}
+{shared}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances_yaml(backends)}]
+"""
+    sidecar = start_gateway(
+        tmp_path / "sidecar.yaml", sidecar_text, {"GATEWAY_REPLICA_ID": "pod-a"}
+    )
+    central = start_gateway(tmp_path / "central.yaml", central_text)
+    try:
+        backends["a"].set_faults(error_rate=1.0, error_status=503)
+        for _ in range(10):
+            chat(sidecar)
+            if shows(sidecar, "a", "ISOLATED"):
+                break
+        # The sidecar fails fast and leaves its Service; the central gateway routes elsewhere.
+        assert shows(sidecar, "a", "ISOLATED")
+        response = chat(sidecar)
+        assert response.status_code == 503 and "retry-after" in response.headers
+        assert httpx.get(f"{sidecar.url}/readyz", timeout=5).status_code == 503
+        assert wait_until(lambda: shows(central, "a", "ISOLATED"), 2)
+        assert instance(central, "a")["decided_by"] == "pod-a"
+        seen = len(backends["a"].requests())
+        for _ in range(20):
+            assert chat(central).status_code == 200
+        assert len(backends["a"].requests()) == seen
+    finally:
+        sidecar.stop()
+        central.stop()
+
+
+# -- Redis faults -------------------------------------------------------------------------------
+
+
+async def test_redis_killed_mid_traffic_costs_nothing(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    r = replica_set(policy(redis_server.url, instances_yaml(backends)), 2)
+    assert state(r[0])["shared_state"]["connected"]
+    traffic = await drive(list(r.gateways), duration_s=3.0, events=[(1.0, redis_server.kill)])
+    assert len(traffic.results) > 100
+    assert not traffic.failures
+    assert traffic.slowest_s < SLOWEST_ALLOWED_S, traffic.slowest_s
+    shared = state(r[0])["shared_state"]
+    assert shared["connected"] is False and shared["last_error"]
+    assert shared["counters"]["connection_losses"] == 1
+    # Back: reconnected (the backoff is capped at ~1.5 s) without a restart.
+    redis_server.start()
+    assert wait_until(lambda: state(r[0])["shared_state"]["connected"], 5)
+
+
+async def test_redis_paused_mid_traffic_costs_nothing(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    r = replica_set(policy(redis_server.url, instances_yaml(backends)), 2)
+    seen: list[bool] = []
+
+    def pause() -> None:
+        redis_server.pause(2.0)
+
+    def look() -> None:
+        seen.append(state(r[0])["shared_state"]["connected"])
+
+    traffic = await drive(list(r.gateways), duration_s=3.5, events=[(0.5, pause), (1.5, look)])
+    assert len(traffic.results) > 100
+    assert not traffic.failures
+    assert traffic.slowest_s < SLOWEST_ALLOWED_S, traffic.slowest_s
+    assert seen == [False], "a paused Redis counts as lost"
+    assert wait_until(lambda: state(r[0])["shared_state"]["connected"], 5)
+
+
+def test_redis_restarted_empty_replicas_agree_again_within_the_ttl(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    r = replica_set(policy(redis_server.url, instances_yaml(backends), ttl="3s"), 2)
+    operate(r[0], "c", "isolate")
+    assert wait_until(lambda: shows(r[1], "c", "ISOLATED"), 2)
+    client = redis_server.client()
+    assert client.get("it:decision:chat:c") is not None
+    redis_server.restart()  # empty: no decision, no lease
+    restarted = time.monotonic()
+    client = redis_server.client()
+    assert wait_until(lambda: client.get("it:decision:chat:c") is not None, 3.0)
+    # A replica started now learns it from Redis alone.
+    late = replica_set(policy(redis_server.url, instances_yaml(backends), ttl="3s"), 1, 2)[0]
+    assert wait_until(lambda: shows(late, "c", "ISOLATED") and shows(r[1], "c", "ISOLATED"), 3)
+    assert time.monotonic() - restarted <= 3.0 + 1.0  # the TTL (+ one replica's start-up)
+    # Flushed without a restart: the holder writes it back at its next renewal (TTL / 3).
+    client.flushall()
+    assert wait_until(lambda: client.get("it:decision:chat:c") is not None, 1.5)
+
+
+def test_forged_decisions_cannot_isolate_more_than_the_cap(
+    backends: dict[str, Backend],
+    redis_server: RedisServer,
+    replica_set: Callable[..., Replicas],
+) -> None:
+    breaker = "{max_isolated_fraction: 0.34}"  # 3 instances: at most one out
+    r = replica_set(policy(redis_server.url, instances_yaml(backends), breaker), 1)
+    client = redis_server.client()
+    wall = time.time()
+    for name in NAMES:
+        forged = Decision("chat", name, "ISOLATED", "forged", "intruder", wall, None, True)
+        client.set(f"it:decision:chat:{name}", forged.encode(), px=60_000)
+        client.publish("it:decisions", forged.encode())
+    client.publish("it:decisions", b'{"v": 1, "state": "OPEN"}')
+    assert wait_until(lambda: state(r[0])["shared_state"]["counters"]["suppressed"] >= 2, 3)
+    states = [instance(r[0], name)["state"] for name in NAMES]
+    assert states.count("ISOLATED") == 1 and states.count("ADMITTING") == 2
+    assert state(r[0])["shared_state"]["counters"]["malformed"] >= 1
+    for _ in range(10):
+        assert chat(r[0]).status_code == 200
+
+
+def test_a_gateway_serves_without_ever_reaching_redis(
+    backends: dict[str, Backend], replica_set: Callable[..., Replicas]
+) -> None:
+    started = time.monotonic()
+    r = replica_set(policy(f"redis://127.0.0.1:{closed_port()}/0", instances_yaml(backends)), 1)
+    assert time.monotonic() - started < 10
+    for _ in range(10):
+        assert chat(r[0]).status_code == 200
+    shared = state(r[0])["shared_state"]
+    assert shared["configured"] is True and shared["connected"] is False
+    assert "Connection" in shared["last_error"] or "Error" in shared["last_error"]
+    assert "cannot reach" in r[0].proc.output()
