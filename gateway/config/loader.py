@@ -7,6 +7,7 @@ locations are then mapped back to those lines (a missing key points at its paren
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ def parse_policy(text: str, filename: str = "<policy>") -> Policy:
 # --- YAML with line numbers ---------------------------------------------------------------
 
 
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
 class _Builder:
     def __init__(self, filename: str) -> None:
         self.filename = filename
@@ -120,6 +124,8 @@ class _Builder:
         except (yaml.YAMLError, ValueError, TypeError) as exc:
             self._fail(node, loc, f"invalid value: {getattr(exc, 'problem', None) or exc}")
             return None
+        if isinstance(value, str) and "${" in value:
+            return self._expand(node, loc, value)
         if (
             isinstance(value, int | float)
             and not isinstance(value, bool)
@@ -135,6 +141,37 @@ class _Builder:
             )
             return None
         return value
+
+    def _expand(self, node: yaml.Node, loc: Loc, value: str) -> str | None:
+        """`${NAME}` and `${NAME:-default}` in a string value, from the environment: one
+        ConfigMap for every pod, each sidecar naming its own instance (`${POD_NAME}`), secrets
+        such as a Redis password kept out of the file. Only whole string values are expanded,
+        after YAML parsing, so a variable's value can never change the file's structure."""
+        missing: list[str] = []
+
+        def substitute(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            found = os.environ.get(name)
+            if found is None or (found == "" and default is not None):
+                if default is None:
+                    missing.append(name)
+                    return ""
+                return default
+            return found
+
+        expanded = _ENV_REFERENCE.sub(substitute, value)
+        if missing:
+            names = ", ".join(missing)
+            self._fail(
+                node,
+                loc,
+                f"environment variable {names} is not set (or give a default: ${{NAME:-value}})",
+            )
+            return None
+        if "${" in _ENV_REFERENCE.sub("", value):
+            self._fail(node, loc, "malformed ${...}: write ${NAME} or ${NAME:-default}")
+            return None
+        return expanded
 
     def _fail(self, node: yaml.Node, loc: Loc, message: str) -> None:
         self.problems.append(
