@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench loadtest system-deps clean
+.PHONY: install test lint demo bench bench-propagation loadtest system-deps clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ demo: install
 
 bench: install
 	$(BIN)/python -m loadtests.bench_overhead $(BENCH_ARGS)
+
+# How fast an isolation reaches every replica sharing decisions via Redis (pub/sub, TTL backstop).
+bench-propagation: install system-deps
+	$(BIN)/python -m loadtests.bench_propagation $(BENCH_ARGS)
 
 # A chaos scenario, direct vs through the gateway; report in loadtests/out/<scenario>-<time>/.
 SCENARIO ?= chaos-mix

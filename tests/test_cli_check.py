@@ -28,7 +28,8 @@ pools:
 
 
 def _check(*files: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # policies/sidecar.yaml names its instance after its pod.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "POD_NAME": "vllm-llama-8b-0"}
     return subprocess.run(
         [sys.executable, "-m", "gateway", "check", *map(str, files)],
         cwd=REPO,

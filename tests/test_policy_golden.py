@@ -85,7 +85,8 @@ def test_shipped_policies_exist() -> None:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
-def test_shipped_policy_validates(path: Path) -> None:
+def test_shipped_policy_validates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "vllm-llama-8b-0")  # policies/sidecar.yaml
     policy = load_policy(path)
     assert isinstance(policy, Policy)
     assert policy.pools
@@ -149,3 +150,19 @@ def test_loader_edge_case(name: str) -> None:
         assert wanted in message
     if unwanted is not None:
         assert unwanted not in message
+
+
+def test_shipped_sidecar_and_central_policies_share_their_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    central = load_policy(POLICIES / "central.yaml")
+    assert central.shared is not None
+    for inst in central.pools["chat-8b"].instances:
+        monkeypatch.setenv("POD_NAME", inst.name)
+        sidecar = load_policy(POLICIES / "sidecar.yaml")
+        assert sidecar.shared is not None
+        same = ("redis_url", "key_prefix", "decision_ttl")
+        assert [getattr(sidecar.shared, k) for k in same] == [
+            getattr(central.shared, k) for k in same
+        ]
+        assert [i.name for i in sidecar.pools["chat-8b"].instances] == [inst.name]

@@ -1,0 +1,54 @@
+"""The propagation benchmark runs end to end, small, in both modes, and records every figure.
+
+Behaviour only: both modes are measured, no round times out, and every delay is a sane number
+(not negative, below a loose bound); nothing about how fast propagation must be.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtests.bench_propagation import main
+
+TTL_S = 1.0
+BOUND_MS = {"pubsub": 1000.0, "backstop": 2000.0}  # loose: the figures, not their speed
+
+
+def delays_ms(result: dict[str, Any], change: str) -> list[float]:
+    """Every delay the mode recorded for one change: per round and per replica."""
+    values: list[float] = []
+    for record in result["rounds"]:
+        spread = record[change]
+        values.extend(spread["delays_ms"].values())
+        if spread["every_ms"] is not None:
+            values.append(spread["every_ms"])
+    return values
+
+
+def test_small_run_in_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "propagation.json"
+    argv = ["--replicas", "3", "--rounds", "3", "--ttl", str(TTL_S), "--json", str(out)]
+    assert main([*argv, "--mode", "both"]) == 0
+    report = capsys.readouterr().out
+    data: dict[str, Any] = json.loads(out.read_text())
+
+    assert set(data["modes"]) == {"pubsub", "backstop"}
+    for mode, result in data["modes"].items():
+        assert result["pubsub"] == (mode == "pubsub")
+        assert result["rounds_run"] == 3
+        assert result["notes"] == []
+        for change in ("isolate", "restore"):
+            summary = result[change]
+            assert summary["timeouts"] == 0, (mode, change, result["rounds"])
+            assert summary["every_replica"]["count"] == 3
+            assert summary["each_replica"]["count"] == 3 * 2  # the origin is not counted
+            values = delays_ms(result, change)
+            assert values
+            assert all(0.0 <= value < BOUND_MS[mode] for value in values), (mode, change, values)
+        assert f"| {mode} | isolate | 3 | 0 |" in report
+        assert f"| {mode} | restore | 3 | 0 |" in report
+    assert "Targets:" in report
