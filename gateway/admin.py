@@ -6,11 +6,14 @@ import hmac
 import os
 from typing import TYPE_CHECKING
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.telemetry.metrics import build_registry
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -52,6 +55,11 @@ def build_admin_app(gateway: Gateway) -> ASGIApp:
     async def state(request: Request) -> Response:
         return JSONResponse(gateway.state())
 
+    metrics_registry = build_registry(gateway)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -75,6 +83,7 @@ def build_admin_app(gateway: Gateway) -> ASGIApp:
     app = Starlette(
         routes=[
             Route("/admin/state", state, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route(
                 "/admin/instances/{pool}/{name}/{action:str}",

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.core.decision import Decision
 from loadtests.procs import wait_until
@@ -132,6 +133,16 @@ def shows(gateway: Gateway, name: str, wanted: str, pool: str = "chat") -> bool:
 def operate(gateway: Gateway, name: str, action: str, pool: str = "chat") -> None:
     url = f"{gateway.admin_url}/admin/instances/{pool}/{name}/{action}"
     httpx.post(url, timeout=5).raise_for_status()
+
+
+def metric(gateway: Gateway, name: str, **labels: str) -> float:
+    """One sample of the admin plane's /metrics, parsed as Prometheus would."""
+    text = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
 
 
 def chat(gateway: Gateway) -> httpx.Response:
@@ -311,6 +322,7 @@ async def test_redis_killed_mid_traffic_costs_nothing(
 ) -> None:
     r = replica_set(policy(redis_server.url, instances_yaml(backends)), 2)
     assert state(r[0])["shared_state"]["connected"]
+    assert metric(r[0], "gateway_shared_state_connected") == 1.0
     traffic = await drive(list(r.gateways), duration_s=3.0, events=[(1.0, redis_server.kill)])
     assert len(traffic.results) > 100
     assert not traffic.failures
@@ -318,6 +330,7 @@ async def test_redis_killed_mid_traffic_costs_nothing(
     shared = state(r[0])["shared_state"]
     assert shared["connected"] is False and shared["last_error"]
     assert shared["counters"]["connection_losses"] == 1
+    assert metric(r[0], "gateway_shared_state_connected") == 0.0
     # Back: reconnected (the backoff is capped at ~1.5 s) without a restart.
     redis_server.start()
     assert wait_until(lambda: state(r[0])["shared_state"]["connected"], 5)
@@ -386,6 +399,11 @@ def test_forged_decisions_cannot_isolate_more_than_the_cap(
     states = [instance(r[0], name)["state"] for name in NAMES]
     assert states.count("ISOLATED") == 1 and states.count("ADMITTING") == 2
     assert state(r[0])["shared_state"]["counters"]["malformed"] >= 1
+    assert metric(r[0], "gateway_shared_decisions_total", event="suppressed") >= 2
+    isolated = [
+        metric(r[0], "gateway_instance_state", instance=name, state="ISOLATED") for name in NAMES
+    ]
+    assert sorted(isolated) == [0.0, 0.0, 1.0]
     for _ in range(10):
         assert chat(r[0]).status_code == 200
 
