@@ -1,18 +1,25 @@
-"""Chaos scenarios: every shipped one is valid, and a 2,000-request run of chaos-mix produces the
-ledgers and the report, both ways (no thresholds: the numbers are what the report is for)."""
+"""Chaos scenarios: every shipped one is valid, fault steps on the `redis` target act on a real
+Redis, and a 2,000-request run of chaos-mix produces the ledgers and the report, both ways (no
+thresholds: the numbers are what the report is for)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
+import redis
 from pydantic import ValidationError
 
+from gateway.config.models import Policy
+from loadtests.chaos.cluster import Cluster
 from loadtests.chaos.scenario import SCENARIO_DIR, Scenario, load_scenario
-from loadtests.ledger import read_events, read_records
+from loadtests.chaos.timeline import Timeline
+from loadtests.ledger import JsonlWriter, read_events, read_records
 
 SHIPPED = sorted(SCENARIO_DIR.glob("*.yaml"))
 REQUIRED = {
@@ -24,6 +31,7 @@ REQUIRED = {
     "rolling-restart",
     "cold-start",
     "chaos-mix",
+    "redis-outage",
 }
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +67,15 @@ def test_fault_times_scale_with_the_run() -> None:
         ({"target": "chat-0", "action": "set", "at": "1s"}, "needs a `set:`"),
         ({"target": "chat-0", "action": "thaw", "at": "1s", "for": "1s"}, "cannot revert"),
         ({"target": "chat-0", "action": "explode", "at": "1s"}, "action"),
+        ({"target": "redis", "action": "set", "at": "1s", "set": {"error_rate": 1}}, "redis"),
+        ({"target": "redis", "action": "clear", "at": "1s"}, "does not apply to target `redis`"),
+        (
+            {"target": "redis", "action": "network", "at": "1s", "network": {"latency": 1}},
+            "does not apply to target `redis`",
+        ),
+        ({"target": "chat-0", "action": "pause", "at": "1s", "for": "2s"}, "`redis` only"),
+        ({"target": "redis", "action": "pause", "at": "1s"}, "needs `for:`"),
+        ({"target": "redis", "action": "pause", "at": "1s", "for": "0s"}, "positive"),
     ],
 )
 def test_bad_fault_steps_are_rejected(fault: dict[str, object], message: str) -> None:
@@ -66,6 +83,98 @@ def test_bad_fault_steps_are_rejected(fault: dict[str, object], message: str) ->
         Scenario.model_validate(
             {"name": "x", "pools": {"chat": {"models": ["m"]}}, "faults": [fault]}
         )
+
+
+def test_redis_steps_and_shared_are_accepted() -> None:
+    base = {"name": "x", "pools": {"chat": {"models": ["m"]}}}
+    assert not Scenario.model_validate(base).uses_redis()
+    assert Scenario.model_validate({**base, "shared": True}).uses_redis()
+    steps = [
+        {"target": "redis", "action": "kill", "at": "1s", "for": "10%"},
+        {"target": "redis", "action": "stop", "at": "1s", "for": "1s"},
+        {"target": "redis", "action": "freeze", "at": "1s", "for": "1s"},
+        {"target": "redis", "action": "thaw", "at": "2s"},
+        {"target": "redis", "action": "restart", "at": "2s"},
+        {"target": "redis", "action": "start", "at": "2s"},
+        {"target": "redis", "action": "pause", "at_request": 10, "for": "2s"},
+    ]
+    scenario = Scenario.model_validate({**base, "faults": steps})
+    assert scenario.uses_redis() and not scenario.shared
+
+
+def test_redis_outage_faults_redis_while_an_instance_fails() -> None:
+    scenario = load_scenario("redis-outage")
+    assert scenario.uses_redis()
+    redis_steps = [step for step in scenario.faults if step.target == "redis"]
+    assert [step.action for step in redis_steps] == ["kill", "freeze", "pause"]
+    assert all(step.duration() is not None for step in redis_steps)
+    assert any(step.action == "set" and step.target != "redis" for step in scenario.faults)
+
+
+class _NoRequests:
+    def wait_sent(self, count: int) -> Awaitable[None]:  # pragma: no cover - time triggers only
+        raise AssertionError("no request-number trigger in this test")
+
+
+def _redis_answers(cluster: Cluster) -> bool:
+    assert cluster.redis is not None
+    client = redis.Redis(host="127.0.0.1", port=cluster.redis.port, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+async def test_timeline_plays_redis_faults_on_a_real_redis(tmp_path: Path) -> None:
+    """Kill (back after `for:`), freeze/thaw and pause on the cluster's Redis, each logged; the
+    gateway's policy points its shared state at that Redis, and closing stops it."""
+    scenario = Scenario.model_validate(
+        {
+            "name": "x",
+            "pools": {"chat": {"models": ["m"]}},
+            "faults": [
+                {"target": "redis", "action": "kill", "at": "0s", "for": "0.3s"},
+                {"target": "redis", "action": "freeze", "at": "1s", "for": "0.3s"},
+                {"target": "redis", "action": "pause", "at": "2s", "for": "0.2s"},
+            ],
+        }
+    )
+    cluster = Cluster(scenario, tmp_path)
+    events = JsonlWriter(tmp_path / "events.jsonl", flush_every=1)
+    try:
+        await asyncio.to_thread(cluster.start_all)
+        assert cluster.redis is not None and _redis_answers(cluster)
+        port = cluster.redis.port
+        policy = Policy.model_validate(cluster.gateway_policy())
+        assert policy.shared is not None and policy.shared.key_prefix == "chaos"
+        assert str(policy.shared.redis_url).endswith(f":{port}/0")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeline = Timeline(
+            cluster,
+            scenario.faults,
+            planned_s=3.0,
+            clock=lambda: loop.time() - started,
+            events=events,
+        )
+        await asyncio.wait_for(timeline.run(_NoRequests()), timeout=30)
+        assert not timeline.errors
+        assert cluster.redis.port == port and _redis_answers(cluster)
+        assert len(cluster.redis_starts) == 2  # at start, and again after the kill
+    finally:
+        events.close()
+        await cluster.close()
+    assert not cluster.redis_running
+    logged = [(e.action, e.target) for e in read_events(tmp_path / "events.jsonl")]
+    assert logged == [
+        ("kill", "redis"),
+        ("start", "redis"),
+        ("freeze", "redis"),
+        ("thaw", "redis"),
+        ("pause", "redis"),
+    ]
 
 
 def test_chaos_mix_smoke_run(tmp_path: Path) -> None:

@@ -77,14 +77,28 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 3.0) -> b
 
 
 @contextlib.asynccontextmanager
-async def started_replicas(text: str, count: int = 3) -> AsyncIterator[list[Replica]]:
+async def started_replicas(
+    text: str, count: int = 3, idle: tuple[int, ...] = ()
+) -> AsyncIterator[list[Replica]]:
+    """Started stores; all but the `idle` ones see traffic (only those compete to probe)."""
     started = [Replica(text, f"r{i}") for i in range(count)]
     await asyncio.gather(*(r.store.start() for r in started))
+    busy = [r for i, r in enumerate(started) if i not in idle]
+    traffic = asyncio.get_running_loop().create_task(serve(busy))
     try:
         yield started
     finally:
+        traffic.cancel()
         async with asyncio.timeout(5):
             await asyncio.gather(*(r.store.close() for r in started))
+
+
+async def serve(replicas: list[Replica]) -> None:
+    """Stand-in for requests: the attempt counters move, as they do on a replica in service."""
+    while True:
+        for replica in replicas:
+            replica.registry.pools["p"].instances[-1].requests += 1
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -145,6 +159,20 @@ async def test_one_replica_at_a_time_holds_the_probe(replicas: list[Replica]) ->
     assert transition is not None and transition.to == ADMITTING
     prober.store.record("p", transition)
     assert await eventually(lambda: all(r.breaker("b").state == ADMITTING for r in replicas))
+
+
+async def test_a_replica_without_traffic_leaves_the_probe_to_the_others(
+    redis_server: RedisServer,
+) -> None:
+    async with started_replicas(policy_text(redis_server.url), count=2, idle=(0,)) as replicas:
+        idle, busy = replicas
+        await asyncio.sleep(1.2)  # past the start-up, when every pool counts as busy
+        idle.trip("a")
+        loop = asyncio.get_running_loop()
+        assert await eventually(
+            lambda: busy.breaker("a").isolated_until <= loop.time() < busy.breaker("a").lease_until
+        )
+        assert idle.store.counters["leases_acquired"] == 0
 
 
 async def test_a_failed_probe_isolates_everywhere_again(redis_server: RedisServer) -> None:

@@ -112,6 +112,9 @@ class RedisDecisions:
         self._channel = f"{policy.key_prefix}:decisions"
         self._wall = wall
         self._clock = asyncio.get_running_loop().time
+        self._pools = registry.pools
+        self._pool_attempts: dict[str, int] = {}
+        self._pool_busy_at: dict[str, float] = {}
         self._breakers: dict[Key, BreakerState] = {}
         self._decision_keys: dict[Key, str] = {}
         self._lease_keys: dict[Key, str] = {}
@@ -466,12 +469,13 @@ class RedisDecisions:
         it back once the probe has ended."""
         now = self._clock()
         horizon = now + self._tick_s / 2  # due before the next tick
+        busy = self._busy_pools(now)
         work: list[tuple[Key, str]] = []
         for key, breaker in self._breakers.items():
             held = self._leases.get(key)
             state = breaker.state
             if state == ISOLATED and not breaker.forced and breaker.isolated_until <= horizon:
-                if held is None or held <= now:
+                if (held is None or held <= now) and key[0] in busy:
                     work.append((key, "acquire"))
             elif state == PROBING and held is not None:
                 if now - self._lease_renewed.get(key, now) >= self._lease_s / 3:
@@ -494,6 +498,20 @@ class RedisDecisions:
                 else:
                     granted = await self._renew(keys=[name], args=[self.replica, self._lease_ms])
                 self._lease_result(key, action, bool(granted))
+
+    def _busy_pools(self, now: float) -> set[str]:
+        """Pools that sent attempts lately. Only they compete for a probe lease: a replica
+        without traffic (a sidecar whose pod left its Service, an idle replica) would hold the
+        lease with no request to probe with while the busy ones wait."""
+        busy = set()
+        for name, pool in self._pools.items():
+            attempts = sum(inst.requests for inst in pool.instances)
+            if attempts != self._pool_attempts.get(name):
+                self._pool_attempts[name] = attempts
+                self._pool_busy_at[name] = now
+            if now - self._pool_busy_at.get(name, -math.inf) <= 3 * self._lease_s:
+                busy.add(name)
+        return busy
 
     def _lease_result(self, key: Key, action: str, granted: bool) -> None:
         breaker = self._breakers[key]

@@ -3,6 +3,12 @@
 Each instance keeps its port for the whole run, so a killed or stopped instance can be started
 again where clients and the gateway expect it. Instances that a scenario degrades at the network
 level get a fault proxy in front of them from the start, and their URL is the proxy's.
+
+A scenario that shares decisions (`shared: true`, or a fault step on target `redis`) also gets a
+real redis-server on a loopback port, started with the backends and kept on that port through
+kills and restarts (each restart is empty: it keeps nothing on disk). The gateway's policy points
+its `shared:` section at it; in direct mode it runs all the same, unused, so that both modes play
+the same timeline.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import yaml
 
 from loadtests.chaos.scenario import Scenario
 from loadtests.procs import ManagedProcess, python_module
+from loadtests.redis_server import RedisServer
+
+REDIS_KEY_PREFIX = "chaos"
 
 
 def free_port() -> int:
@@ -67,6 +76,8 @@ class Cluster:
         self.workdir = workdir
         self.instances: dict[str, Instance] = {}
         self.gateway: ManagedProcess | None = None
+        self.redis: RedisServer | None = None
+        self.redis_starts: list[float] = []  # run-clock times Redis was (re)started
         self._http = httpx.AsyncClient(timeout=5.0)
         backend = scenario.backend
         proxied = {step.target for step in scenario.faults if step.action == "network"}
@@ -89,6 +100,9 @@ class Cluster:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start_all(self) -> None:
+        if self.scenario.uses_redis():
+            self.redis = RedisServer()
+            self.redis_starts.append(0.0)
         for inst in self.instances.values():
             inst.proc = ManagedProcess(inst.argv)
             inst.starts.append(0.0)
@@ -119,7 +133,11 @@ class Cluster:
                 ],
                 **self.scenario.gateway,
             }
-        return {"listen": "127.0.0.1:0", "admin": {"listen": "127.0.0.1:0"}, "pools": pools}
+        policy: dict[str, Any] = {"listen": "127.0.0.1:0", "admin": {"listen": "127.0.0.1:0"}}
+        if self.redis is not None:
+            policy["shared"] = {"redis_url": self.redis.url, "key_prefix": REDIS_KEY_PREFIX}
+        policy["pools"] = pools
+        return policy
 
     async def gateway_state(self) -> dict[str, Any] | None:
         if self.gateway is None:
@@ -137,7 +155,14 @@ class Cluster:
         procs = [self.gateway] if self.gateway else []
         for inst in self.instances.values():
             procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+        try:
+            await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+        finally:
+            # After the gateway, which hands its probe leases back to Redis as it exits.
+            await self.stop_redis(kill=False)
+        if self.gateway is not None:
+            # Its log (breaker transitions, shared state lost/connected) for the run directory.
+            (self.workdir / "gateway.log").write_text(self.gateway.output() + "\n")
 
     # --- fault actions -------------------------------------------------------------------
 
@@ -181,3 +206,41 @@ class Cluster:
             await self.stop(name, kill=False)
         inst.proc = await asyncio.to_thread(ManagedProcess, inst.argv)
         inst.starts.append(now)
+
+    # --- the Redis of shared decisions ---------------------------------------------------
+
+    def _redis(self) -> RedisServer:
+        if self.redis is None:
+            raise RuntimeError("this scenario runs no Redis")
+        return self.redis
+
+    @property
+    def redis_running(self) -> bool:
+        proc = self.redis.proc if self.redis is not None else None
+        return proc is not None and proc.poll() is None
+
+    def signal_redis(self, sig: int) -> None:
+        proc = self._redis().proc
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, sig)
+
+    async def stop_redis(self, *, kill: bool) -> None:
+        """SIGKILL, or SIGTERM (a frozen Redis is thawed first so that it can exit)."""
+        if self.redis is None or not self.redis_running:
+            return
+        if kill:
+            await asyncio.to_thread(self.redis.kill)
+        else:
+            self.signal_redis(signal.SIGCONT)
+            await asyncio.to_thread(self.redis.stop)
+
+    async def start_redis(self, now: float) -> None:
+        """Start Redis again on its port, empty (stopping it first if it still runs)."""
+        redis = self._redis()
+        await self.stop_redis(kill=False)
+        await asyncio.to_thread(redis.start)
+        self.redis_starts.append(now)
+
+    async def pause_redis(self, seconds: float) -> None:
+        """CLIENT PAUSE ... ALL: Redis holds every client's commands for that long."""
+        await asyncio.to_thread(self._redis().pause, seconds)

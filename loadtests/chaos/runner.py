@@ -130,6 +130,10 @@ def _write_meta(
         },
         "timeline_errors": timeline_errors,
     }
+    if cluster.redis is not None:
+        # Not under "instances": Redis serves no requests, the report's per-instance tables
+        # must not list it.
+        meta["redis"] = {"url": cluster.redis.url, "starts": cluster.redis_starts}
     if state is not None:
         meta["gateway_counters"] = gateway_counters(state)
         meta["gateway_state"] = state
@@ -147,6 +151,12 @@ def gateway_counters(state: dict[str, Any]) -> dict[str, Any]:
     for key in ("isolations", "retries"):
         if key in state:
             counters[key] = state[key]
+    shared = state.get("shared_state")
+    if isinstance(shared, dict) and shared.get("configured"):
+        counters["shared_state"] = {
+            "connected": shared.get("connected"),
+            "counters": shared.get("counters", {}),
+        }
     return counters
 
 

@@ -3,6 +3,11 @@
 A fault happens at a time (`at: 30s`, or `at: 25%` of the planned run, so a scenario scales with
 the request count) or at a request number (`at_request: 5000`), and may revert by itself after
 `for:`. The same scenario and seed give the same sequence of faults and requests.
+
+The reserved target `redis` is the Redis through which the gateway shares isolation decisions
+(started with the backends when a step targets it or the scenario says `shared: true`); it takes
+the process actions (kill, stop, start, restart, freeze, thaw) and `pause`, which no instance
+takes. A Redis fault must cost the gateway nothing: Redis is never on the request path.
 """
 
 from __future__ import annotations
@@ -25,11 +30,17 @@ Action = Literal[
     "freeze",  # SIGSTOP: connections hang, nothing answers
     "thaw",  # SIGCONT
     "network",  # fault knobs of the TCP proxy in front of the instance (`network: {latency: 0.05}`)
+    "pause",  # redis only: CLIENT PAUSE ... ALL for the step's `for:` (commands held, then served)
 ]
 
+REDIS = "redis"  # the reserved target: the Redis of shared decisions, not a backend instance
+# What `redis` takes: it is a process (no fault knobs, no proxy in front), and `pause` is its own.
+REDIS_ACTIONS = ("kill", "stop", "start", "restart", "freeze", "thaw", "pause")
 
-# Actions that `for:` can undo: set/network revert their knobs, freeze thaws, stop/kill restart.
-REVERTIBLE = ("set", "freeze", "network", "stop", "kill")
+
+# Actions that `for:` can undo: set/network revert their knobs, freeze thaws, stop/kill restart;
+# a pause lasts its `for:` (Redis itself ends it).
+REVERTIBLE = ("set", "freeze", "network", "stop", "kill", "pause")
 
 
 class _Strict(BaseModel):
@@ -69,7 +80,7 @@ class FaultStep(_Strict):
     note: str = ""
 
     @model_validator(mode="after")
-    def _one_trigger(self) -> FaultStep:
+    def _valid_step(self) -> FaultStep:
         if (self.at is None) == (self.at_request is None):
             raise ValueError("give exactly one of `at` or `at_request`")
         if self.action == "set" and not self.set:
@@ -78,6 +89,22 @@ class FaultStep(_Strict):
             raise ValueError("action `network` needs a `network:` mapping")
         if self.for_ is not None and self.action not in REVERTIBLE:
             raise ValueError(f"`for` cannot revert action {self.action!r}")
+        if self.target == REDIS and self.action not in REDIS_ACTIONS:
+            raise ValueError(
+                f"action {self.action!r} does not apply to target `redis` (a process with no "
+                f"fault knobs and no proxy): use one of {', '.join(REDIS_ACTIONS)}"
+            )
+        if self.action == "pause":
+            if self.target != REDIS:
+                raise ValueError(
+                    f"action `pause` is for target `redis` only, not {self.target!r} "
+                    "(freeze an instance instead)"
+                )
+            if self.for_ is None:
+                raise ValueError("action `pause` needs `for:` (how long Redis holds commands)")
+            length = parse_when(self.for_)
+            if (length.seconds or length.fraction or 0.0) <= 0.0:
+                raise ValueError("action `pause` needs a positive `for:`")
         return self
 
     def when(self) -> When:
@@ -124,10 +151,13 @@ class Scenario(_Strict):
     workload: ScenarioWorkload = ScenarioWorkload()
     gateway: dict[str, Any] = Field(default_factory=dict)  # merged into every pool's policy
     faults: list[FaultStep] = Field(default_factory=list)
+    # Share the gateway's isolation decisions through a Redis started for the run (implied by
+    # any fault step on target `redis`).
+    shared: bool = False
 
     @model_validator(mode="after")
     def _targets_exist(self) -> Scenario:
-        names = set(self.instance_names()) | {"redis"}
+        names = set(self.instance_names()) | {REDIS}
         for step in self.faults:
             if step.target not in names:
                 raise ValueError(f"fault target {step.target!r} is not an instance of the scenario")
@@ -135,6 +165,10 @@ class Scenario(_Strict):
 
     def instance_names(self) -> list[str]:
         return [f"{pool}-{i}" for pool, spec in self.pools.items() for i in range(spec.instances)]
+
+    def uses_redis(self) -> bool:
+        """Whether the run needs a Redis: `shared: true`, or a fault step on it."""
+        return self.shared or any(step.target == REDIS for step in self.faults)
 
     def models(self) -> list[str]:
         return [model for spec in self.pools.values() for model in spec.models]

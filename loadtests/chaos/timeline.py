@@ -1,4 +1,8 @@
-"""Plays a scenario's fault steps against a cluster on the run's clock, each logged as an Event."""
+"""Plays a scenario's fault steps against a cluster on the run's clock, each logged as an Event.
+
+Steps on the reserved target `redis` act on the cluster's Redis process (and `pause` on its
+commands); they are logged like the others, with `redis` as the target.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from loadtests.chaos.cluster import Cluster
-from loadtests.chaos.scenario import FaultStep
+from loadtests.chaos.scenario import REDIS, FaultStep
 from loadtests.ledger import Event, JsonlWriter
 
 
@@ -70,6 +74,8 @@ class Timeline:
         if until is not None:
             detail["until"] = until
         action = step.action
+        if name == REDIS:
+            return await self._apply_redis(step, detail)
         if action == "set":
             previous = await cluster.set_faults(name, step.set)
             self._log("set", name, {**detail, **step.set})
@@ -115,6 +121,48 @@ class Timeline:
             async def start_again() -> None:
                 self._log("start", name, {})
                 await cluster.start(name, self.clock())
+
+            return start_again
+        return None
+
+    async def _apply_redis(
+        self, step: FaultStep, detail: dict[str, Any]
+    ) -> Callable[[], Awaitable[None]] | None:
+        """The same process actions as on an instance, plus `pause`, on the cluster's Redis."""
+        cluster, action = self.cluster, step.action
+        if action == "pause":
+            duration = step.duration()
+            seconds = None if duration is None else duration.resolve(self.planned_s)
+            if not seconds or seconds <= 0:
+                raise ValueError("a pause needs a positive duration")
+            await cluster.pause_redis(seconds)
+            self._log("pause", REDIS, detail)
+            return None  # Redis ends the pause by itself
+        if action in ("start", "restart"):
+            self._log(action, REDIS, detail)
+            await cluster.start_redis(self.clock())
+            return None
+        if action == "freeze":
+            cluster.signal_redis(signal.SIGSTOP)
+        elif action == "thaw":
+            cluster.signal_redis(signal.SIGCONT)
+        elif action in ("kill", "stop"):
+            await cluster.stop_redis(kill=action == "kill")
+        else:
+            raise ValueError(f"action {action!r} does not apply to redis")
+        self._log(action, REDIS, detail)
+        if action == "freeze":
+
+            async def thaw() -> None:
+                cluster.signal_redis(signal.SIGCONT)
+                self._log("thaw", REDIS, {})
+
+            return thaw
+        if action in ("kill", "stop"):
+
+            async def start_again() -> None:
+                self._log("start", REDIS, {})
+                await cluster.start_redis(self.clock())
 
             return start_again
         return None
