@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 from pydantic import ValidationError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from gateway.config.models import Policy
 from loadtests.chaos.cluster import Cluster
@@ -116,9 +118,15 @@ class _NoRequests:
         raise AssertionError("no request-number trigger in this test")
 
 
-def _redis_answers(cluster: Cluster) -> bool:
+def _redis_answers(cluster: Cluster, timeout_s: float = 0.5) -> bool:
     assert cluster.redis is not None
-    client = redis.Redis(host="127.0.0.1", port=cluster.redis.port, socket_timeout=0.5)
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=cluster.redis.port,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),  # one try: a retry could outlast the fault
+    )
     try:
         return bool(client.ping())
     except redis.exceptions.RedisError:
@@ -133,11 +141,11 @@ async def test_timeline_plays_redis_faults_on_a_real_redis(tmp_path: Path) -> No
     scenario = Scenario.model_validate(
         {
             "name": "x",
-            "pools": {"chat": {"models": ["m"]}},
+            "pools": {"chat": {"models": ["m"], "instances": 1}},
             "faults": [
-                {"target": "redis", "action": "kill", "at": "0s", "for": "0.3s"},
-                {"target": "redis", "action": "freeze", "at": "1s", "for": "0.3s"},
-                {"target": "redis", "action": "pause", "at": "2s", "for": "0.2s"},
+                {"target": "redis", "action": "kill", "at": "0s", "for": "0.6s"},
+                {"target": "redis", "action": "freeze", "at": "1s", "for": "0.6s"},
+                {"target": "redis", "action": "pause", "at": "2s", "for": "0.3s"},
             ],
         }
     )
@@ -159,8 +167,23 @@ async def test_timeline_plays_redis_faults_on_a_real_redis(tmp_path: Path) -> No
             clock=lambda: loop.time() - started,
             events=events,
         )
-        await asyncio.wait_for(timeline.run(_NoRequests()), timeout=30)
+
+        async def answers_at(t: float) -> bool:
+            await asyncio.sleep(t - (loop.time() - started))
+            return await asyncio.to_thread(_redis_answers, cluster, 0.1)
+
+        _, while_killed, while_frozen, while_paused, after = await asyncio.wait_for(
+            asyncio.gather(
+                timeline.run(_NoRequests()),
+                answers_at(0.3),
+                answers_at(1.3),
+                answers_at(2.05),
+                answers_at(2.6),
+            ),
+            timeout=30,
+        )
         assert not timeline.errors
+        assert (while_killed, while_frozen, while_paused, after) == (False, False, False, True)
         assert cluster.redis.port == port and _redis_answers(cluster)
         assert len(cluster.redis_starts) == 2  # at start, and again after the kill
     finally:

@@ -172,7 +172,7 @@ async def test_a_replica_without_traffic_leaves_the_probe_to_the_others(
         assert await eventually(
             lambda: busy.breaker("a").isolated_until <= loop.time() < busy.breaker("a").lease_until
         )
-        assert idle.store.counters["leases_acquired"] == 0
+        assert idle.store.status()["counters"]["leases_acquired"] == 0
 
 
 async def test_a_failed_probe_isolates_everywhere_again(redis_server: RedisServer) -> None:

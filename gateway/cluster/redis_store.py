@@ -12,9 +12,8 @@ The request path only reads breakers in memory and, on a transition, drops a not
   of our pools is read back (the backstop when a message was missed, or pub/sub is off). An
   isolation we adopted whose key is gone (restored, or expired: its replica stopped renewing)
   is lifted here;
-- **probe lease** `{prefix}:probe:{pool}:{instance}`: an isolation that is due may be probed
-  only by the replica holding this short lease (SET NX), so a recovering instance gets one
-  probe, not one per replica. The lease is renewed while the probe runs and released after.
+- **probe lease** (`gateway.cluster.probe_leases`): an isolation that is due is probed by the
+  one replica holding its short lease, not by every replica at once.
 
 Every call is bounded by `shared.timeout` and never retried by the client (redis-py's default
 retries would turn a dead Redis into seconds per call). Any failure ends the session: the
@@ -42,9 +41,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.cluster.probe_leases import RELEASE_IF_OURS, ProbeLeases
 from gateway.cluster.store import log_transition
 from gateway.config.models import SharedPolicy
-from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, BreakerState, Transition
+from gateway.core.breaker import ADMITTING, ISOLATED, BreakerState, Transition
 from gateway.core.decision import (
     Decision,
     MalformedDecision,
@@ -63,13 +63,6 @@ Key = tuple[str, str]  # (pool, instance)
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
 _LISTEN_POLL_S = 1.0  # how long one pub/sub read waits before looping (no cost when idle)
-_RELEASE = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
-_RENEW = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-)
 _FAILURES = (RedisError, OSError, TimeoutError, ConnectionError)
 
 
@@ -106,31 +99,22 @@ class RedisDecisions:
         self._ttl_ms = max(1, round(policy.decision_ttl * 1000))
         self._timeout_s = policy.timeout
         self._refresh_s = policy.decision_ttl / 3
-        self._lease_s = policy.decision_ttl / 3
-        self._lease_ms = max(1, round(self._lease_s * 1000))
         self._tick_s = min(0.1, policy.decision_ttl / 10)
         self._channel = f"{policy.key_prefix}:decisions"
         self._wall = wall
         self._clock = asyncio.get_running_loop().time
-        self._pools = registry.pools
-        self._pool_attempts: dict[str, int] = {}
-        self._pool_busy_at: dict[str, float] = {}
         self._breakers: dict[Key, BreakerState] = {}
         self._decision_keys: dict[Key, str] = {}
-        self._lease_keys: dict[Key, str] = {}
         for pool in registry.pools.values():
             for inst in pool.instances:
                 key = (pool.name, inst.name)
                 self._breakers[key] = inst.breaker
                 self._decision_keys[key] = f"{policy.key_prefix}:decision:{pool.name}:{inst.name}"
-                self._lease_keys[key] = f"{policy.key_prefix}:probe:{pool.name}:{inst.name}"
         self._marks: dict[Key, Marks] = {key: Marks() for key in self._breakers}
         self._own: dict[Key, bytes] = {}  # our isolations in force, encoded, to renew
         self._outbox: dict[Key, Decision] = {}  # our transitions not yet written
         self._retract: dict[Key, bytes] = {}  # our lifted isolations to delete if still ours
         self._heard: dict[Key, float] = {}  # when we last applied an isolation, per instance
-        self._leases: dict[Key, float] = {}  # probe leases we hold: when they lapse (monotonic)
-        self._lease_renewed: dict[Key, float] = {}
         self._wake = asyncio.Event()
         self._first_attempt = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -142,8 +126,16 @@ class RedisDecisions:
             retry_on_error=[],
             health_check_interval=0,
         )
-        self._release = self._client.register_script(_RELEASE)
-        self._renew = self._client.register_script(_RENEW)
+        self._release = self._client.register_script(RELEASE_IF_OURS)
+        self._leases = ProbeLeases(
+            self._client,
+            registry,
+            replica,
+            policy.key_prefix,
+            lease_s=policy.decision_ttl / 3,
+            tick_s=self._tick_s,
+            timeout_s=policy.timeout,
+        )
         self.connected = False
         self._changed_at: float | None = None
         self._last_error: str | None = None
@@ -159,7 +151,6 @@ class RedisDecisions:
                 "malformed",
                 "unknown_instance",
                 "refreshes",
-                "leases_acquired",
                 "connection_losses",
             ),
             0,
@@ -204,8 +195,8 @@ class RedisDecisions:
             "since": self._changed_at,
             "last_error": self._last_error,
             "own_isolations": sorted(f"{p}/{i}" for p, i in self._own),
-            "probe_leases": sorted(f"{p}/{i}" for p, i in self._leases),
-            "counters": dict(self.counters),
+            "probe_leases": self._leases.held(),
+            "counters": {**self.counters, "leases_acquired": self._leases.acquired},
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -227,8 +218,7 @@ class RedisDecisions:
             # Hand back our probe leases so another replica need not wait for them to lapse.
             with contextlib.suppress(*_FAILURES):
                 async with asyncio.timeout(self._timeout_s * 2):
-                    for key in list(self._leases):
-                        await self._release(keys=[self._lease_keys[key]], args=[self.replica])
+                    await self._leases.release_all()
         with contextlib.suppress(*_FAILURES):
             async with asyncio.timeout(self._timeout_s * 2):
                 await self._client.aclose()
@@ -281,8 +271,7 @@ class RedisDecisions:
         self.connected = True
         self._changed_at = self._clock()
         self._last_error = None
-        for breaker in self._breakers.values():
-            breaker.lease_until = 0.0  # from now on, probes need the lease
+        self._leases.coordinate()
         log.warning(
             "shared state: connected to %s as %s (pub/sub %s)",
             self._url,
@@ -295,10 +284,7 @@ class RedisDecisions:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         was = self.connected
         self.connected = False
-        self._leases.clear()
-        self._lease_renewed.clear()
-        for breaker in self._breakers.values():
-            breaker.lease_until = math.inf  # nobody to ask: every replica probes for itself
+        self._leases.alone()
         if was or self._changed_at is None:
             self.counters["connection_losses"] += int(was)
             self._changed_at = self._clock()
@@ -348,7 +334,7 @@ class RedisDecisions:
                     raise
             if self._retract:
                 await self._retract_lifted()
-            await self._tend_leases()
+            await self._leases.tend()
             if self._clock() >= next_refresh:
                 await self._refresh()
                 next_refresh = self._clock() + self._refresh_s
@@ -461,70 +447,3 @@ class RedisDecisions:
         if message not in self._bad_logged and len(self._bad_logged) < 100:
             self._bad_logged.add(message)
             log.warning("shared state: %s", message)
-
-    # -- probe leases ----------------------------------------------------------------------------
-
-    async def _tend_leases(self) -> None:
-        """Acquire the lease for isolations falling due, renew it while our probe runs, give
-        it back once the probe has ended."""
-        now = self._clock()
-        horizon = now + self._tick_s / 2  # due before the next tick
-        busy = self._busy_pools(now)
-        work: list[tuple[Key, str]] = []
-        for key, breaker in self._breakers.items():
-            held = self._leases.get(key)
-            state = breaker.state
-            if state == ISOLATED and not breaker.forced and breaker.isolated_until <= horizon:
-                if (held is None or held <= now) and key[0] in busy:
-                    work.append((key, "acquire"))
-            elif state == PROBING and held is not None:
-                if now - self._lease_renewed.get(key, now) >= self._lease_s / 3:
-                    work.append((key, "renew"))
-            elif held is not None:
-                del self._leases[key]
-                self._lease_renewed.pop(key, None)
-                breaker.lease_until = 0.0
-                work.append((key, "release"))
-        if not work:
-            return
-        async with asyncio.timeout(self._timeout_s * 2):
-            for key, action in work:
-                name = self._lease_keys[key]
-                if action == "release":
-                    await self._release(keys=[name], args=[self.replica])
-                    continue
-                if action == "acquire":
-                    granted = await self._client.set(name, self.replica, nx=True, px=self._lease_ms)
-                else:
-                    granted = await self._renew(keys=[name], args=[self.replica, self._lease_ms])
-                self._lease_result(key, action, bool(granted))
-
-    def _busy_pools(self, now: float) -> set[str]:
-        """Pools that sent attempts lately. Only they compete for a probe lease: a replica
-        without traffic (a sidecar whose pod left its Service, an idle replica) would hold the
-        lease with no request to probe with while the busy ones wait."""
-        busy = set()
-        for name, pool in self._pools.items():
-            attempts = sum(inst.requests for inst in pool.instances)
-            if attempts != self._pool_attempts.get(name):
-                self._pool_attempts[name] = attempts
-                self._pool_busy_at[name] = now
-            if now - self._pool_busy_at.get(name, -math.inf) <= 3 * self._lease_s:
-                busy.add(name)
-        return busy
-
-    def _lease_result(self, key: Key, action: str, granted: bool) -> None:
-        breaker = self._breakers[key]
-        if not granted:
-            self._leases.pop(key, None)
-            self._lease_renewed.pop(key, None)
-            breaker.lease_until = 0.0
-            return
-        now = self._clock()
-        if action == "acquire":
-            self.counters["leases_acquired"] += 1
-        self._leases[key] = now + self._lease_s
-        self._lease_renewed[key] = now
-        # Our permission ends a call's length before Redis's, so that we never start a probe
-        # on a lease that has already lapsed there.
-        breaker.lease_until = now + self._lease_s - self._timeout_s
