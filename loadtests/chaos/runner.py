@@ -147,10 +147,17 @@ def gateway_counters(state: dict[str, Any]) -> dict[str, Any]:
         for pool in state.get("pools", {}).values()
         for inst in pool.get("instances", [])
     }
-    counters: dict[str, Any] = {"requests_per_instance": per_instance}
-    for key in ("isolations", "retries"):
-        if key in state:
-            counters[key] = state[key]
+    counters: dict[str, Any] = {
+        "requests_per_instance": per_instance,
+        # Isolations this gateway made or adopted, over every instance of every pool.
+        "isolations": sum(
+            inst.get("isolations", 0)
+            for pool in state.get("pools", {}).values()
+            for inst in pool.get("instances", [])
+        ),
+    }
+    if "retries" in state:
+        counters["retries"] = state["retries"]
     shared = state.get("shared_state")
     if isinstance(shared, dict) and shared.get("configured"):
         counters["shared_state"] = {

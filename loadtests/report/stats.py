@@ -66,7 +66,7 @@ def cold_starts(mode: ModeData) -> dict[str, ColdStart]:
     """Per instance with at least one start/restart event, its cold start delays."""
     by_target: dict[str, list[float]] = {}
     for event in mode.events:
-        if event.action in START_ACTIONS:
+        if event.action in START_ACTIONS and event.target != "redis":  # not a backend
             by_target.setdefault(event.target, []).append(event.t)
     completion = np.where(np.isfinite(mode.total), mode.t + mode.total, mode.t)
     result: dict[str, ColdStart] = {}
