@@ -82,6 +82,10 @@ class _DisconnectWatch:
             self._watcher.cancel()
 
 
+# What a request that ended because its client left counts as (nginx's 499).
+CLIENT_CLOSED = 499
+
+
 class DataPlane:
     def __init__(
         self,
@@ -137,6 +141,7 @@ class DataPlane:
             await send_error(send, MethodNotAllowed("use GET", allow="GET, HEAD"))
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        started = self._loop.time()
         client = scope.get("client")
         try:
             headers = split_request_headers(
@@ -180,12 +185,17 @@ class DataPlane:
             task=task,
         )
         watch = _DisconnectWatch(self._loop, task, receive)
+        stats = pool.stats
+        status = CLIENT_CLOSED
         try:
             try:
                 response = await self._handler(call)
             except GatewayError as error:
+                status = error.status
                 await send_error(send, error, call.attempts)
                 return
+            status = response.status
+            stats.ttfb[facts.model].observe(self._loop.time() - started)
             timeouts = call.timeouts
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
@@ -206,3 +216,4 @@ class DataPlane:
             raise
         finally:
             watch.close()
+            stats.request(facts.model, status, self._loop.time() - started)

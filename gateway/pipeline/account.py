@@ -50,6 +50,9 @@ def _record(
 ) -> None:
     failed = outcome.counts_as_failure
     pool.failure.observe(failed)
+    instance.stats.attempt(outcome, probe)
+    if outcome.kind == "timeout":
+        pool.stats.timeout(outcome.phase or "deadline")
     if outcome.kind == "ok":
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.

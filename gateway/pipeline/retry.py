@@ -59,12 +59,16 @@ class Retry:
                     call.attempts, tier.backoff_s, retries_policy.max_backoff, pool.rng
                 )
                 delay = max(delay, wait_s)
-                allowed = now + delay < call.deadline and pool.budget.try_spend(now)
+                allowed = now + delay < call.deadline
+                if allowed and not pool.budget.try_spend(now):
+                    allowed = False
+                    pool.stats.budget_exhausted += 1
             if not allowed:
                 if response is not None:
                     return response  # the backend's own answer, unchanged
                 assert failure is not None
                 raise failure
+            pool.stats.retry(outcome)
             if response is not None:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:

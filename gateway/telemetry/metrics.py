@@ -1,19 +1,29 @@
 """Prometheus metrics, read from the gateway's live state when scraped.
 
 A collector walks the registry and the decision store at scrape time, so the request path pays
-nothing for these: no counter objects to bump, no labels to look up per request.
+only for plain counters on objects it already holds (`gateway.upstream.stats`): no metric
+objects, label lookups or locks per request. Labels stay bounded: pools, models and instances
+come from the policy, outcomes and phases from fixed sets; never request ids or raw paths.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
+from gateway.core.histogram import Histogram
+from gateway.core.timeouts import attempt_timeouts
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -21,31 +31,190 @@ if TYPE_CHECKING:
 _STATES = (ADMITTING, ISOLATED, PROBING)
 
 
+def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    return [
+        ("+Inf" if bound == float("inf") else repr(bound), float(count))
+        for bound, count in histogram.cumulative()
+    ]
+
+
 class GatewayCollector(Collector):
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
 
     def collect(self) -> Iterator[Metric]:
-        gateway = self._gateway
+        yield from self._requests()
+        yield from self._instances()
+        yield from self._pools()
+        yield from self._shared()
+
+    def _requests(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "gateway_requests",
+            "Client requests routed to a pool, by model and status class of the answer "
+            "(499: the client left first)",
+            labels=["pool", "model", "status_class"],
+        )
+        duration = HistogramMetricFamily(
+            "gateway_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer (a stream's last byte)",
+            labels=["pool", "model"],
+        )
+        ttfb = HistogramMetricFamily(
+            "gateway_time_to_first_byte_seconds",
+            "Time from a request's arrival to the backend's first byte, retries included",
+            labels=["pool", "model"],
+        )
+        retries = CounterMetricFamily(
+            "gateway_retries",
+            "Attempts retried, by the outcome that caused the retry",
+            labels=["pool", "reason"],
+        )
+        timeouts = CounterMetricFamily(
+            "gateway_timeouts",
+            "Attempts that timed out, by the phase that ran out "
+            "(connect, first_byte, idle, deadline)",
+            labels=["pool", "phase"],
+        )
+        exhausted = CounterMetricFamily(
+            "gateway_retry_budget_exhausted",
+            "Retries the pool's retry budget refused",
+            labels=["pool"],
+        )
+        for pool in self._gateway.registry.pools.values():
+            stats = pool.stats
+            for (model, klass), count in stats.requests.items():
+                requests.add_metric([pool.name, model, klass], count)
+            for model, histogram in stats.duration.items():
+                duration.add_metric([pool.name, model], _buckets(histogram), histogram.sum)
+            for model, histogram in stats.ttfb.items():
+                ttfb.add_metric([pool.name, model], _buckets(histogram), histogram.sum)
+            for reason, count in stats.retries.items():
+                retries.add_metric([pool.name, reason], count)
+            for phase, count in stats.timeouts.items():
+                timeouts.add_metric([pool.name, phase], count)
+            exhausted.add_metric([pool.name], stats.budget_exhausted)
+        yield from (requests, duration, ttfb, retries, timeouts, exhausted)
+
+    def _instances(self) -> Iterator[Metric]:
+        labels = ["pool", "instance"]
         state = GaugeMetricFamily(
             "gateway_instance_state",
             "1 for the breaker state each instance is in (ADMITTING, ISOLATED, PROBING)",
-            labels=["pool", "instance", "state"],
+            labels=[*labels, "state"],
+        )
+        healthy = GaugeMetricFamily(
+            "gateway_instance_healthy", "1 while health checks pass", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_instance_in_flight", "Attempts in progress", labels=labels
+        )
+        attempts = CounterMetricFamily(
+            "gateway_upstream_attempts",
+            "Attempts sent to each instance, by outcome (ok, http_<status>, timeout, "
+            "connect_failure, reset, protocol, oom)",
+            labels=[*labels, "outcome"],
+        )
+        ooms = CounterMetricFamily(
+            "gateway_backend_ooms",
+            "Attempts the backend failed for lack of GPU memory (vLLM's CUDA out of memory)",
+            labels=labels,
         )
         isolations = CounterMetricFamily(
             "gateway_isolations",
             "Times each instance was isolated here (its own trips, operators, shared decisions)",
-            labels=["pool", "instance"],
+            labels=labels,
         )
-        for pool in gateway.registry.pools.values():
+        probes = CounterMetricFamily(
+            "gateway_probes",
+            "Probes of isolated instances, by result",
+            labels=[*labels, "result"],
+        )
+        timeout = GaugeMetricFamily(
+            "gateway_instance_timeout_seconds",
+            "The timeout the next attempt would get, per phase (first byte and idle gap of a "
+            "stream; first byte of a whole answer at the assumed max_tokens; connect)",
+            labels=[*labels, "phase"],
+        )
+        ewma = GaugeMetricFamily(
+            "gateway_instance_latency_ewma_seconds",
+            "The latency predictor per instance: EWMA mean and deviation of time to first "
+            "byte, gap between chunks, and time per token",
+            labels=[*labels, "estimate", "stat"],
+        )
+        peak = GaugeMetricFamily(
+            "gateway_instance_peak_ewma_seconds",
+            "The balancer's peak-EWMA latency per instance",
+            labels=labels,
+        )
+        now = asyncio.get_running_loop().time()
+        for pool in self._gateway.registry.pools.values():
+            k = pool.tiers.choose(pool.failure.rate).k
+            policy = pool.policy.timeouts
             for inst in pool.instances:
+                ids = [pool.name, inst.name]
                 current = inst.breaker.state
                 for name in _STATES:
-                    state.add_metric([pool.name, inst.name, name], 1.0 if name == current else 0.0)
-                isolations.add_metric([pool.name, inst.name], inst.breaker.isolations)
-        yield state
-        yield isolations
-        shared = gateway.decisions.status()
+                    state.add_metric([*ids, name], 1.0 if name == current else 0.0)
+                healthy.add_metric(ids, 1.0 if inst.health.healthy else 0.0)
+                in_flight.add_metric(ids, inst.in_flight)
+                for outcome, count in inst.stats.attempts.items():
+                    attempts.add_metric([*ids, outcome], count)
+                ooms.add_metric(ids, inst.stats.attempts.get("oom", 0))
+                isolations.add_metric(ids, inst.breaker.isolations)
+                for result, count in inst.stats.probes.items():
+                    probes.add_metric([*ids, result], count)
+                stream = attempt_timeouts(
+                    inst.latency, policy, k, stream=True, max_tokens=None, jitter_s=0.0
+                )
+                whole = attempt_timeouts(
+                    inst.latency, policy, k, stream=False, max_tokens=None, jitter_s=0.0
+                )
+                for phase, seconds in (
+                    ("connect", stream.connect_s),
+                    ("stream_first_byte", stream.first_byte_s),
+                    ("stream_idle", stream.idle_s),
+                    ("whole_first_byte", whole.first_byte_s),
+                ):
+                    if seconds is not None:
+                        timeout.add_metric([*ids, phase], seconds)
+                latency = inst.latency
+                for name, estimate in (
+                    ("ttfb", latency.ttfb),
+                    ("gap", latency.gap),
+                    ("per_token", latency.per_token),
+                ):
+                    if estimate.samples:
+                        ewma.add_metric([*ids, name, "mean"], estimate.mean)
+                        ewma.add_metric([*ids, name, "deviation"], estimate.deviation)
+                peak.add_metric(ids, inst.peak.peek(now))
+        yield from (state, healthy, in_flight, attempts, ooms, isolations, probes)
+        yield from (timeout, ewma, peak)
+
+    def _pools(self) -> Iterator[Metric]:
+        failure = GaugeMetricFamily(
+            "gateway_pool_failure_rate",
+            "EMA of the share of attempts that failed through an instance's fault",
+            labels=["pool"],
+        )
+        tier = GaugeMetricFamily(
+            "gateway_pool_tier",
+            "The retry tier the failure rate selects (0: the healthiest)",
+            labels=["pool"],
+        )
+        max_retries = GaugeMetricFamily(
+            "gateway_pool_max_retries", "Retries the current tier allows", labels=["pool"]
+        )
+        for pool in self._gateway.registry.pools.values():
+            rate = pool.failure.rate
+            chosen = pool.tiers.choose(rate)
+            failure.add_metric([pool.name], rate)
+            tier.add_metric([pool.name], chosen.index)
+            max_retries.add_metric([pool.name], chosen.max_retries)
+        yield from (failure, tier, max_retries)
+
+    def _shared(self) -> Iterator[Metric]:
+        shared = self._gateway.decisions.status()
         yield GaugeMetricFamily(
             "gateway_shared_state_connected",
             "1 while the replica shares decisions through Redis; 0 when it decides alone",

@@ -16,6 +16,7 @@ from gateway.core.health import HealthState
 from gateway.core.latency import LatencyState
 from gateway.core.tiers import TierTable
 from gateway.ingress.routes import PROXY_ROUTES
+from gateway.upstream.stats import InstanceStats, PoolStats
 
 
 class InstanceState:
@@ -34,6 +35,7 @@ class InstanceState:
         "peak",
         "pool_name",
         "requests",
+        "stats",
         "urls",
     )
 
@@ -66,6 +68,7 @@ class InstanceState:
         self.peak = PeakEwma(now)
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
+        self.stats = InstanceStats()
 
 
 class PoolState:
@@ -82,6 +85,7 @@ class PoolState:
         "retry_on",
         "rng",
         "routable",
+        "stats",
         "tiers",
     )
 
@@ -110,6 +114,7 @@ class PoolState:
         self.budget = RetryBudget.from_policy(policy.retries.budget)
         self.retry_on: frozenset[str | int] = frozenset(policy.retries.on)
         self.rng = rng  # jitter and backoff draws
+        self.stats = PoolStats(list(policy.models))
         self.routable: list[InstanceState] = []  # healthy instances, kept by `refresh_routable`
         self.refresh_routable()
 
