@@ -18,13 +18,15 @@ from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
 from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
-from gateway.pipeline.account import Account
+from gateway.pipeline.account import Account, OnTransition
+from gateway.pipeline.attempt_span import AttemptSpans
 from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
+from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
@@ -41,18 +43,28 @@ class Gateway:
         self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
         self.watchdog.start()
+        self.tracing = setup_tracing(policy.telemetry)
+        on_transition: OnTransition = self.decisions.record
+        if self.tracing is not None:
+            on_transition = traced_transitions(on_transition)
+        # Outermost first. The retry loop wraps everything: each attempt picks an instance,
+        # is accounted against it, and gets its own timeouts (the deadline layer) before it
+        # is sent; traced, each attempt is a CLIENT span around the transport.
         layers: list[Layer] = [
-            Retry(),
+            Retry(traced=self.tracing is not None),
             Pick(),
-            Account(self.registry.pools, self.decisions.record),
+            Account(self.registry.pools, on_transition),
             deadline,
         ]
+        if self.tracing is not None:
+            layers.append(AttemptSpans(self.tracing))
         handler = compose(layers, Transport(self.session, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
             handler,
             max_request_bytes=policy.limits.max_request_bytes,
             readiness=self.readiness,
+            tracing=self.tracing,
         )
         from gateway.admin import build_admin_app  # the admin plane depends on Gateway
 
@@ -69,6 +81,8 @@ class Gateway:
         await self.decisions.close()
         await self.watchdog.close()
         await self.session.close()
+        if self.tracing is not None:
+            await self.tracing.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the policy is loaded and every pool has an instance that takes traffic:

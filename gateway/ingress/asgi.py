@@ -15,7 +15,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from starlette.types import Scope
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from starlette.types import Message, Scope
 
 from gateway.errors import (
     GatewayError,
@@ -29,6 +32,7 @@ from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.call import Call, Handler
+from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.ingress")
@@ -94,8 +98,10 @@ class DataPlane:
         *,
         max_request_bytes: int,
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
+        tracing: Tracing | None = None,
     ) -> None:
         self._by_model = registry.by_model
+        self._tracer = tracing.tracer if tracing is not None else None
         self._handler = handler
         self._limit = max_request_bytes
         self._readiness = readiness
@@ -120,7 +126,10 @@ class DataPlane:
             if method != "POST":
                 await send_error(send, MethodNotAllowed(f"{path} accepts POST only", allow="POST"))
                 return
-            await self._proxy(scope, receive, send, path)
+            if self._tracer is None:
+                await self._proxy(scope, receive, send, path)
+            else:
+                await self._proxy_traced(self._tracer, scope, receive, send, path)
         elif path == MODELS_PATH:
             await self._get(method, send, self._models_body)
         elif path == "/healthz":
@@ -139,6 +148,44 @@ class DataPlane:
             await send_json(send, 200, body)
         else:
             await send_error(send, MethodNotAllowed("use GET", allow="GET, HEAD"))
+
+    async def _proxy_traced(
+        self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
+    ) -> None:
+        """`_proxy` inside the request's SERVER span, which stays current for the layers (their
+        events land on it) and ends with the response's last byte."""
+        parent = incoming_context(scope["headers"])
+        client = scope.get("client")
+        attributes: dict[str, str | int] = {
+            "http.request.method": "POST",
+            "http.route": path,
+            "url.path": path,
+            "url.scheme": scope["scheme"],
+        }
+        if client:
+            attributes["client.address"] = client[0]
+        span = tracer.start_span(
+            f"POST {path}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        status = 0
+
+        async def send_traced(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._proxy(scope, receive, send_traced, path)
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500 or status == 0:
+                span.set_status(
+                    Status(StatusCode.ERROR, f"HTTP {status}" if status else "no answer")
+                )
+            otel_context.detach(token)
+            span.end()
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         started = self._loop.time()
@@ -187,6 +234,7 @@ class DataPlane:
         watch = _DisconnectWatch(self._loop, task, receive)
         stats = pool.stats
         status = CLIENT_CLOSED
+        ttfb_s: float | None = None
         try:
             try:
                 response = await self._handler(call)
@@ -195,7 +243,8 @@ class DataPlane:
                 await send_error(send, error, call.attempts)
                 return
             status = response.status
-            stats.ttfb[facts.model].observe(self._loop.time() - started)
+            ttfb_s = self._loop.time() - started
+            stats.ttfb[facts.model].observe(ttfb_s)
             timeouts = call.timeouts
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
@@ -217,3 +266,19 @@ class DataPlane:
         finally:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
+            if self._tracer is not None:
+                span = trace.get_current_span()
+                span.set_attributes(
+                    {
+                        "gen_ai.request.model": facts.model,
+                        "gateway.pool": pool.name,
+                        "gateway.attempts": call.attempts,
+                        "gateway.streamed": bool(facts.stream),
+                    }
+                )
+                if call.instance is not None:
+                    span.set_attribute("gateway.instance", call.instance.name)
+                if ttfb_s is not None:
+                    span.set_attribute("gateway.time_to_first_byte_s", ttfb_s)
+                if status == CLIENT_CLOSED:
+                    span.add_event("client disconnected")

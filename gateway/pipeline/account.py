@@ -125,7 +125,17 @@ class Account:
             raise
         if response.body is None:
             response.probe = call.probe
-            response.on_finish = self._stream_finished
+            inner = response.on_finish  # a layer further in (the attempt's span) ends it too
+            if inner is None:
+                response.on_finish = self._stream_finished
+            else:
+                finished = self._stream_finished
+
+                def both(r: UpstreamResponse, error: UpstreamError | None) -> None:
+                    finished(r, error)
+                    inner(r, error)
+
+                response.on_finish = both
             return response
         instance.in_flight -= 1
         outcome = response.outcome

@@ -17,15 +17,18 @@ import time
 from gateway.core.backoff import backoff_s, retry_after_s
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
+from gateway.telemetry.tracing import current_span
 from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.stats import outcome_label
 
 
 class Retry:
     """The retry layer; built inside the running loop (it keeps the loop's clock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, traced: bool = False) -> None:
         self._clock = asyncio.get_running_loop().time
+        self._traced = traced  # events on the request's span: retries, budget refusals
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         clock = self._clock
@@ -63,12 +66,25 @@ class Retry:
                 if allowed and not pool.budget.try_spend(now):
                     allowed = False
                     pool.stats.budget_exhausted += 1
+                    if self._traced:
+                        current_span().add_event(
+                            "retry budget exhausted", {"gateway.attempt": call.attempts}
+                        )
             if not allowed:
                 if response is not None:
                     return response  # the backend's own answer, unchanged
                 assert failure is not None
                 raise failure
             pool.stats.retry(outcome)
+            if self._traced:
+                current_span().add_event(
+                    "retry scheduled",
+                    {
+                        "gateway.attempt": call.attempts,
+                        "gateway.retry.reason": outcome_label(outcome),
+                        "gateway.retry.backoff_s": delay,
+                    },
+                )
             if response is not None:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:

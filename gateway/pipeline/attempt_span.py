@@ -1,0 +1,82 @@
+"""The layer that traces each upstream attempt: one CLIENT span, its context sent upstream.
+
+Innermost (after the deadline layer, so the attempt's timeouts are known): the span covers the
+attempt from connect to its last byte, a stream's included, and says which instance, which
+attempt, which timeouts, and how it ended. The client's own `traceparent`/`tracestate` are
+replaced by this attempt's, so the backend's spans hang under the attempt that called it.
+Composed only when tracing is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from gateway.core.outcome import Outcome
+from gateway.errors import UpstreamError
+from gateway.pipeline.call import Call, Handler
+from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, context_headers
+from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.stats import outcome_label
+
+
+class AttemptSpans:
+    def __init__(self, tracing: Tracing) -> None:
+        self._tracer = tracing.tracer
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        instance = call.instance
+        timeouts = call.timeouts
+        assert instance is not None and timeouts is not None, "runs after pick and deadline"
+        url = instance.urls[call.path]
+        attributes: dict[str, str | int | float | bool] = {
+            "http.request.method": "POST",
+            "url.full": str(url),
+            "server.address": url.host or "",
+            "server.port": url.port or 0,
+            "gateway.instance": instance.name,
+            "gateway.attempt": call.attempts,
+            "gateway.probe": call.probe,
+            "gateway.tier.k": call.k,
+            "gateway.timeout.connect_s": timeouts.connect_s,
+            "gateway.timeout.first_byte_s": timeouts.first_byte_s,
+        }
+        if timeouts.idle_s is not None:
+            attributes["gateway.timeout.idle_s"] = timeouts.idle_s
+        span = self._tracer.start_span(
+            f"POST {call.path}", kind=SpanKind.CLIENT, attributes=attributes
+        )
+        forward = call.headers
+        call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
+        call.headers += context_headers(trace.set_span_in_context(span))
+        try:
+            response = await next_handler(call)
+        except UpstreamError as error:
+            _end(span, error.outcome, error)
+            raise
+        except asyncio.CancelledError:
+            span.set_status(Status(StatusCode.ERROR, "cancelled"))
+            span.set_attribute("gateway.outcome", "cancelled")
+            span.end()
+            raise
+        finally:
+            call.headers = forward
+        span.set_attribute("http.response.status_code", response.status)
+        if response.body is not None:
+            _end(span, response.outcome, None)
+        else:
+            response.on_finish = lambda r, error: _end(
+                span, error.outcome if error is not None else r.outcome, error
+            )
+        return response
+
+
+def _end(span: trace.Span, outcome: Outcome, error: UpstreamError | None) -> None:
+    label = outcome_label(outcome)
+    span.set_attribute("gateway.outcome", label)
+    if outcome.kind != "ok" or error is not None:
+        span.set_attribute("error.type", label)
+        span.set_status(Status(StatusCode.ERROR, error.message if error is not None else label))
+    span.end()

@@ -1,0 +1,194 @@
+"""Traces end to end: a gateway process exporting with the real OTLP exporter to an in-test
+receiver on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support import (
+    LOOPBACK_LISTENERS,
+    Backend,
+    Gateway,
+    closed_port,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CANARY = "sk-canary-7f3a9c0d1e"
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = start_backends(("good", "bad"), ["m"], "--ttft", "0.01", "--per-token", "0.001")
+    yield started
+    stop_backends(started)
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as running:
+        yield running
+
+
+def traced_gateway(tmp_path: Path, backends: dict[str, Backend], traces_url: str) -> Gateway:
+    policy = f"""
+{LOOPBACK_LISTENERS}
+telemetry: {{service_name: gw-under-test, tracing: true}}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances_yaml(backends)}]
+    breaker: {{consecutive_failures: 1000, error_rate: 1.0}}
+"""
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_url,
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "",
+    }
+    return start_gateway(tmp_path / "policy.yaml", policy, env)
+
+
+@pytest.fixture
+def gateway(
+    tmp_path: Path, backends: dict[str, Backend], receiver: OtlpReceiver
+) -> Iterator[Gateway]:
+    gw = traced_gateway(tmp_path, backends, receiver.traces_url)
+    yield gw
+    gw.stop()
+
+
+def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedSpan]:
+    return sorted(
+        (s for s in spans if s.parent_span_id == parent.span_id), key=lambda s: s.start_ns
+    )
+
+
+def test_a_retried_request_is_one_server_span_with_two_attempts(
+    backends: dict[str, Backend], gateway: Gateway, receiver: OtlpReceiver
+) -> None:
+    backends["bad"].set_faults(error_rate=1.0, error_status=503)
+    try:
+        for _ in range(40):  # the balancer picks at random: wait for a request bad answered first
+            response = httpx.post(
+                f"{gateway.url}/v1/chat/completions",
+                json=BODY,
+                headers={"authorization": f"Bearer {CANARY}"},
+                timeout=10,
+            )
+            assert response.status_code == 200
+            if response.headers["x-gateway-attempts"] == "2":
+                break
+        assert response.headers["x-gateway-attempts"] == "2"
+        bad_sent = [r["headers"].get("traceparent", "") for r in backends["bad"].requests()]
+    finally:
+        backends["bad"].reset()
+
+    def retried_server_span(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
+        return next(
+            (s for s in spans if s.kind == "SERVER" and s.attributes.get("gateway.attempts") == 2),
+            None,
+        )
+
+    assert receiver.wait_for(
+        lambda spans: (
+            (server := retried_server_span(spans)) is not None and len(children(spans, server)) == 2
+        ),
+        timeout_s=10,
+    )
+    spans = receiver.spans
+    server = retried_server_span(spans)
+    assert server is not None
+    assert server.name == "POST /v1/chat/completions" and server.is_root
+    assert server.resource["service.name"] == "gw-under-test"
+    assert server.attributes["http.request.method"] == "POST"
+    assert server.attributes["http.route"] == "/v1/chat/completions"
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["gen_ai.request.model"] == "m"
+    assert server.attributes["gateway.pool"] == "chat"
+    assert server.attributes["gateway.instance"] == "good"
+    assert server.attributes["gateway.streamed"] is False
+    assert server.attributes["gateway.time_to_first_byte_s"] > 0
+    assert "retry scheduled" in server.event_names()
+    retry = next(e for e in server.events if e[0] == "retry scheduled")
+    assert retry[1]["gateway.retry.reason"] == "http_503"
+    first, second = children(spans, server)
+    assert (first.kind, second.kind) == ("CLIENT", "CLIENT")
+    assert first.attributes["gateway.instance"] == "bad"
+    assert first.attributes["gateway.attempt"] == 1
+    assert first.attributes["gateway.outcome"] == "http_503"
+    assert first.status_code == "ERROR"
+    assert first.attributes["http.response.status_code"] == 503
+    assert second.attributes["gateway.instance"] == "good"
+    assert second.attributes["gateway.attempt"] == 2
+    assert second.attributes["gateway.outcome"] == "ok"
+    assert second.status_code != "ERROR"
+    for attempt in (first, second):
+        assert attempt.attributes["gateway.timeout.first_byte_s"] > 0
+        assert attempt.attributes["gateway.timeout.connect_s"] > 0
+        assert attempt.end_ns <= server.end_ns
+    # Each backend got the traceparent of the attempt that called it.
+    sent = backends["good"].requests()[-1]["headers"]
+    assert sent["traceparent"].startswith(f"00-{server.trace_id}-{second.span_id}-")
+    assert any(t.startswith(f"00-{server.trace_id}-{first.span_id}-") for t in bad_sent)
+    # The client's credentials are in no span.
+    assert not any(CANARY.encode() in body for body in receiver.raw_bodies)
+    assert CANARY not in gateway.proc.output()
+
+
+def test_an_incoming_traceparent_is_continued(
+    gateway: Gateway, receiver: OtlpReceiver, backends: dict[str, Backend]
+) -> None:
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json={**BODY, "stream": True},
+        headers={"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=1"},
+        timeout=10,
+    )
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    assert receiver.wait_for(
+        lambda spans: any(s.trace_id == trace_id and s.kind == "CLIENT" for s in spans), 10
+    )
+    spans = [s for s in receiver.spans if s.trace_id == trace_id]
+    server = next(s for s in spans if s.kind == "SERVER")
+    assert server.parent_span_id == parent_id
+    assert server.attributes["gateway.streamed"] is True
+    attempt = next(s for s in spans if s.kind == "CLIENT")
+    assert attempt.parent_span_id == server.span_id
+    # The stream's spans end with the stream, after the server span's first byte.
+    assert attempt.end_ns > attempt.start_ns
+    # Upstream got our attempt's context (the caller's tracestate travels with it).
+    instance = attempt.attributes["gateway.instance"]
+    sent = backends[str(instance)].requests()[-1]["headers"]
+    assert sent["traceparent"].startswith(f"00-{trace_id}-{attempt.span_id}-")
+    assert sent.get("tracestate") == "vendor=1"
+
+
+def test_a_dead_collector_does_not_stop_the_gateway(
+    tmp_path: Path, backends: dict[str, Backend]
+) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}/v1/traces"
+    gw = traced_gateway(tmp_path, backends, dead)
+    try:
+        with httpx.Client(timeout=10) as client:
+            statuses = [
+                client.post(f"{gw.url}/v1/chat/completions", json=BODY).status_code
+                for _ in range(200)
+            ]
+        assert statuses == [200] * 200
+        assert httpx.get(f"{gw.admin_url}/healthz", timeout=5).status_code == 200
+        started = time.monotonic()
+    finally:
+        exit_code = gw.proc.stop()
+    # The last flush goes nowhere: the exit waits for it a few seconds at most.
+    assert exit_code == 0 and time.monotonic() - started < 8
