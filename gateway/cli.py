@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from gateway.config import PolicyError, load_policy
+from gateway.telemetry.logs import LogFormat, configure_logging, enable_access_log
 
 
 def _check(files: list[str]) -> int:
@@ -23,17 +23,14 @@ def _check(files: list[str]) -> int:
     return 1 if failed else 0
 
 
-def _run(policy_path: str, log_level: str) -> int:
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
     try:
         policy = load_policy(policy_path)
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
+    configure_logging(log_level, log_format or policy.telemetry.log_format)
+    enable_access_log(policy.telemetry.access_log)
     import uvloop
 
     from gateway.server import serve
@@ -50,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
+    run.add_argument(
+        "--log-format", choices=["text", "json"], help="overrides telemetry.log_format"
+    )
     check = commands.add_parser("check", help="validate policy files")
     check.add_argument("files", nargs="+", metavar="FILE")
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args.files)
-    return _run(args.policy, args.log_level)
+    return _run(args.policy, args.log_level, args.log_format)
 
 
 if __name__ == "__main__":

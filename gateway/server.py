@@ -130,7 +130,8 @@ async def serve(policy: Policy) -> None:
                 break
             await asyncio.sleep(0.01)
         if all(server.started for server in servers):
-            log.warning("gateway READY data=%s admin=%s", _address(data_sock), _address(admin_sock))
+            ready = {"data": _address(data_sock), "admin": _address(admin_sock)}
+            log.warning("gateway READY", extra={"fields": ready})
         await asyncio.gather(*tasks)
     finally:
         stop()

@@ -7,6 +7,7 @@ full pipe.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,22 @@ from collections.abc import Callable, Sequence
 
 READY_RE = re.compile(r"\bREADY\b(?P<fields>.*)$")
 FIELD_RE = re.compile(r"(\w+)=(\S+)")
+
+
+def ready_fields(line: str) -> dict[str, str]:
+    """The fields of a `READY key=value ...` line, or of a JSON log line whose message says
+    READY (its other keys are the fields); {} for any other line."""
+    if line.startswith("{"):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return {}
+        if isinstance(data, dict) and READY_RE.search(str(data.get("msg", ""))):
+            skip = {"ts", "level", "logger", "msg"}
+            return {str(k): str(v) for k, v in data.items() if k not in skip}
+        return {}
+    match = READY_RE.search(line)
+    return dict(FIELD_RE.findall(match.group("fields"))) if match else {}
 
 
 class ProcessFailed(RuntimeError):
@@ -69,9 +86,8 @@ class ManagedProcess:
             line = line.rstrip("\n")
             self.lines.append(line)
             if not self.ready:
-                match = READY_RE.search(line)
-                if match:
-                    self.ready = dict(FIELD_RE.findall(match.group("fields")))
+                self.ready = ready_fields(line)
+                if self.ready:
                     self._ready_event.set()
         self._ready_event.set()  # exited: wake a waiter so it can report the failure
 

@@ -31,14 +31,18 @@ class DecisionStore(Protocol):
 
 def log_transition(pool: str, transition: Transition) -> None:
     log.warning(
-        "breaker pool=%s instance=%s from=%s to=%s reason=%r until_s=%s suppressed=%s",
-        pool,
-        transition.instance,
-        transition.state_from,
-        transition.to,
-        transition.reason,
-        "-" if transition.until is None else f"{transition.until:.3f}",
-        transition.suppressed,
+        "breaker transition",
+        extra={
+            "fields": {
+                "pool": pool,
+                "instance": transition.instance,
+                "from": transition.state_from,
+                "to": transition.to,
+                "reason": transition.reason,
+                "until_s": transition.until,
+                "suppressed": transition.suppressed,
+            }
+        },
     )
 
 

@@ -139,6 +139,8 @@ class SharedPolicy(Strict):
 class TelemetryPolicy(Strict):
     service_name: str = "llm-gateway"
     tracing: bool = False
+    log_format: Literal["text", "json"] = "text"  # `gateway run --log-format` overrides it
+    access_log: bool = True  # one line per proxied request
 
 
 class InstancePolicy(Strict):

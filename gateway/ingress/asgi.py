@@ -27,11 +27,12 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
 )
-from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
+from gateway.ingress.body import ClientGone, Receive, RequestFacts, read_body, read_facts
 from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.call import Call, Handler
+from gateway.telemetry.logs import ACCESS
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
 
@@ -102,6 +103,7 @@ class DataPlane:
     ) -> None:
         self._by_model = registry.by_model
         self._tracer = tracing.tracer if tracing is not None else None
+        self._access = ACCESS.isEnabledFor(logging.INFO)
         self._handler = handler
         self._limit = max_request_bytes
         self._readiness = readiness
@@ -148,6 +150,65 @@ class DataPlane:
             await send_json(send, 200, body)
         else:
             await send_error(send, MethodNotAllowed("use GET", allow="GET, HEAD"))
+
+    async def _reject(
+        self,
+        scope: Scope,
+        send: Send,
+        path: str,
+        error: GatewayError,
+        started: float,
+        model: str | None,
+    ) -> None:
+        """Answer a request the gateway refuses before routing it (400, 404, 413...)."""
+        await send_error(send, error)
+        self._rejected(scope, path, error.status, started, model)
+
+    def _rejected(
+        self, scope: Scope, path: str, status: int, started: float, model: str | None
+    ) -> None:
+        if self._access:
+            client = scope.get("client")
+            fields = {
+                "method": "POST",
+                "path": path,
+                "status": status,
+                "model": model,  # a client's string: escaped by the formatter
+                "duration_s": self._loop.time() - started,
+                "client": client[0] if client else None,
+            }
+            ACCESS.info("access", extra={"fields": fields})
+
+    def _log_access(
+        self,
+        scope: Scope,
+        path: str,
+        status: int,
+        started: float,
+        facts: RequestFacts,
+        pool: str,
+        call: Call,
+        ttfb_s: float | None,
+    ) -> None:
+        client = scope.get("client")
+        fields: dict[str, object] = {
+            "method": "POST",
+            "path": path,
+            "status": status,
+            "pool": pool,
+            "model": facts.model,
+            "instance": call.instance.name if call.instance is not None else None,
+            "attempts": call.attempts,
+            "streamed": facts.stream,
+            "duration_s": self._loop.time() - started,
+            "ttfb_s": ttfb_s,
+            "client": client[0] if client else None,
+        }
+        if self._tracer is not None:
+            span_context = trace.get_current_span().get_span_context()
+            if span_context.is_valid:
+                fields["trace_id"] = format(span_context.trace_id, "032x")
+        ACCESS.info("access", extra={"fields": fields})
 
     async def _proxy_traced(
         self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
@@ -197,16 +258,18 @@ class DataPlane:
             body = await read_body(receive, self._limit, headers.content_length)
             facts = read_facts(body)
         except ClientGone:
+            self._rejected(scope, path, CLIENT_CLOSED, started, None)
             return
         except ValueError as exc:
-            await send_error(send, InvalidRequest(str(exc)))
+            await self._reject(scope, send, path, InvalidRequest(str(exc)), started, None)
             return
         except GatewayError as error:
-            await send_error(send, error)
+            await self._reject(scope, send, path, error, started, None)
             return
         pool = self._by_model.get(facts.model)
         if pool is None:
-            await send_error(send, ModelNotFound(f"the model {facts.model!r} does not exist"))
+            unknown = ModelNotFound(f"the model {facts.model!r} does not exist")
+            await self._reject(scope, send, path, unknown, started, facts.model)
             return
         budget_s = pool.policy.timeouts.ceiling
         client_budget = headers.gateway.get(b"x-gateway-timeout")
@@ -214,9 +277,8 @@ class DataPlane:
             try:
                 budget_s = min(budget_s, _positive_seconds(client_budget))
             except ValueError:
-                await send_error(
-                    send, InvalidRequest("x-gateway-timeout must be a positive number of seconds")
-                )
+                bad = InvalidRequest("x-gateway-timeout must be a positive number of seconds")
+                await self._reject(scope, send, path, bad, started, facts.model)
                 return
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
@@ -252,12 +314,12 @@ class DataPlane:
             await relay(send, response, call.attempts, idle_s, call.deadline)
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.
-            log.warning(
-                "response aborted after the commit point: pool=%s instance=%s: %s",
-                pool.name,
-                response.instance.name,
-                aborted.error.message,
-            )
+            fields = {
+                "pool": pool.name,
+                "instance": response.instance.name,
+                "error": aborted.error.message,
+            }
+            log.warning("response aborted after the commit point", extra={"fields": fields})
         except asyncio.CancelledError:
             if watch.client_gone:
                 task.uncancel()
@@ -266,6 +328,8 @@ class DataPlane:
         finally:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
+            if self._access:
+                self._log_access(scope, path, status, started, facts, pool.name, call, ttfb_s)
             if self._tracer is not None:
                 span = trace.get_current_span()
                 span.set_attributes(

@@ -72,11 +72,11 @@ class HealthChecker:
         if change is not None:
             pool.refresh_routable()
             cold = instance.health.cold_start_s
-            log.warning(
-                "health pool=%s instance=%s healthy=%s reason=%r cold_start_s=%s",
-                pool.name,
-                instance.name,
-                change.healthy,
-                change.reason,
-                "-" if cold is None else f"{cold:.3f}",
-            )
+            fields = {
+                "pool": pool.name,
+                "instance": instance.name,
+                "healthy": change.healthy,
+                "reason": change.reason,
+                "cold_start_s": cold,
+            }
+            log.warning("health change", extra={"fields": fields})

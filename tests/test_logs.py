@@ -1,0 +1,122 @@
+"""Structured logs: escaping, both formats, and the access line of a real gateway."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.telemetry.logs import JsonFormatter, TextFormatter, escape
+from tests.support import (
+    LOOPBACK_LISTENERS,
+    Backend,
+    Gateway,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+EVIL_MODEL = 'evil\nFAKE 200 model="x"\x1b[31m'
+
+
+def record(message: str, **fields: object) -> logging.LogRecord:
+    rec = logging.LogRecord("gateway.access", logging.INFO, __file__, 1, message, (), None)
+    rec.fields = fields
+    return rec
+
+
+def test_escape_keeps_a_value_on_one_line_and_in_one_field() -> None:
+    assert escape("plain") == "plain"
+    assert escape("two words") == '"two words"'
+    assert escape("a=b") == '"a=b"'
+    assert escape("") == '""'
+    assert escape('x\n"y"\x1b\\') == '"x\\n\\"y\\"\\x1b\\\\"'
+
+
+def test_text_lines_carry_escaped_fields() -> None:
+    line = TextFormatter().format(record("access", status=404, model=EVIL_MODEL, ok=False))
+    assert "\n" not in line and "\x1b" not in line
+    assert line.endswith('status=404 model="evil\\nFAKE 200 model=\\"x\\"\\x1b[31m" ok=false')
+
+
+def test_json_lines_are_one_object_each() -> None:
+    line = JsonFormatter().format(record("access", status=404, model=EVIL_MODEL))
+    assert "\n" not in line and "\x1b" not in line
+    data = json.loads(line)
+    assert data["msg"] == "access" and data["logger"] == "gateway.access"
+    assert data["model"] == EVIL_MODEL and data["status"] == 404
+    assert data["ts"].endswith("Z")
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = start_backends(("a",), ["m"], "--ttft", "0.01", "--per-token", "0.001")
+    yield started
+    stop_backends(started)
+
+
+def gateway_with(tmp_path: Path, backends: dict[str, Backend], telemetry: str) -> Gateway:
+    policy = f"""
+{LOOPBACK_LISTENERS}
+telemetry: {telemetry}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances_yaml(backends)}]
+"""
+    return start_gateway(tmp_path / "policy.yaml", policy)
+
+
+def access_lines(gateway: Gateway) -> list[str]:
+    return [line for line in gateway.proc.lines if "gateway.access" in line]
+
+
+def test_json_access_log_of_a_real_gateway(tmp_path: Path, backends: dict[str, Backend]) -> None:
+    gw = gateway_with(tmp_path, backends, "{log_format: json}")
+    try:
+        ok = httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10)
+        bad = httpx.post(
+            f"{gw.url}/v1/chat/completions", json={**BODY, "model": EVIL_MODEL}, timeout=10
+        )
+        assert (ok.status_code, bad.status_code) == (200, 404)
+    finally:
+        gw.stop()
+    lines = [json.loads(line) for line in gw.proc.lines if line.startswith("{")]
+    ready = [line for line in lines if line["msg"] == "gateway READY"]
+    assert ready and "data" in ready[0]
+    access = [line for line in lines if line["logger"] == "gateway.access"]
+    assert len(access) == 2
+    served, refused = access
+    assert served["status"] == 200 and served["pool"] == "chat" and served["model"] == "m"
+    assert served["instance"] == "a" and served["attempts"] == 1
+    assert served["streamed"] is False and served["duration_s"] >= served["ttfb_s"] > 0
+    assert refused["status"] == 404 and refused["model"] == EVIL_MODEL
+
+
+def test_text_access_log_can_be_turned_off(tmp_path: Path, backends: dict[str, Backend]) -> None:
+    gw = gateway_with(tmp_path, backends, "{access_log: false}")
+    try:
+        assert httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10).is_success
+    finally:
+        gw.stop()
+    assert access_lines(gw) == []
+    assert any("gateway READY data=" in line for line in gw.proc.lines)
+
+
+def test_text_access_log_escapes_client_values(
+    tmp_path: Path, backends: dict[str, Backend]
+) -> None:
+    gw = gateway_with(tmp_path, backends, "{}")
+    try:
+        httpx.post(f"{gw.url}/v1/chat/completions", json={**BODY, "model": EVIL_MODEL}, timeout=10)
+    finally:
+        gw.stop()
+    (line,) = access_lines(gw)
+    assert "status=404" in line and '"evil\\nFAKE 200' in line
+    assert not any(line.startswith("FAKE") for line in gw.proc.lines)
