@@ -77,20 +77,20 @@ def test_requests_retries_isolation_and_ooms_are_counted(
         backends["b"].reset()
     assert statuses == [200] * 30 and unknown.status_code == 404
     found = samples(gateway)
-    ooms = value(found, "gateway_backend_ooms_total", pool="chat", instance="b")
+    ooms = value(found, "gateway_backend_ooms_total", pool="chat", backend="b")
     assert ooms == 3  # then b is isolated: 3 consecutive failures
     assert (
-        value(found, "gateway_upstream_attempts_total", pool="chat", instance="b", outcome="oom")
+        value(found, "gateway_upstream_attempts_total", pool="chat", backend="b", outcome="oom")
         == 3
     )
     assert (
-        value(found, "gateway_upstream_attempts_total", pool="chat", instance="a", outcome="ok")
+        value(found, "gateway_upstream_attempts_total", pool="chat", backend="a", outcome="ok")
         == 30
     )
     assert value(found, "gateway_retries_total", pool="chat", reason="oom") == 3
-    assert value(found, "gateway_isolations_total", pool="chat", instance="b") == 1
-    assert value(found, "gateway_instance_state", pool="chat", instance="b", state="ISOLATED") == 1
-    assert value(found, "gateway_instance_state", pool="chat", instance="a", state="ADMITTING") == 1
+    assert value(found, "gateway_isolations_total", pool="chat", backend="b") == 1
+    assert value(found, "gateway_instance_state", pool="chat", backend="b", state="ISOLATED") == 1
+    assert value(found, "gateway_instance_state", pool="chat", backend="a", state="ADMITTING") == 1
     # Only requests routed to a pool count; the unknown model is not a label.
     assert value(found, "gateway_requests_total", pool="chat", model="m", status_class="2xx") == 30
     assert not [key for key in found if ("model", "nope") in key[1]]
@@ -102,7 +102,7 @@ def test_requests_retries_isolation_and_ooms_are_counted(
     )
     assert value(found, "gateway_pool_failure_rate", pool="chat") > 0
     assert (
-        value(found, "gateway_instance_timeout_seconds", pool="chat", instance="a", phase="connect")
+        value(found, "gateway_instance_timeout_seconds", pool="chat", backend="a", phase="connect")
         > 0
     )
     assert (
@@ -110,7 +110,7 @@ def test_requests_retries_isolation_and_ooms_are_counted(
             found,
             "gateway_instance_latency_ewma_seconds",
             pool="chat",
-            instance="a",
+            backend="a",
             estimate="per_token",
             stat="mean",
         )

@@ -401,7 +401,7 @@ def test_forged_decisions_cannot_isolate_more_than_the_cap(
     assert state(r[0])["shared_state"]["counters"]["malformed"] >= 1
     assert metric(r[0], "gateway_shared_decisions_total", event="suppressed") >= 2
     isolated = [
-        metric(r[0], "gateway_instance_state", instance=name, state="ISOLATED") for name in NAMES
+        metric(r[0], "gateway_instance_state", backend=name, state="ISOLATED") for name in NAMES
     ]
     assert sorted(isolated) == [0.0, 0.0, 1.0]
     for _ in range(10):

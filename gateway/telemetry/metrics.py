@@ -3,7 +3,8 @@
 A collector walks the registry and the decision store at scrape time, so the request path pays
 only for plain counters on objects it already holds (`gateway.upstream.stats`): no metric
 objects, label lookups or locks per request. Labels stay bounded: pools, models and instances
-come from the policy, outcomes and phases from fixed sets; never request ids or raw paths.
+come from the policy, outcomes and phases from fixed sets; never request ids or raw paths. A
+backend instance is the `backend` label: Prometheus keeps `instance` for the scrape target.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class GatewayCollector(Collector):
         yield from (requests, duration, ttfb, retries, timeouts, exhausted)
 
     def _instances(self) -> Iterator[Metric]:
-        labels = ["pool", "instance"]
+        labels = ["pool", "backend"]
         state = GaugeMetricFamily(
             "gateway_instance_state",
             "1 for the breaker state each instance is in (ADMITTING, ISOLATED, PROBING)",
