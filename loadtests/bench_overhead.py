@@ -5,6 +5,9 @@
 2. Latency at a fixed arrival rate (open loop): direct and through the gateway.
 3. Streaming: time to first byte one stream at a time and with many concurrent streams, and the
    gateway's CPU time per relayed SSE chunk.
+4. Tracing's cost: the gateway's throughput (as in 1) and added latency (as in 2) with tracing
+   off and with tracing on, every request sampled, spans exported over OTLP/HTTP to a receiver in
+   a process of its own (`loadtests.otlp_sink`), which counts the spans that arrive.
 
 Every server is a child process on a loopback port of its own, stopped before the run ends.
 Prints a plain-text report and writes every figure to a JSON file.
@@ -13,15 +16,20 @@ Prints a plain-text report and writes every figure to a JSON file.
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.bench import closedloop, openloop, streams, wrk
 from loadtests.bench.client import chat_body
@@ -31,13 +39,15 @@ from loadtests.bench.cpu import (
     Placement,
     choose_placement,
     cpu_times,
+    pin_process,
     pin_self,
 )
 from loadtests.bench.nginx import NginxServer, find_nginx, fixed_body_config, proxy_config
-from loadtests.bench.report import render, write_json
+from loadtests.bench.report import render, table, write_json
 from loadtests.bench.results import Throughput
-from loadtests.bench.servers import start_fake_backend, start_gateway, url_of
+from loadtests.bench.servers import gateway_policy, start_fake_backend, start_gateway, url_of
 from loadtests.fake_vllm.responses import fixed_chat_body
+from loadtests.procs import ManagedProcess, ProcessFailed, python_module
 
 CHAT_PATH = "/v1/chat/completions"
 FIXED_MODEL = "bench-model"
@@ -48,7 +58,21 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "bench_overhead.json"
 GATEWAY_VS_NGINX_MIN = 0.10
 ADDED_TTFB_TARGET_MS = 1.0
 CPU_PER_CHUNK_TARGET_US = 15.0
+# Tracing every request may cost at most this share of the gateway's throughput (reported only).
+TRACING_COST_MAX = 0.10
 STREAM_PER_TOKEN_S = 0.001
+
+# The traced gateway's exporter: OTLP over HTTP/protobuf, every request sampled (ratio 1.0).
+# Set explicitly so that OTEL_* variables of the calling shell cannot change what is measured;
+# the batch processor's OTEL_BSP_* settings are inherited (SDK defaults unless set).
+TRACED_SERVICE = "bench-gateway"
+TRACING_SAMPLER = "parentbased_always_on"
+BSP_DEFAULTS = {
+    "OTEL_BSP_SCHEDULE_DELAY": "5000",
+    "OTEL_BSP_MAX_QUEUE_SIZE": "2048",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "512",
+    "OTEL_BSP_EXPORT_TIMEOUT": "30000",
+}
 
 Json = dict[str, Any]
 
@@ -69,6 +93,7 @@ class Settings:
     idle_s: float
     use_nginx: bool
     use_wrk: bool
+    tracing: bool
     quick: bool
 
 
@@ -81,6 +106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=500.0, help="open-loop req/s (500)")
     parser.add_argument("--quick", action="store_true", help="short phases: a smoke run")
     parser.add_argument("--skip-nginx", action="store_true", help="no nginx upstream/reference")
+    parser.add_argument(
+        "--skip-tracing", action="store_true", help="no tracing on/off comparison (phase 4)"
+    )
     parser.add_argument(
         "--no-wrk", action="store_true", help="use the Python generator even if wrk is installed"
     )
@@ -108,6 +136,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         idle_s=0.3 if quick else 2.0,
         use_nginx=not args.skip_nginx and find_nginx() is not None,
         use_wrk=not args.no_wrk and wrk.find_wrk() is not None,
+        tracing=not args.skip_tracing,
         quick=quick,
     )
 
@@ -122,6 +151,7 @@ class Rig:
     gateway_url: str
     gateway_pid: int
     stream_url: str
+    pools: Mapping[str, tuple[str, str]]  # the gateway's: pool -> (model, upstream URL)
 
 
 def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placement) -> Rig:
@@ -165,6 +195,7 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         gateway_url=url_of(gateway, "data"),
         gateway_pid=gateway.pid,
         stream_url=stream_url,
+        pools=pools,
     )
 
 
@@ -174,41 +205,71 @@ def _ratio(numerator: Json | None, denominator: Json | None) -> float | None:
     return float(numerator["rps"]) / float(denominator["rps"])
 
 
-def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
+@dataclass(frozen=True)
+class ThroughputTool:
+    """The fixed-concurrency load generator of the throughput runs: wrk, or the Python one."""
+
+    name: str  # "wrk" or "python"
+    description: str
+    note: str | None
+    measure: Callable[[str, int], Throughput]  # (URL, seconds) -> one run
+
+    def run(self, base_url: str, settings: Settings) -> Json:
+        """A discarded warm-up run (connections open, caches warm), then the measured one."""
+        return self.run_counted(base_url, settings)[0]
+
+    def run_counted(self, base_url: str, settings: Settings) -> tuple[Json, int]:
+        """`run`, and the requests completed in both runs, the warm-up's included."""
+        warm = 0
+        if settings.warmup_s:
+            warm = self.measure(base_url + CHAT_PATH, settings.warmup_s).requests
+        measured = self.measure(base_url + CHAT_PATH, settings.duration_s)
+        return asdict(measured), warm + measured.requests
+
+
+def throughput_tool(settings: Settings, tmp: Path) -> ThroughputTool:
     body = chat_body(FIXED_MODEL, max_tokens=16)
     wrk_binary = wrk.find_wrk() if settings.use_wrk else None
     c = settings.connections
     if wrk_binary is not None:
         script = wrk.write_post_script(tmp, body)
-        description = f"wrk -t1 -c{c} -d{settings.duration_s}s --latency, POST {CHAT_PATH}"
-        note = None
 
-        def measure(url: str, seconds: int) -> Throughput:
+        def run_wrk(url: str, seconds: int) -> Throughput:
             return wrk.run(wrk_binary, url, script, duration_s=seconds, connections=c)
-    else:
-        description = f"Python/aiohttp, {c} connections, {settings.duration_s} s, POST {CHAT_PATH}"
-        note = (
-            "wrk not used: the Python generator saturates long before nginx does, so these "
-            "figures (and ratios) partly measure the client"
+
+        return ThroughputTool(
+            name="wrk",
+            description=f"wrk -t1 -c{c} -d{settings.duration_s}s --latency, POST {CHAT_PATH}",
+            note=None,
+            measure=run_wrk,
         )
 
-        def measure(url: str, seconds: int) -> Throughput:
-            return closedloop.run(url, body, duration_s=seconds, connections=c)
+    def run_python(url: str, seconds: int) -> Throughput:
+        return closedloop.run(url, body, duration_s=seconds, connections=c)
 
+    return ThroughputTool(
+        name="python",
+        description=f"Python/aiohttp, {c} connections, {settings.duration_s} s, POST {CHAT_PATH}",
+        note=(
+            "wrk not used: the Python generator saturates long before nginx does, so these "
+            "figures (and ratios) partly measure the client"
+        ),
+        measure=run_python,
+    )
+
+
+def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
+    tool = throughput_tool(settings, tmp)
+    c = settings.connections
     targets = {"direct": rig.upstream_url, "nginx": rig.proxy_url, "gateway": rig.gateway_url}
     runs: dict[str, Json | None] = {}
     for name, base in targets.items():
-        if base is None:
-            runs[name] = None
-            continue
-        if settings.warmup_s:
-            measure(base + CHAT_PATH, settings.warmup_s)  # connections open, caches warm
-        runs[name] = asdict(measure(base + CHAT_PATH, settings.duration_s))
+        runs[name] = None if base is None else tool.run(base, settings)
     vs_nginx = _ratio(runs["gateway"], runs["nginx"])
     return {
-        "tool": "wrk" if wrk_binary else "python",
-        "tool_description": description,
-        "note": note,
+        "tool": tool.name,
+        "tool_description": tool.description,
+        "note": tool.note,
         "upstream": rig.upstream_kind,
         "connections": c,
         "duration_s": settings.duration_s,
@@ -224,14 +285,25 @@ def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
     }
 
 
-def open_loop_section(rig: Rig, settings: Settings) -> Json:
+def open_loop_run(base_url: str, settings: Settings) -> Json:
+    """A discarded warm-up at the same rate, then the measured open-loop run."""
+    return open_loop_run_counted(base_url, settings)[0]
+
+
+def open_loop_run_counted(base_url: str, settings: Settings) -> tuple[Json, int]:
+    """`open_loop_run`, and the requests sent in both runs, the warm-up's included."""
     body = chat_body(FIXED_MODEL, max_tokens=16)
-    runs: dict[str, Json] = {}
-    for name, base in (("direct", rig.upstream_url), ("gateway", rig.gateway_url)):
-        url = base + CHAT_PATH
-        openloop.run(url, body, rate=settings.rate, duration_s=settings.open_loop_warmup_s)
-        result = openloop.run(url, body, rate=settings.rate, duration_s=settings.open_loop_s)
-        runs[name] = asdict(result)
+    url = base_url + CHAT_PATH
+    warm = openloop.run(url, body, rate=settings.rate, duration_s=settings.open_loop_warmup_s)
+    measured = openloop.run(url, body, rate=settings.rate, duration_s=settings.open_loop_s)
+    return asdict(measured), warm.sent + measured.sent
+
+
+def open_loop_section(rig: Rig, settings: Settings) -> Json:
+    runs = {
+        "direct": open_loop_run(rig.upstream_url, settings),
+        "gateway": open_loop_run(rig.gateway_url, settings),
+    }
     direct, gateway = runs["direct"]["latency"], runs["gateway"]["latency"]
     return {
         "rate": settings.rate,
@@ -335,6 +407,275 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
     }
 
 
+def tracing_env(sink_url: str) -> dict[str, str]:
+    """The traced gateway's exporter settings, over whatever OTEL_* the caller's shell has."""
+    return {
+        "OTEL_SDK_DISABLED": "false",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{sink_url}/v1/traces",
+        "OTEL_TRACES_SAMPLER": TRACING_SAMPLER,
+    }
+
+
+def exporter_settings() -> Json:
+    """The batch processor's and exporter's settings the traced gateway inherits."""
+    compression = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION")
+        or os.environ.get("OTEL_EXPORTER_OTLP_COMPRESSION")
+        or "none"
+    )
+    bsp = {name: os.environ.get(name) or default for name, default in BSP_DEFAULTS.items()}
+    return {"batch_processor": bsp, "compression": compression}
+
+
+def start_traced_gateway(
+    directory: Path, pools: Mapping[str, tuple[str, str]], cpu: int | None, env: dict[str, str]
+) -> ManagedProcess:
+    """A second gateway, the first's policy plus `telemetry.tracing: true`, moved to `cpu`."""
+    policy = directory / "gateway-policy-traced.yaml"
+    telemetry = f"telemetry: {{tracing: true, service_name: {TRACED_SERVICE}}}\n"
+    policy.write_text(gateway_policy(pools) + telemetry)
+    gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy)), env=env)
+    try:
+        pin_process(gateway.pid, cpu)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def sink_stats(port: int) -> Json:
+    status, text = _get(port, "/stats")
+    if status != 200:
+        raise RuntimeError(f"OTLP sink /stats answered {status}: {text}")
+    stats: Json = json.loads(text)
+    return stats
+
+
+def served_counts(admin_port: int) -> tuple[int, int] | None:
+    """(client requests, upstream attempts) as the gateway counted them on /metrics; None if
+    the admin plane does not answer (an admin token in the environment, say)."""
+    try:
+        status, text = _get(admin_port, "/metrics")
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    totals = {"gateway_requests_total": 0.0, "gateway_upstream_attempts_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return int(totals["gateway_requests_total"]), int(totals["gateway_upstream_attempts_total"])
+
+
+def _latency_added(run: Json, direct_latency: Json) -> Json:
+    latency = run["latency"]
+    return {
+        "p50_ms": latency["p50_ms"] - direct_latency["p50_ms"],
+        "p99_ms": latency["p99_ms"] - direct_latency["p99_ms"],
+    }
+
+
+def _spans(sent: int, served: tuple[int, int] | None, before_exit: Json, received: Json) -> Json:
+    requests, attempts = served if served is not None else (None, None)
+    expected = None if served is None else sum(served)
+    spans: int = received["spans"]
+    missing = None if expected is None else expected - spans
+    per_request_of = requests if requests else sent
+    return {
+        "requests_sent": sent,  # by the load generators, warm-ups included
+        "requests_served": requests,  # by the gateway's own count: one SERVER span each
+        "upstream_attempts": attempts,  # one CLIENT span each
+        "expected": expected,
+        "received": spans,
+        "received_before_exit": before_exit["spans"],
+        "by_kind": received["spans_by_kind"],
+        "exports": received["requests"],
+        "rejected_exports": received["rejected"],
+        "per_request": spans / per_request_of if per_request_of else None,
+        # Spans the batch processor dropped (queue full, by design) never reach the receiver;
+        # so would spans still queued when the gateway's flush at exit (3 s at most) ran out.
+        "missing": None if missing is None else max(0, missing),
+        "unexpected": None if missing is None else max(0, -missing),
+    }
+
+
+def tracing_section(
+    rig: Rig, settings: Settings, tmp: Path, placement: Placement, direct_latency: Json
+) -> Json:
+    """Tracing off (the rig's gateway) against tracing on (a second, identical one that
+    exports every span), back to back: throughput as in 1, then latency as in 2. Added
+    latency is against `direct_latency`, the direct run of 2."""
+    tool = throughput_tool(settings, tmp)
+    with ExitStack() as stack:
+        # The receiver inherits the load CPU: decoding spans is the collector's work, not the
+        # gateway's. The gateway's own cost (spans, encoding, export) stays on its CPU.
+        sink = ManagedProcess(python_module("loadtests.otlp_sink", "--port", "0"))
+        stack.callback(sink.stop)
+        traced = start_traced_gateway(
+            tmp, rig.pools, placement.proxy_core, tracing_env(url_of(sink))
+        )
+        stack.callback(traced.stop)
+        targets = {"off": rig.gateway_url, "on": url_of(traced, "data")}
+        throughput: dict[str, Json] = {}
+        latency: dict[str, Json] = {}
+        sent = dict.fromkeys(targets, 0)
+        for name, base in targets.items():
+            throughput[name], count = tool.run_counted(base, settings)
+            sent[name] += count
+        for name, base in targets.items():
+            latency[name], count = open_loop_run_counted(base, settings)
+            sent[name] += count
+        served = served_counts(traced.port("admin"))
+        before_exit = sink_stats(sink.port())
+        exit_code = traced.stop()  # SIGTERM: the gateway exports what it still holds, then exits
+        received = sink_stats(sink.port())
+    on_vs_off = _ratio(throughput["on"], throughput["off"])
+    cost = None if on_vs_off is None else 1.0 - on_vs_off
+    off_latency, on_latency = latency["off"]["latency"], latency["on"]["latency"]
+    return {
+        "exporter": "OTLP HTTP/protobuf, BatchSpanProcessor",
+        "sampler": TRACING_SAMPLER,
+        "sample_ratio": 1.0,
+        "service_name": TRACED_SERVICE,
+        **exporter_settings(),
+        "receiver": "loadtests.otlp_sink (own process, on the load CPU)",
+        "traced_gateway_exit_code": exit_code,
+        "throughput": {
+            "tool": tool.name,
+            "tool_description": tool.description,
+            "duration_s": settings.duration_s,
+            "warmup_s": settings.warmup_s,
+            "runs": throughput,
+            "on_vs_off": on_vs_off,
+            "cost": cost,
+            "bar": {
+                "cost_max": TRACING_COST_MAX,
+                "met": None if cost is None else cost <= TRACING_COST_MAX,
+            },
+        },
+        "latency": {
+            "rate": settings.rate,
+            "duration_s": settings.open_loop_s,
+            "runs": latency,
+            "direct": {key: direct_latency[key] for key in ("p50_ms", "p99_ms")},
+            "added": {name: _latency_added(run, direct_latency) for name, run in latency.items()},
+            "tracing_adds": {
+                "p50_ms": on_latency["p50_ms"] - off_latency["p50_ms"],
+                "p99_ms": on_latency["p99_ms"] - off_latency["p99_ms"],
+            },
+        },
+        "spans": _spans(sent["on"], served, before_exit, received),
+    }
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3f} ms"
+
+
+def render_tracing(section: Json | None) -> str:
+    """Phase 4 of the plain-text report (the other phases are `render`'s)."""
+    title = "4. Tracing cost, off vs on (every request sampled)"
+    if section is None:
+        return f"{title}: skipped (--skip-tracing)\n"
+    if "error" in section:
+        return f"{title}: FAILED\n  {section['error']}\n"
+    bsp = section["batch_processor"]
+    tput, lat, spans = section["throughput"], section["latency"], section["spans"]
+    tput_rows = [
+        [
+            name,
+            _fmt(run["rps"], 1),
+            _fmt(run["p50_ms"], 3),
+            _fmt(run["p99_ms"], 3),
+            _fmt(run["errors"]),
+        ]
+        for name, run in tput["runs"].items()
+    ]
+    lat_rows = [
+        [
+            name,
+            _fmt(run["sent"]),
+            _fmt(run["errors"]),
+            _fmt(run["latency"]["p50_ms"], 3),
+            _fmt(run["latency"]["p99_ms"], 3),
+            _ms(lat["added"][name]["p50_ms"]),
+            _ms(lat["added"][name]["p99_ms"]),
+        ]
+        for name, run in lat["runs"].items()
+    ]
+    warmup = f"{tput['warmup_s']} s warm-up before each" if tput["warmup_s"] else "no warm-up"
+    cost, met = tput["cost"], tput["bar"]["met"]
+    verdict = "n/a" if met is None else ("met" if met else "NOT met")
+    cost_text = "-" if cost is None else f"{cost * 100:.1f} %"
+    kinds = ", ".join(f"{kind} {count:,}" for kind, count in spans["by_kind"].items()) or "none"
+    if spans["requests_served"] is None:
+        served = f"{spans['requests_sent']:,} requests sent (the gateway's count unavailable)"
+        accounting = "  dropped: unknown (no count of the gateway's requests and attempts)"
+    else:
+        served = (
+            f"{spans['requests_served']:,} requests served, "
+            f"{spans['upstream_attempts']:,} upstream attempts "
+            f"({spans['requests_sent']:,} sent by the load generators)"
+        )
+        missing = spans["missing"]
+        if missing:
+            share = missing / spans["expected"] * 100.0
+            accounting = (
+                f"  DROPPED: {missing:,} of {spans['expected']:,} expected spans "
+                f"({share:.2f} %) never arrived: the batch processor's queue was full "
+                "(it drops by design rather than slow or grow the gateway)"
+            )
+        else:
+            accounting = f"  dropped: none ({spans['expected']:,} expected, all received)"
+        if spans["unexpected"]:
+            accounting += f"; {spans['unexpected']:,} more spans than requests + attempts"
+    lines = [
+        title,
+        f"   exporter: {section['exporter']} to {section['receiver']}",
+        f"   sampler {section['sampler']} (ratio {section['sample_ratio']:g}); queue "
+        f"{bsp['OTEL_BSP_MAX_QUEUE_SIZE']}, batch {bsp['OTEL_BSP_MAX_EXPORT_BATCH_SIZE']}, "
+        f"delay {bsp['OTEL_BSP_SCHEDULE_DELAY']} ms, compression {section['compression']}",
+        f"   throughput ({tput['tool_description']}; {warmup})",
+        table(["tracing", "req/s", "p50 ms", "p99 ms", "errors"], tput_rows),
+        f"  tracing on / off: {_fmt(tput['on_vs_off'], 3)}, throughput cost {cost_text}"
+        f"   (bar <= {tput['bar']['cost_max'] * 100:g} %: {verdict})",
+        f"   latency ({lat['rate']:g} req/s for {lat['duration_s']:g} s, open loop; "
+        f"added = gateway - direct, direct p50 {lat['direct']['p50_ms']:.3f} ms, "
+        f"p99 {lat['direct']['p99_ms']:.3f} ms, from 2.)",
+        table(
+            ["tracing", "sent", "errors", "p50 ms", "p99 ms", "added p50", "added p99"],
+            lat_rows,
+        ),
+        f"  tracing adds: p50 {_ms(lat['tracing_adds']['p50_ms'])}, "
+        f"p99 {_ms(lat['tracing_adds']['p99_ms'])}",
+        f"   spans: {spans['received']:,} received ({kinds}) in {spans['exports']:,} "
+        f"exports, {spans['rejected_exports']:,} rejected",
+        f"  for {served}: {_fmt(spans['per_request'], 3)} spans per request",
+        accounting,
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def run_benchmark(settings: Settings, placement: Placement) -> Json:
     data: Json = {
         "meta": {
@@ -347,10 +688,22 @@ def run_benchmark(settings: Settings, placement: Placement) -> Json:
             "settings": asdict(settings),
         }
     }
-    sections: list[tuple[str, Callable[[Rig, Path], Json]]] = [
+
+    def tracing(rig: Rig, tmp: Path) -> Json | None:
+        if not settings.tracing:
+            return None
+        direct_latency = data["open_loop"]["runs"]["direct"]["latency"]
+        try:
+            return tracing_section(rig, settings, tmp, placement, direct_latency)
+        except ProcessFailed as error:  # keep the other figures: report why this one is missing
+            print(f"[bench] tracing phase failed: {error}", file=sys.stderr, flush=True)
+            return {"error": str(error)}
+
+    sections: list[tuple[str, Callable[[Rig, Path], Json | None]]] = [
         ("throughput", lambda rig, tmp: throughput_section(rig, settings, tmp)),
         ("open_loop", lambda rig, tmp: open_loop_section(rig, settings)),
         ("streaming", lambda rig, tmp: streaming_section(rig, settings)),
+        ("tracing", tracing),
     ]
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-overhead-")))
@@ -370,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin_self(placement.load_core)
     data = run_benchmark(settings, placement)
     write_json(args.out, data)  # first: the figures survive a rendering problem
-    sys.stdout.write(render(data))
+    sys.stdout.write(render(data) + "\n" + render_tracing(data["tracing"]))
     print(f"figures written to {args.out}", file=sys.stderr)
     return 0
 

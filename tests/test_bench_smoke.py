@@ -6,14 +6,23 @@ no assertion on how fast anything is.
 
 from __future__ import annotations
 
+import gzip
+import http.client
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
 from loadtests.bench.nginx import find_nginx
 from loadtests.bench.wrk import find_wrk
+from loadtests.procs import ManagedProcess, python_module
 
 REPO = Path(__file__).resolve().parent.parent
 HAVE_NGINX = find_nginx() is not None
@@ -68,10 +77,32 @@ def check_common(data: dict[str, Any], report: str) -> None:
     assert_positive(streaming["cpu"], "us_per_chunk")
 
 
+def check_tracing(section: dict[str, Any], report: str) -> None:
+    assert "4. Tracing cost" in report
+    for name in ("off", "on"):
+        assert_positive(section["throughput"]["runs"][name], "rps", "p50_ms", "p99_ms", "requests")
+        run = section["latency"]["runs"][name]
+        assert_positive(run, "sent")
+        assert_positive(run["latency"], "count", "p50_ms", "p99_ms")
+        assert {"p50_ms", "p99_ms"} <= set(section["latency"]["added"][name])
+    assert_positive(section["throughput"], "on_vs_off")
+    assert {"p50_ms", "p99_ms"} == set(section["latency"]["tracing_adds"])
+    # Every span the receiver counted decoded; the ones missing were dropped by the exporter's
+    # queue (allowed: it drops by design when full), none appeared from nowhere.
+    spans = section["spans"]
+    assert_positive(spans, "received", "requests_sent", "requests_served", "exports")
+    assert spans["rejected_exports"] == 0
+    assert spans["unexpected"] == 0
+    assert spans["received"] + spans["missing"] == spans["expected"]
+    assert spans["expected"] == spans["requests_served"] + spans["upstream_attempts"]
+    assert set(spans["by_kind"]) == {"SERVER", "CLIENT"}
+
+
 def test_quick_run(tmp_path: Path) -> None:
     args = () if HAVE_NGINX else ("--skip-nginx",)
     data, report = run_bench(tmp_path, *args)
     check_common(data, report)
+    check_tracing(data["tracing"], report)
     throughput = data["throughput"]
     assert throughput["tool"] == ("wrk" if HAVE_WRK else "python")
     if HAVE_NGINX:
@@ -80,10 +111,50 @@ def test_quick_run(tmp_path: Path) -> None:
 
 
 def test_quick_run_without_wrk_or_nginx(tmp_path: Path) -> None:
-    data, report = run_bench(tmp_path, "--skip-nginx", "--no-wrk")
+    data, report = run_bench(tmp_path, "--skip-nginx", "--no-wrk", "--skip-tracing")
     check_common(data, report)
+    assert data["tracing"] is None
+    assert "4. Tracing cost, off vs on (every request sampled): skipped" in report
     throughput = data["throughput"]
     assert throughput["tool"] == "python"
     assert "wrk not used" in report
     assert throughput["runs"]["nginx"] is None
     assert throughput["ratios"]["gateway_vs_nginx"] is None
+
+
+def test_otlp_sink_counts_spans() -> None:
+    """The receiver of phase 4 decodes gzip bodies, counts spans by kind, rejects garbage."""
+    request = ExportTraceServiceRequest()
+    spans = request.resource_spans.add().scope_spans.add().spans
+    for kind in (Span.SPAN_KIND_SERVER, Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_CLIENT):
+        spans.add(name="span", kind=kind)
+    protobuf = {"Content-Type": "application/x-protobuf"}
+    gzipped = {**protobuf, "Content-Encoding": "gzip"}
+    with ManagedProcess(python_module("loadtests.otlp_sink", "--port", "0")) as sink:
+        connection = http.client.HTTPConnection("127.0.0.1", sink.port(), timeout=5)
+
+        def exchange(
+            method: str, path: str, body: bytes, headers: dict[str, str]
+        ) -> tuple[int, bytes]:
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+
+        try:
+            status, answer = exchange(
+                "POST", "/v1/traces", gzip.compress(request.SerializeToString()), gzipped
+            )
+            assert status == 200, answer
+            assert ExportTraceServiceResponse.FromString(answer) == ExportTraceServiceResponse()
+            assert exchange("POST", "/v1/traces", b"\xff", protobuf)[0] == 400
+            status, answer = exchange("GET", "/stats", b"", {})
+            assert status == 200, answer
+        finally:
+            connection.close()
+        assert sink.stop() == 0
+    assert json.loads(answer) == {
+        "requests": 1,
+        "spans": 3,
+        "spans_by_kind": {"CLIENT": 2, "SERVER": 1},
+        "rejected": 1,
+    }
