@@ -26,6 +26,7 @@ from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
+from gateway.telemetry.logs import access_log
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
@@ -83,6 +84,9 @@ class Gateway:
         await self.session.close()
         if self.tracing is not None:
             await self.tracing.close()
+        log = access_log()
+        if log is not None:
+            log.flush()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the policy is loaded and every pool has an instance that takes traffic:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from gateway.config import PolicyError, load_policy
-from gateway.telemetry.logs import LogFormat, configure_logging, enable_access_log
+from gateway.telemetry.logs import LogFormat, configure_access_log, configure_logging
 
 
 def _check(files: list[str]) -> int:
@@ -29,8 +29,9 @@ def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
-    configure_logging(log_level, log_format or policy.telemetry.log_format)
-    enable_access_log(policy.telemetry.access_log)
+    chosen = log_format or policy.telemetry.log_format
+    configure_logging(log_level, chosen)
+    configure_access_log(policy.telemetry.access_log, chosen)
     import uvloop
 
     from gateway.server import serve

@@ -78,7 +78,7 @@ def access_lines(gateway: Gateway) -> list[str]:
 
 
 def test_json_access_log_of_a_real_gateway(tmp_path: Path, backends: dict[str, Backend]) -> None:
-    gw = gateway_with(tmp_path, backends, "{log_format: json}")
+    gw = gateway_with(tmp_path, backends, "{log_format: json, access_log: true}")
     try:
         ok = httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10)
         bad = httpx.post(
@@ -99,8 +99,8 @@ def test_json_access_log_of_a_real_gateway(tmp_path: Path, backends: dict[str, B
     assert refused["status"] == 404 and refused["model"] == EVIL_MODEL
 
 
-def test_text_access_log_can_be_turned_off(tmp_path: Path, backends: dict[str, Backend]) -> None:
-    gw = gateway_with(tmp_path, backends, "{access_log: false}")
+def test_the_access_log_is_off_by_default(tmp_path: Path, backends: dict[str, Backend]) -> None:
+    gw = gateway_with(tmp_path, backends, "{}")
     try:
         assert httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10).is_success
     finally:
@@ -112,7 +112,7 @@ def test_text_access_log_can_be_turned_off(tmp_path: Path, backends: dict[str, B
 def test_text_access_log_escapes_client_values(
     tmp_path: Path, backends: dict[str, Backend]
 ) -> None:
-    gw = gateway_with(tmp_path, backends, "{}")
+    gw = gateway_with(tmp_path, backends, "{access_log: true}")
     try:
         httpx.post(f"{gw.url}/v1/chat/completions", json={**BODY, "model": EVIL_MODEL}, timeout=10)
     finally:

@@ -42,7 +42,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 def traced_gateway(tmp_path: Path, backends: dict[str, Backend], traces_url: str) -> Gateway:
     policy = f"""
 {LOOPBACK_LISTENERS}
-telemetry: {{service_name: gw-under-test, tracing: true}}
+telemetry: {{service_name: gw-under-test, tracing: true, access_log: true}}
 pools:
   chat:
     models: [m]

@@ -32,7 +32,7 @@ from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.call import Call, Handler
-from gateway.telemetry.logs import ACCESS
+from gateway.telemetry.logs import access_log
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
 
@@ -103,7 +103,7 @@ class DataPlane:
     ) -> None:
         self._by_model = registry.by_model
         self._tracer = tracing.tracer if tracing is not None else None
-        self._access = ACCESS.isEnabledFor(logging.INFO)
+        self._access = access_log()
         self._handler = handler
         self._limit = max_request_bytes
         self._readiness = readiness
@@ -167,7 +167,7 @@ class DataPlane:
     def _rejected(
         self, scope: Scope, path: str, status: int, started: float, model: str | None
     ) -> None:
-        if self._access:
+        if self._access is not None:
             client = scope.get("client")
             fields = {
                 "method": "POST",
@@ -177,7 +177,7 @@ class DataPlane:
                 "duration_s": self._loop.time() - started,
                 "client": client[0] if client else None,
             }
-            ACCESS.info("access", extra={"fields": fields})
+            self._access.write(fields)
 
     def _log_access(
         self,
@@ -208,7 +208,8 @@ class DataPlane:
             span_context = trace.get_current_span().get_span_context()
             if span_context.is_valid:
                 fields["trace_id"] = format(span_context.trace_id, "032x")
-        ACCESS.info("access", extra={"fields": fields})
+        assert self._access is not None
+        self._access.write(fields)
 
     async def _proxy_traced(
         self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
@@ -328,7 +329,7 @@ class DataPlane:
         finally:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
-            if self._access:
+            if self._access is not None:
                 self._log_access(scope, path, status, started, facts, pool.name, call, ttfb_s)
             if self._tracer is not None:
                 span = trace.get_current_span()

@@ -9,12 +9,13 @@ crafted value can never forge a line or a field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import sys
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 LogFormat = Literal["text", "json"]
 
@@ -82,10 +83,72 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     root.setLevel(getattr(logging, level.upper()))
 
 
-ACCESS = logging.getLogger("gateway.access")
+class AccessLog:
+    """The access log: one line per request, in the process's log format, written in batches.
+
+    Going through `logging` (a record, a formatter, a locked write and flush per line) cost a
+    third of the gateway's throughput; here a line is one f-string or one `json.dumps`, kept
+    in a buffer that goes out in one write at most every 50 ms (or every 256 lines). The same
+    shape as the other lines: `TextFormatter`'s prefix, or `JsonFormatter`'s keys.
+    """
+
+    FLUSH_AFTER_S = 0.05
+    FLUSH_LINES = 256
+
+    def __init__(self, log_format: LogFormat, stream: TextIO | None = None) -> None:
+        self._json = log_format == "json"
+        self._stream = stream
+        self._lines: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._second = -1
+        self._stamp = ""
+
+    def write(self, fields: dict[str, Any]) -> None:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime(
+                "%Y-%m-%dT%H:%M:%S" if self._json else "%Y-%m-%d %H:%M:%S", time.gmtime(now)
+            )
+        millis = int((now - second) * 1000)
+        if self._json:
+            data = {
+                "ts": f"{self._stamp}.{millis:03d}Z",
+                "level": "info",
+                "logger": "gateway.access",
+                "msg": "access",
+                **fields,
+            }
+            line = json.dumps(data, separators=(",", ":"), default=str)
+        else:
+            pairs = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
+            line = f"{self._stamp},{millis:03d} INFO gateway.access access {pairs}"
+        self._lines.append(line + "\n")
+        if len(self._lines) >= self.FLUSH_LINES:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.FLUSH_AFTER_S, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._lines:
+            stream = self._stream or sys.stderr
+            stream.write("".join(self._lines))
+            stream.flush()
+            self._lines.clear()
 
 
-def enable_access_log(enabled: bool) -> None:
-    """The access log has its own switch, whatever the process's log level."""
-    ACCESS.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
-    ACCESS.disabled = not enabled
+_access_log: AccessLog | None = None
+
+
+def configure_access_log(enabled: bool, log_format: LogFormat) -> None:
+    global _access_log
+    _access_log = AccessLog(log_format) if enabled else None
+
+
+def access_log() -> AccessLog | None:
+    """The process's access log, or None when `telemetry.access_log` is off."""
+    return _access_log
