@@ -39,7 +39,9 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield running
 
 
-def traced_gateway(tmp_path: Path, backends: dict[str, Backend], traces_url: str) -> Gateway:
+def traced_gateway(
+    tmp_path: Path, backends: dict[str, Backend], traces_url: str, sampler: str = "always_on"
+) -> Gateway:
     policy = f"""
 {LOOPBACK_LISTENERS}
 telemetry: {{service_name: gw-under-test, tracing: true, access_log: true}}
@@ -54,6 +56,7 @@ pools:
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "OTEL_SERVICE_NAME": "",
+        "OTEL_TRACES_SAMPLER": sampler,
     }
     return start_gateway(tmp_path / "policy.yaml", policy, env)
 
@@ -194,3 +197,25 @@ def test_a_dead_collector_does_not_stop_the_gateway(
         exit_code = gw.proc.stop()
     # The last flush goes nowhere: the exit waits for it a few seconds at most.
     assert exit_code == 0 and time.monotonic() - started < 8
+
+
+def test_an_unsampled_request_records_nothing_but_passes_its_context_on(
+    tmp_path: Path, backends: dict[str, Backend], receiver: OtlpReceiver
+) -> None:
+    gw = traced_gateway(tmp_path, backends, receiver.traces_url, sampler="always_off")
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    try:
+        for _ in range(5):
+            response = httpx.post(
+                f"{gw.url}/v1/chat/completions",
+                json=BODY,
+                headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+                timeout=10,
+            )
+            assert response.status_code == 200
+    finally:
+        gw.stop()  # flushes whatever was queued
+    assert receiver.spans == []
+    sent = [r["headers"].get("traceparent", "") for b in backends.values() for r in b.requests()]
+    ours = [t for t in sent if t.startswith(f"00-{trace_id}-")]
+    assert len(ours) == 5 and all(t.endswith("-00") for t in ours)

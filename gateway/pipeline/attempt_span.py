@@ -27,6 +27,11 @@ class AttemptSpans:
         self._tracer = tracing.tracer
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        parent = trace.get_current_span()
+        if not parent.is_recording():
+            # The request is not sampled: no span to record, but the backend still gets the
+            # trace's context (flagged not sampled), as W3C asks of every hop.
+            return await self._propagate(call, next_handler, parent)
         instance = call.instance
         timeouts = call.timeouts
         assert instance is not None and timeouts is not None, "runs after pick and deadline"
@@ -71,6 +76,16 @@ class AttemptSpans:
                 span, error.outcome if error is not None else r.outcome, error
             )
         return response
+
+    @staticmethod
+    async def _propagate(call: Call, next_handler: Handler, span: trace.Span) -> UpstreamResponse:
+        forward = call.headers
+        call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
+        call.headers += context_headers(trace.set_span_in_context(span))
+        try:
+            return await next_handler(call)
+        finally:
+            call.headers = forward
 
 
 def _end(span: trace.Span, outcome: Outcome, error: UpstreamError | None) -> None:
