@@ -38,13 +38,13 @@ class Gateway:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
         self.session: aiohttp.ClientSession = new_session()
         self.health = HealthChecker(self.registry, self.session)
         self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
         self.watchdog.start()
-        self.tracing = setup_tracing(policy.telemetry)
         on_transition: OnTransition = self.decisions.record
         if self.tracing is not None:
             on_transition = traced_transitions(on_transition)

@@ -35,8 +35,13 @@ def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
     import uvloop
 
     from gateway.server import serve
+    from gateway.telemetry.tracing import TracingConfigError
 
-    uvloop.run(serve(policy))
+    try:
+        uvloop.run(serve(policy))
+    except TracingConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

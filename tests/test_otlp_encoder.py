@@ -499,3 +499,21 @@ def test_the_gateway_exports_over_http_with_the_fast_encoder(
         assert isinstance(exporter, FastOtlpSpanExporter)
     finally:
         exporter.shutdown()
+
+
+def test_grpc_is_chosen_by_the_standard_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+
+    from gateway.telemetry.tracing import _exporter
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    exporter = _exporter()
+    try:
+        assert isinstance(exporter, GrpcExporter)
+    finally:
+        exporter.shutdown()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="is not supported: use grpc or http/protobuf"):
+        _exporter()
