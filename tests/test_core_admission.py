@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.core.admission import (
+    CLASSES,
+    AdmissionQueues,
+    ArrivalRate,
+    Priority,
+    burst_weight,
+)
+
+BASE: dict[Priority, float] = {"interactive": 4.0, "standard": 2.0, "batch": 1.0}
+TIMEOUT: dict[Priority, float] = {"interactive": 0.05, "standard": 5.0, "batch": 60.0}
+
+
+def queues(max_queue: int = 10_000, max_total: int = 100_000) -> AdmissionQueues[int]:
+    return AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, max_queue), dict.fromkeys(CLASSES, 1e9), max_total
+    )
+
+
+@pytest.mark.parametrize(
+    ("qps", "peak", "weight"),
+    [(0.0, 10.0, 1.0), (10.0, 10.0, 0.3), (5.0, 10.0, 0.65), (3.0, 0.0, 1.0), (20.0, 10.0, 0.3)],
+)
+def test_burst_weight(qps: float, peak: float, weight: float) -> None:
+    assert burst_weight(qps, peak) == pytest.approx(weight)
+
+
+def test_arrival_rate_over_the_window_and_its_decaying_peak() -> None:
+    rate = ArrivalRate(window_s=10, half_life_s=100.0)
+    for _ in range(50):
+        rate.arrive(0.5)
+    assert rate.qps(0.9) == pytest.approx(5.0)
+    assert rate.peak(0.9) == pytest.approx(5.0, rel=0.01)
+    assert rate.qps(10.5) == 0.0  # the burst left the window
+    assert rate.peak(100.5) == pytest.approx(2.5, rel=0.01)  # one half-life later
+
+
+def test_waiting_classes_share_the_service_by_weight() -> None:
+    q = queues()
+    for i in range(1000):
+        for name in CLASSES:
+            assert q.offer(i, name, 0.0).queued
+    served = Counter(entry.priority for entry in (q.pop(1.0) for _ in range(700)) if entry)
+    assert served == {"interactive": 400, "standard": 200, "batch": 100}
+
+
+def test_a_bursting_class_is_served_at_a_fraction_of_its_weight() -> None:
+    q = queues()
+    for _ in range(100):  # interactive arrivals at their peak rate: burst factor 0.3
+        q.arrived("interactive", 0.0)
+    for i in range(500):
+        q.offer(i, "interactive", 0.0)
+        q.offer(i, "batch", 0.0)
+    weights = q.weights(0.5)
+    assert weights["interactive"] == pytest.approx(4.0 * 0.3)
+    served = Counter(entry.priority for entry in (q.pop(0.5) for _ in range(220)) if entry)
+    assert served["interactive"] == pytest.approx(120, abs=1)  # 1.2 : 1
+    assert served["batch"] == pytest.approx(100, abs=1)
+
+
+def test_fifo_within_a_class() -> None:
+    q = queues()
+    for i in range(5):
+        q.offer(i, "standard", float(i))
+    assert [entry.item for entry in (q.pop(10.0) for _ in range(5)) if entry] == list(range(5))
+    assert q.pop(10.0) is None
+
+
+def test_an_idle_class_banks_no_credit() -> None:
+    q = queues()
+    for i in range(100):
+        q.offer(i, "batch", 0.0)
+    for _ in range(100):
+        q.pop(0.0)  # batch alone: its pass grows to 100
+    for i in range(100):
+        q.offer(i, "batch", 1.0)
+        q.offer(i, "standard", 1.0)
+    served = Counter(entry.priority for entry in (q.pop(1.0) for _ in range(30)) if entry)
+    assert served == {"standard": 20, "batch": 10}  # 2 : 1 at once, no catching up
+
+
+def test_a_full_class_queue_refuses() -> None:
+    q = queues(max_queue=2)
+    assert q.offer(1, "standard", 0.0).queued and q.offer(2, "standard", 0.0).queued
+    refused = q.offer(3, "standard", 0.0)
+    assert not refused.queued and refused.reason == "the standard queue is full"
+    assert q.shed["standard"] == 1 and q.length("standard") == 2
+
+
+def test_a_wait_longer_than_the_class_allows_is_refused_at_once() -> None:
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 100), TIMEOUT, max_total=1000
+    )
+    # 20 completions/s, interactive alone: the first waits 1/20 s = 50 ms: allowed (not over).
+    assert q.offer(1, "interactive", 0.0, service_rate=20.0).queued
+    second = q.offer(2, "interactive", 0.0, service_rate=20.0)
+    assert not second.queued and second.reason is not None and "0.10s" in second.reason
+    # Unknown service rate: no estimate, queued.
+    assert q.offer(3, "interactive", 0.0).queued
+
+
+def test_when_the_pool_is_full_the_least_urgent_newest_request_makes_room() -> None:
+    q = queues(max_total=3)
+    for i in range(2):
+        q.offer(i, "batch", float(i))
+    q.offer(10, "standard", 2.0)
+    offer = q.offer(20, "interactive", 3.0)
+    assert offer.queued and [(e.item, e.priority) for e in offer.evicted] == [(1, "batch")]
+    offer = q.offer(21, "standard", 4.0)
+    assert offer.queued and [(e.item, e.priority) for e in offer.evicted] == [(0, "batch")]
+    # Nothing less urgent than batch to evict: a batch request is refused.
+    refused = q.offer(30, "batch", 5.0)
+    assert not refused.queued and refused.reason == "the pool's queues are full"
+    assert q.shed == {"interactive": 0, "standard": 0, "batch": 3}
+
+
+def test_entries_past_their_queue_timeout_expire() -> None:
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 100), TIMEOUT, max_total=1000
+    )
+    q.offer(1, "interactive", 0.0)
+    q.offer(2, "standard", 0.0)
+    assert q.next_expiry() == pytest.approx(0.05)
+    assert q.pop(0.06) is not None and q.length("interactive") == 1  # served: standard
+    assert [e.item for e in q.expire(0.06)] == [1]
+    assert q.shed["interactive"] == 1 and len(q) == 0 and q.next_expiry() is None
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        AdmissionQueues({**BASE, "batch": 0.0}, dict.fromkeys(CLASSES, 1), TIMEOUT, 10)
