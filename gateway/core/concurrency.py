@@ -1,0 +1,290 @@
+"""How much concurrent work one instance is given: an adaptive limit, a KV-cache token budget,
+and vLLM's own saturation signals.
+
+Pure: `now` (monotonic seconds) is an argument; nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+# Products such as 0.29 * 100 land a hair under the integer they mean.
+_EPSILON = 1e-9
+# The gradient's floor: one sample can at most halve the (unsmoothed) target.
+MIN_GRADIENT = 0.5
+
+
+class Limiter(Protocol):
+    """What the shell needs of a concurrency limiter (`GradientLimiter`, `FixedLimiter`)."""
+
+    @property
+    def limit(self) -> int:
+        """How many requests the instance may have in flight."""
+        ...
+
+    def record(
+        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+    ) -> None:
+        """Learn from one finished request."""
+        ...
+
+    def admits(self, in_flight: int) -> bool:
+        """Whether one more request may be sent with `in_flight` already in flight."""
+        ...
+
+
+class GradientLimiter:
+    """An adaptive concurrency limit for one instance (after Netflix's Gradient2 and Envoy's
+    adaptive concurrency). The rules, exactly:
+
+    **Signals.** `record(now, latency_s, in_flight)` takes one successful request's latency (for
+    an LLM, its time to first token: it grows once the engine starts queueing) and the number
+    of requests in flight on the instance when it was taken (this one included).
+
+    - `recent` (fast): `recent += recent_weight · (latency_s - recent)`, per sample;
+    - `baseline` (slow, per second rather than per sample): `baseline += w · (recent -
+      baseline)` with `w = 1 - 2^(-Δt / baseline_half_life)`, Δt the seconds since the
+      previous sample (0 if the clock went back). It moves halfway to the recent latency every
+      `baseline_half_life` seconds, however many requests there are: an instance that became
+      slower for good is relearned, and the limit it allows grows back. The price: queueing
+      that lasts that long is taken for the instance's new normal too.
+
+    The first sample sets both to `latency_s`. A latency that is not finite and > 0 is ignored.
+
+    **Limit** (a float `estimate`, published as `limit = max(min_limit, ⌊estimate⌋)`). After
+    each sample:
+
+    - `gradient = clamp(tolerance · baseline / recent, 0.5, 1.0)`;
+    - `target = estimate · gradient + sqrt(estimate)` (the square root is the headroom that
+      lets it probe for more);
+    - if `target > estimate` and the instance was not busy (`2 · in_flight < limit`), nothing
+      changes: an instance used at less than half its limit says nothing about a higher one
+      (it may still shrink);
+    - else `estimate += smoothing · (target - estimate)`, clamped to `[min_limit, max_limit]`.
+
+    So the estimate shrinks only when `gradient < 1 - 1/sqrt(estimate)` (recent latency above
+    `tolerance · baseline / (1 - 1/sqrt(estimate))`) and settles, under sustained load, where
+    `estimate · (1 - gradient) = sqrt(estimate)`. With the gradient's floor at 0.5, an estimate
+    of 4 or less never shrinks by the gradient, only by overload.
+
+    **Overload.** `record(..., overloaded=True)` (a 503, 429, out-of-memory, timeout: the
+    instance is past its capacity) learns no latency; it cuts `estimate ← max(min_limit,
+    estimate · backoff_ratio)`, at most once per `backoff_interval` seconds (the failures of one
+    burst are one signal, not one per request). `cuts` counts them.
+    """
+
+    __slots__ = (
+        "_backoff_interval",
+        "_backoff_ratio",
+        "_baseline_half_life",
+        "_last_cut",
+        "_last_sample",
+        "_max_limit",
+        "_min_limit",
+        "_recent_weight",
+        "_smoothing",
+        "_tolerance",
+        "baseline",
+        "cuts",
+        "estimate",
+        "recent",
+        "samples",
+    )
+
+    def __init__(
+        self,
+        initial_limit: float = 32.0,
+        min_limit: int = 4,
+        max_limit: int = 256,
+        tolerance: float = 1.5,
+        smoothing: float = 0.2,
+        recent_weight: float = 0.2,
+        baseline_half_life: float = 600.0,
+        backoff_ratio: float = 0.8,
+        backoff_interval: float = 1.0,
+    ) -> None:
+        if not 1 <= min_limit <= initial_limit <= max_limit:
+            raise ValueError(
+                "limits must satisfy 1 <= min_limit <= initial_limit <= max_limit, got "
+                f"{min_limit}, {initial_limit}, {max_limit}"
+            )
+        if not tolerance >= 1.0:
+            raise ValueError(f"tolerance must be at least 1, got {tolerance}")
+        for name, weight in (("smoothing", smoothing), ("recent_weight", recent_weight)):
+            if not 0.0 < weight <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {weight}")
+        if not baseline_half_life > 0.0:
+            raise ValueError(f"baseline_half_life must be > 0, got {baseline_half_life}")
+        if not 0.0 < backoff_ratio < 1.0:
+            raise ValueError(f"backoff_ratio must be in (0, 1), got {backoff_ratio}")
+        if not backoff_interval >= 0.0:
+            raise ValueError(f"backoff_interval must be >= 0, got {backoff_interval}")
+        self.estimate = float(initial_limit)
+        self._min_limit = min_limit
+        self._max_limit = max_limit
+        self._tolerance = tolerance
+        self._smoothing = smoothing
+        self._recent_weight = recent_weight
+        self._baseline_half_life = baseline_half_life
+        self._backoff_ratio = backoff_ratio
+        self._backoff_interval = backoff_interval
+        self.recent = 0.0
+        self.baseline = 0.0
+        self.samples = 0
+        self.cuts = 0
+        self._last_sample = 0.0
+        self._last_cut = -math.inf
+
+    @property
+    def limit(self) -> int:
+        """`max(min_limit, ⌊estimate⌋)`."""
+        return max(self._min_limit, math.floor(self.estimate + _EPSILON))
+
+    def admits(self, in_flight: int) -> bool:
+        """`in_flight < limit`."""
+        return in_flight < self.limit
+
+    def record(
+        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+    ) -> None:
+        """Learn from one finished request (rules in the class docstring)."""
+        if overloaded:
+            if now - self._last_cut >= self._backoff_interval:
+                self._last_cut = now
+                self.cuts += 1
+                self.estimate = max(float(self._min_limit), self.estimate * self._backoff_ratio)
+            return
+        if not (0.0 < latency_s < math.inf):
+            return
+        if self.samples == 0:
+            self.recent = latency_s
+            self.baseline = latency_s
+        else:
+            self.recent += self._recent_weight * (latency_s - self.recent)
+            elapsed = max(0.0, now - self._last_sample)
+            weight = 1.0 - 2.0 ** (-elapsed / self._baseline_half_life)
+            self.baseline += weight * (self.recent - self.baseline)
+        self._last_sample = now
+        self.samples += 1
+
+        estimate = self.estimate
+        gradient = self._tolerance * self.baseline / self.recent
+        gradient = min(1.0, max(MIN_GRADIENT, gradient))
+        target = estimate * gradient + math.sqrt(estimate)
+        if target > estimate and 2 * in_flight < self.limit:
+            return  # app-limited: no evidence for a higher limit
+        estimate += self._smoothing * (target - estimate)
+        self.estimate = min(float(self._max_limit), max(float(self._min_limit), estimate))
+
+    def __repr__(self) -> str:
+        return (
+            f"GradientLimiter(limit={self.limit}, estimate={self.estimate:.6g}, "
+            f"recent={self.recent:.6g}, baseline={self.baseline:.6g})"
+        )
+
+
+class FixedLimiter:
+    """A constant limit (for policies that fix the cap): `admits(in_flight)` is
+    `in_flight < limit`; `record` learns nothing."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the limit must be at least 1, got {limit}")
+        self._limit = limit
+
+    @property
+    def limit(self) -> int:
+        """The fixed limit."""
+        return self._limit
+
+    def admits(self, in_flight: int) -> bool:
+        """`in_flight < limit`."""
+        return in_flight < self._limit
+
+    def record(
+        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+    ) -> None:
+        """Nothing to learn."""
+
+    def __repr__(self) -> str:
+        return f"FixedLimiter({self._limit})"
+
+
+class TokenBudget:
+    """The KV-cache tokens one instance is trusted with: `budget = ⌊capacity_tokens ·
+    overcommit⌋`.
+
+    `try_acquire(tokens)` admits when `used + tokens ≤ budget`, and also, so that it is not
+    refused forever, a request larger than the whole budget when nothing is in use
+    (`used == 0`); admitted tokens count in `used` until `release`. The overcommit (1.3 by
+    default) bets that requests rarely reach their `max_tokens`, and that vLLM preempts or
+    queues what does not fit rather than failing it.
+    """
+
+    __slots__ = ("budget", "capacity_tokens", "overcommit", "used")
+
+    def __init__(self, capacity_tokens: int, overcommit: float = 1.3) -> None:
+        if capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
+        if not 0.0 < overcommit < math.inf:
+            raise ValueError(f"overcommit must be > 0, got {overcommit}")
+        self.capacity_tokens = capacity_tokens
+        self.overcommit = overcommit
+        self.budget = max(1, math.floor(capacity_tokens * overcommit + _EPSILON))
+        self.used = 0
+
+    @property
+    def available(self) -> int:
+        """`max(0, budget - used)` (0 while an oversized request holds more than the budget)."""
+        return max(0, self.budget - self.used)
+
+    def try_acquire(self, tokens: int) -> bool:
+        """Whether `tokens` more fit (rule in the class docstring); when they do, they count.
+
+        Raises ValueError for a negative count.
+        """
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        used = self.used
+        if used + tokens <= self.budget or used == 0:
+            self.used = used + tokens
+            return True
+        return False
+
+    def release(self, tokens: int) -> None:
+        """Give back what a finished request acquired; `used` is clamped at 0 (releasing more
+        than is held is a caller's bug, and must not leave a negative count)."""
+        self.used = max(0, self.used - tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenBudget(used={self.used}, budget={self.budget})"
+
+
+def estimate_tokens(prompt_bytes: int, max_tokens: int | None, assumed_max_tokens: int) -> int:
+    """A request's KV-cache need: `⌈prompt_bytes / 4⌉` (about four bytes a token) plus
+    `max_tokens`, or `assumed_max_tokens` when the request sets none (None). Negative inputs
+    count as 0."""
+    prompt = -(-max(0, prompt_bytes) // 4)
+    completion = assumed_max_tokens if max_tokens is None else max_tokens
+    return prompt + max(0, completion)
+
+
+def vllm_saturated(
+    waiting: float | None,
+    cache_usage: float | None,
+    max_waiting: float,
+    max_cache_usage: float,
+) -> bool:
+    """Whether vLLM's own signals say the instance should get no new work now.
+
+    True when `waiting > max_waiting` (`vllm:num_requests_waiting`) or `cache_usage >
+    max_cache_usage` (`vllm:gpu_cache_usage_perc`, 0..1). A signal that is unknown (None, not
+    scraped yet or stale) or NaN never saturates; a threshold of `inf` (or 1 for the cache)
+    turns that test off.
+    """
+    if waiting is not None and waiting > max_waiting:
+        return True
+    return cache_usage is not None and cache_usage > max_cache_usage

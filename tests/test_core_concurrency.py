@@ -1,0 +1,340 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.core.concurrency import (
+    FixedLimiter,
+    GradientLimiter,
+    Limiter,
+    TokenBudget,
+    estimate_tokens,
+    vllm_saturated,
+)
+
+# Samples 10 ms apart: with a 600 s half-life the baseline barely moves over a few hundred.
+STEP = 0.01
+
+
+def feed(
+    limiter: GradientLimiter,
+    start: float,
+    count: int,
+    latency_s: float,
+    in_flight: int | None = None,
+    step: float = STEP,
+) -> tuple[float, list[int]]:
+    """`count` samples from `start`, `step` apart, busy (in flight = the limit) unless told;
+    returns the next `now` and the limit after each sample."""
+    limits = []
+    now = start
+    for _ in range(count):
+        busy = limiter.limit if in_flight is None else in_flight
+        limiter.record(now, latency_s, busy)
+        limits.append(limiter.limit)
+        now += step
+    return now, limits
+
+
+# -- GradientLimiter: growth and shrinkage -------------------------------------------------------
+
+
+def test_the_first_busy_healthy_sample_adds_smoothed_headroom() -> None:
+    limiter = GradientLimiter(initial_limit=32)
+    limiter.record(0.0, 0.1, in_flight=32)
+    assert (limiter.recent, limiter.baseline) == (0.1, 0.1)
+    # gradient 1: target = 32 + sqrt(32); estimate = 32 + 0.2 * sqrt(32)
+    assert limiter.estimate == pytest.approx(32 + 0.2 * math.sqrt(32))
+    assert limiter.limit == 33
+
+
+@pytest.mark.parametrize(
+    ("factor", "grows"),
+    [
+        (1.0, True),  # steady latency
+        (1.4, True),  # within tolerance (1.5): gradient 1
+        (2.0, False),  # gradient 0.75 < 1 - 1/sqrt(64)
+        (4.0, False),  # gradient clamped at 0.5
+    ],
+)
+def test_recent_latency_against_the_baseline(factor: float, grows: bool) -> None:
+    limiter = GradientLimiter(initial_limit=64, max_limit=1000)
+    now, _ = feed(limiter, 0.0, 1, 0.1)
+    before = limiter.limit
+    _, limits = feed(limiter, now, 60, 0.1 * factor)
+    assert limiter.baseline == pytest.approx(0.1, rel=1e-2)
+    if grows:
+        assert limits == sorted(limits)
+        assert limits[-1] > before + 20
+    else:
+        assert limits[-1] < before
+        assert limiter.recent == pytest.approx(0.1 * factor, rel=1e-3)
+
+
+def test_shrinking_settles_where_the_headroom_balances_the_gradient() -> None:
+    limiter = GradientLimiter(initial_limit=200, max_limit=1000)
+    now, _ = feed(limiter, 0.0, 1, 0.1)
+    feed(limiter, now, 400, 0.4)  # gradient 0.5: estimate * 0.5 = sqrt(estimate) at 4
+    assert limiter.limit == 4
+    assert limiter.estimate == pytest.approx(4.0, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "grows"),
+    [
+        (0, False),
+        (15, False),  # 2 * 15 < 32
+        (16, True),  # exactly half the limit: busy
+        (32, True),
+    ],
+)
+def test_only_a_busy_instance_grows(in_flight: int, grows: bool) -> None:
+    limiter = GradientLimiter(initial_limit=32)
+    limiter.record(0.0, 0.1, in_flight)
+    assert (limiter.limit > 32) is grows
+    assert (limiter.recent, limiter.baseline) == (0.1, 0.1)  # latency is learned either way
+
+
+def test_an_app_limited_instance_keeps_its_limit_but_may_still_shrink() -> None:
+    limiter = GradientLimiter(initial_limit=64)
+    now, limits = feed(limiter, 0.0, 200, 0.1, in_flight=2)
+    assert set(limits) == {64}
+    _, limits = feed(limiter, now, 60, 0.4, in_flight=2)
+    assert limits[-1] < 64
+
+
+# -- GradientLimiter: overload -------------------------------------------------------------------
+
+
+def test_overload_cuts_multiplicatively_at_most_once_per_interval() -> None:
+    limiter = GradientLimiter(initial_limit=100, backoff_ratio=0.8, backoff_interval=1.0)
+    table = [
+        # (now, estimate after an overloaded result at now)
+        (10.0, 80.0),
+        (10.5, 80.0),  # within the interval of the cut at 10.0
+        (10.999, 80.0),
+        (11.0, 64.0),  # exactly one interval later
+        (11.2, 64.0),
+        (15.0, 51.2),
+    ]
+    for now, estimate in table:
+        limiter.record(now, 99.0, in_flight=100, overloaded=True)
+        assert limiter.estimate == pytest.approx(estimate), now
+    assert limiter.cuts == 3
+    assert limiter.samples == 0  # an overloaded result teaches no latency
+    assert limiter.limit == 51
+
+
+# -- GradientLimiter: bounds -------------------------------------------------------------------
+
+
+def test_growth_stops_at_max_limit() -> None:
+    limiter = GradientLimiter(initial_limit=10, min_limit=2, max_limit=40)
+    _, limits = feed(limiter, 0.0, 200, 0.1)
+    assert limits[-1] == 40
+    assert max(limits) == 40
+    assert limiter.estimate == 40.0
+    assert limiter.admits(39)
+    assert not limiter.admits(40)
+
+
+def test_cuts_stop_at_min_limit() -> None:
+    limiter = GradientLimiter(initial_limit=10, min_limit=3, max_limit=40)
+    for i in range(20):
+        limiter.record(float(i), 0.0, in_flight=10, overloaded=True)
+    assert limiter.cuts == 20
+    assert limiter.estimate == 3.0
+    assert limiter.limit == 3
+    assert [limiter.admits(n) for n in range(5)] == [True, True, True, False, False]
+
+
+def test_a_gradient_never_takes_the_limit_below_min_limit() -> None:
+    limiter = GradientLimiter(initial_limit=20, min_limit=10, max_limit=40)
+    now, _ = feed(limiter, 0.0, 1, 0.1)
+    _, limits = feed(limiter, now, 300, 1.0)
+    assert min(limits) == 10
+    assert limiter.estimate == pytest.approx(10.0)
+
+
+# -- GradientLimiter: the baseline ---------------------------------------------------------------
+
+
+def test_a_permanently_slower_instance_is_relearned() -> None:
+    limiter = GradientLimiter(initial_limit=64, max_limit=1000, baseline_half_life=60.0)
+    now, _ = feed(limiter, 0.0, 60, 0.1, step=1.0)
+    healthy = limiter.limit
+    # Three times slower for good: the limit drops at first, then the baseline follows (half
+    # the way per minute) and the limit grows back.
+    now, limits = feed(limiter, now, 20, 0.3, step=1.0)
+    assert min(limits) < healthy
+    dip = limits[-1]
+    _, limits = feed(limiter, now, 900, 0.3, step=1.0)
+    assert limiter.baseline == pytest.approx(0.3, rel=1e-3)
+    assert limiter.recent == pytest.approx(0.3)
+    assert limits[-1] > max(healthy, dip)
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "moved"),
+    [
+        (0.0, 0.0),  # a burst at one instant moves nothing
+        (600.0, 0.5),  # one half-life: halfway
+        (1200.0, 0.75),
+        (-5.0, 0.0),  # a clock that went back counts as no time
+    ],
+)
+def test_the_baseline_moves_by_elapsed_time_not_by_sample_count(
+    elapsed: float, moved: float
+) -> None:
+    limiter = GradientLimiter(recent_weight=1.0, baseline_half_life=600.0)
+    limiter.record(100.0, 0.1, in_flight=0)
+    limiter.record(100.0 + elapsed, 0.5, in_flight=0)
+    assert limiter.recent == 0.5
+    assert limiter.baseline == pytest.approx(0.1 + moved * 0.4)
+
+
+@pytest.mark.parametrize("latency_s", [0.0, -1.0, math.nan, math.inf])
+def test_unusable_latencies_are_ignored(latency_s: float) -> None:
+    limiter = GradientLimiter(initial_limit=32)
+    limiter.record(0.0, 0.1, in_flight=32)
+    estimate = limiter.estimate
+    limiter.record(1.0, latency_s, in_flight=32)
+    assert (limiter.samples, limiter.recent, limiter.estimate) == (1, 0.1, estimate)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_limit": 0},
+        {"initial_limit": 2, "min_limit": 4},
+        {"initial_limit": 300, "max_limit": 256},
+        {"tolerance": 0.9},
+        {"smoothing": 0.0},
+        {"recent_weight": 1.5},
+        {"baseline_half_life": 0.0},
+        {"backoff_ratio": 1.0},
+        {"backoff_interval": -1.0},
+    ],
+)
+def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        GradientLimiter(**kwargs)  # type: ignore[arg-type]
+
+
+# -- FixedLimiter --------------------------------------------------------------------------------
+
+
+def test_fixed_limiter_never_moves() -> None:
+    fixed = FixedLimiter(8)
+    for i, (latency_s, overloaded) in enumerate([(0.1, False), (9.0, False), (0.1, True)]):
+        fixed.record(float(i), latency_s, in_flight=8, overloaded=overloaded)
+    assert fixed.limit == 8
+    assert [fixed.admits(n) for n in (0, 7, 8, 9)] == [True, True, False, False]
+    with pytest.raises(ValueError):
+        FixedLimiter(0)
+
+
+def test_both_limiters_share_the_api() -> None:
+    limiters: list[Limiter] = [FixedLimiter(4), GradientLimiter(initial_limit=4, min_limit=4)]
+    for limiter in limiters:
+        limiter.record(0.0, 0.1, in_flight=0)
+        assert limiter.limit == 4
+        assert limiter.admits(3)
+        assert not limiter.admits(4)
+
+
+# -- TokenBudget ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity", "overcommit", "requests", "admitted", "used"),
+    [
+        # budget ⌊1000 * 1.3⌋ = 1300
+        (1000, 1.3, [600, 600, 100], [True, True, True], 1300),  # exactly the budget
+        (1000, 1.3, [600, 600, 101], [True, True, False], 1200),
+        (1000, 1.0, [500, 500, 1], [True, True, False], 1000),
+        (1000, 1.3, [5000], [True], 5000),  # oversized, alone: admitted
+        (1000, 1.3, [1, 5000], [True, False], 1),  # oversized, not alone: refused
+        (1000, 1.3, [5000, 1], [True, False], 5000),  # nothing fits beside it
+        (100, 0.29, [29, 1], [True, False], 29),  # 0.29 * 100 is a hair under 29
+    ],
+)
+def test_token_budget_admission(
+    capacity: int, overcommit: float, requests: list[int], admitted: list[bool], used: int
+) -> None:
+    budget = TokenBudget(capacity, overcommit)
+    assert [budget.try_acquire(tokens) for tokens in requests] == admitted
+    assert budget.used == used
+    assert budget.available == max(0, budget.budget - used)
+
+
+def test_release_restores_room() -> None:
+    budget = TokenBudget(1000)
+    assert budget.budget == 1300
+    assert budget.try_acquire(1000)
+    assert not budget.try_acquire(400)
+    budget.release(1000)
+    assert (budget.used, budget.available) == (0, 1300)
+    assert budget.try_acquire(400)
+    budget.release(900)  # more than is held: clamped
+    assert (budget.used, budget.available) == (0, 1300)
+    # An oversized request holds everything until it is released.
+    assert budget.try_acquire(2000)
+    assert budget.available == 0
+    assert not budget.try_acquire(1)
+    budget.release(2000)
+    assert budget.try_acquire(1300)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "overcommit", "tokens"),
+    [(0, 1.3, 0), (1000, 0.0, 0), (1000, math.inf, 0), (1000, 1.3, -1)],
+)
+def test_token_budget_refuses_nonsense(capacity: int, overcommit: float, tokens: int) -> None:
+    with pytest.raises(ValueError):
+        TokenBudget(capacity, overcommit).try_acquire(tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompt_bytes", "max_tokens", "assumed", "expected"),
+    [
+        (0, None, 256, 256),
+        (1, None, 256, 257),  # ⌈1/4⌉ = 1
+        (4, None, 256, 257),
+        (5, None, 256, 258),
+        (4000, 100, 256, 1100),  # the request's own max_tokens wins
+        (4000, 0, 256, 1000),
+        (-8, -3, 256, 0),  # negatives count as 0
+    ],
+)
+def test_estimate_tokens(
+    prompt_bytes: int, max_tokens: int | None, assumed: int, expected: int
+) -> None:
+    assert estimate_tokens(prompt_bytes, max_tokens, assumed) == expected
+
+
+# -- vllm_saturated ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("waiting", "cache_usage", "saturated"),
+    [
+        (None, None, False),  # nothing known
+        (0.0, 0.5, False),
+        (4.0, 0.9, False),  # at the thresholds: not above
+        (5.0, None, True),
+        (5.0, 0.1, True),
+        (None, 0.91, True),
+        (0.0, 0.95, True),
+        (math.nan, math.nan, False),
+        (None, 1.0, True),
+    ],
+)
+def test_vllm_saturated(waiting: float | None, cache_usage: float | None, saturated: bool) -> None:
+    assert vllm_saturated(waiting, cache_usage, max_waiting=4.0, max_cache_usage=0.9) is saturated
+
+
+def test_vllm_saturated_thresholds_that_disable_a_signal() -> None:
+    assert not vllm_saturated(1e9, 1.0, max_waiting=math.inf, max_cache_usage=1.0)
+    assert vllm_saturated(1.0, None, max_waiting=0.0, max_cache_usage=1.0)
