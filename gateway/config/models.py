@@ -226,6 +226,46 @@ class BreakerPolicy(Strict):
     when_none_available: Literal["fail_fast", "panic"] = "fail_fast"
 
 
+class AdmissionClassPolicy(Strict):
+    """One admission class: its share of the service, queue bound and longest wait."""
+
+    weight: float = Field(default=2.0, gt=0)
+    max_queue: int = Field(default=500, ge=0)
+    queue_timeout: Duration = Field(default=10.0, gt=0)
+
+
+class InteractivePolicy(AdmissionClassPolicy):
+    weight: float = Field(default=4.0, gt=0)
+    max_queue: int = Field(default=100, ge=0)
+    queue_timeout: Duration = Field(default=1.0, gt=0)
+
+
+class BatchPolicy(AdmissionClassPolicy):
+    weight: float = Field(default=1.0, gt=0)
+    max_queue: int = Field(default=1000, ge=0)
+    queue_timeout: Duration = Field(default=60.0, gt=0)
+
+
+class ConcurrencyPolicy(Strict):
+    """How many attempts an instance may have in flight: fixed, or learned from its latency."""
+
+    mode: Literal["adaptive", "fixed"] = "adaptive"
+    limit: int = Field(default=64, ge=1)  # the fixed cap, and the adaptive one's maximum
+    initial: int = Field(default=16, ge=1)
+    min: int = Field(default=2, ge=1)
+
+
+class AdmissionPolicy(Strict):
+    """Queues in front of the pool (absent: every request goes straight to an instance)."""
+
+    default_priority: Literal["interactive", "standard", "batch"] = "standard"
+    max_queued: int = Field(default=1000, ge=0)  # over the three classes
+    interactive: InteractivePolicy = InteractivePolicy()
+    standard: AdmissionClassPolicy = AdmissionClassPolicy()
+    batch: BatchPolicy = BatchPolicy()
+    concurrency: ConcurrencyPolicy = ConcurrencyPolicy()
+
+
 class PoolPolicy(Strict):
     models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(min_length=1)
     instances: tuple[InstancePolicy, ...] = Field(min_length=1)
@@ -233,6 +273,7 @@ class PoolPolicy(Strict):
     timeouts: TimeoutsPolicy = TimeoutsPolicy()
     retries: RetriesPolicy = RetriesPolicy()
     breaker: BreakerPolicy = BreakerPolicy()
+    admission: AdmissionPolicy | None = None
 
 
 class Policy(Strict):

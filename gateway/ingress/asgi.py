@@ -31,6 +31,7 @@ from gateway.ingress.body import ClientGone, Receive, RequestFacts, read_body, r
 from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
+from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler
 from gateway.telemetry.logs import access_log
 from gateway.telemetry.tracing import Tracing, incoming_context
@@ -281,6 +282,11 @@ class DataPlane:
                 bad = InvalidRequest("x-gateway-timeout must be a positive number of seconds")
                 await self._reject(scope, send, path, bad, started, facts.model)
                 return
+        try:
+            priority = parse_priority(headers.gateway.get(b"x-gateway-priority"))
+        except ValueError as exc:
+            await self._reject(scope, send, path, InvalidRequest(str(exc)), started, facts.model)
+            return
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -293,6 +299,7 @@ class DataPlane:
             facts=facts,
             deadline=self._loop.time() + budget_s,
             task=task,
+            priority=priority,
         )
         watch = _DisconnectWatch(self._loop, task, receive)
         stats = pool.stats

@@ -39,6 +39,9 @@ def completion_tokens(data: bytes) -> int | None:
 OnTransition = Callable[[str, Transition], None]
 
 
+_OVERLOAD = frozenset(("timeout", "oom"))
+
+
 def _record(
     pool: PoolState,
     instance: InstanceState,
@@ -47,9 +50,18 @@ def _record(
     elapsed_s: float,
     probe: bool,
     on_transition: OnTransition,
+    first_byte_s: float | None = None,
 ) -> None:
     failed = outcome.counts_as_failure
     pool.failure.observe(failed)
+    limiter = instance.limiter
+    if limiter is not None:
+        # The time to the first byte is what grows when vLLM queues; timeouts, OOMs, 429 and
+        # 503 say it is overloaded.
+        if outcome.kind in _OVERLOAD or outcome.status in (429, 503):
+            limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
+        elif outcome.kind == "ok":
+            limiter.record(now, first_byte_s or elapsed_s, instance.in_flight)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
         pool.stats.timeout(outcome.phase or "deadline")
@@ -88,6 +100,7 @@ class Account:
             now - response.started_at,
             probe,
             self._on_transition,
+            response.first_at - response.started_at,
         )
         if outcome.kind == "ok" and error is None:
             instance.latency.observe_stream(
@@ -140,7 +153,16 @@ class Account:
         instance.in_flight -= 1
         outcome = response.outcome
         now = self._clock()
-        _record(call.pool, instance, outcome, now, now - started, call.probe, self._on_transition)
+        _record(
+            call.pool,
+            instance,
+            outcome,
+            now,
+            now - started,
+            call.probe,
+            self._on_transition,
+            response.first_at - response.started_at,
+        )
         if outcome.kind == "ok":
             instance.latency.observe_whole(
                 response.first_at - response.started_at, completion_tokens(response.body)

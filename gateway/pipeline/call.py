@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
 from gateway.ingress.body import RequestFacts
 from gateway.upstream.registry import InstanceState, PoolState
@@ -31,6 +32,7 @@ class Call:
     k: float = 1.0  # the deviation multiplier of the pool's current retry tier
     probe: bool = False  # the current attempt is its isolated instance's one probe
     timeouts: AttemptTimeouts | None = None  # of the current attempt
+    priority: Priority | None = None  # x-gateway-priority; None: the pool's default
 
 
 Handler = Callable[[Call], Awaitable[UpstreamResponse]]

@@ -18,9 +18,10 @@ class Pick:
     trips (as tower, Finagle and Linkerd balance).
 
     May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
-    Retry-After. An isolated instance whose isolation ran out takes the attempt as its one probe
-    (a real request) first. When every healthy instance was tried or is paused, a tried or
-    paused one is used rather than failing; when none is healthy and admitting, the client is
+    Retry-After, below its concurrency limit (pools with admission control). An isolated
+    instance whose isolation ran out takes the attempt as its one probe (a real request)
+    first. When every healthy instance was tried, is paused or is at its limit, one of those
+    is used rather than failing; when none is healthy and admitting, the client is
     told at once (503 + Retry-After): no waiting on a dead pool; unless the pool's policy says
     `breaker.when_none_available: panic`, and then every instance is a candidate again.
     """
@@ -40,7 +41,12 @@ class Pick:
             breaker = inst.breaker
             if breaker.state == ADMITTING:
                 admitting.append(inst)
-                if inst.not_before <= now and inst not in tried:
+                limiter = inst.limiter
+                if (
+                    inst.not_before <= now
+                    and inst not in tried
+                    and (limiter is None or inst.in_flight < limiter.limit)
+                ):
                     fresh.append(inst)
             elif probe is None and breaker.try_admit(now):
                 probe = inst

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from gateway.core.admission import CLASSES
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
 from gateway.core.histogram import Histogram
 from gateway.core.timeouts import attempt_timeouts
@@ -47,7 +48,43 @@ class GatewayCollector(Collector):
         yield from self._requests()
         yield from self._instances()
         yield from self._pools()
+        yield from self._admission()
         yield from self._shared()
+
+    def _admission(self) -> Iterator[Metric]:
+        queued = GaugeMetricFamily(
+            "gateway_admission_queued",
+            "Requests waiting in each admission class's queue",
+            labels=["pool", "class"],
+        )
+        shed = CounterMetricFamily(
+            "gateway_shed_requests",
+            "Requests answered 429 by admission control, by class (refused, evicted, timed out)",
+            labels=["pool", "class"],
+        )
+        running = GaugeMetricFamily(
+            "gateway_admission_running", "Requests holding a slot of the pool", labels=["pool"]
+        )
+        room = GaugeMetricFamily(
+            "gateway_admission_room",
+            "Slots of the pool: the concurrency limits of its instances taking traffic",
+            labels=["pool"],
+        )
+        limit = GaugeMetricFamily(
+            "gateway_instance_concurrency_limit",
+            "Attempts an instance may have in flight (fixed, or learned from its latency)",
+            labels=["pool", "backend"],
+        )
+        for name, admission in self._gateway.admissions.items():
+            for klass in CLASSES:
+                queued.add_metric([name, klass], admission.queues.length(klass))
+                shed.add_metric([name, klass], admission.queues.shed[klass])
+            running.add_metric([name], admission.running)
+            room.add_metric([name], admission.room())
+            for inst in admission.pool.instances:
+                if inst.limiter is not None:
+                    limit.add_metric([name, inst.name], inst.limiter.limit)
+        yield from (queued, shed, running, room, limit)
 
     def _requests(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -11,6 +11,7 @@ from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
+from gateway.core.concurrency import Limiter
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.latency import LatencyState
@@ -29,6 +30,7 @@ class InstanceState:
         "health",
         "in_flight",
         "latency",
+        "limiter",
         "name",
         "name_header",
         "not_before",
@@ -69,6 +71,8 @@ class InstanceState:
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
         self.stats = InstanceStats()
+        # Its concurrency limit, when its pool has admission control (None: no cap).
+        self.limiter: Limiter | None = None
 
 
 class PoolState:

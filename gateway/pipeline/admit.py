@@ -1,0 +1,183 @@
+"""The admission layer: requests wait in their class's queue until the pool has room.
+
+Outermost layer, for pools with an `admission` section. The pool's room is the sum of the
+concurrency limits of its instances that take traffic (healthy, ADMITTING); a request holds one
+slot from admission to the end of its answer (a stream's last byte), retries included. A request
+arriving while there is room and nobody waits goes straight on; otherwise it waits in its
+class's queue (`gateway.core.admission`: burst-aware weights, FIFO within a class) or is shed at
+once with 429 + Retry-After. When a slot frees, the next request by weight is let through; one
+whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
+queued for: the pick layer answers 503 at once, as without admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Final
+
+from gateway.config.models import AdmissionPolicy
+from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
+from gateway.core.breaker import ADMITTING
+from gateway.core.concurrency import FixedLimiter, GradientLimiter, Limiter
+from gateway.errors import Shed, UpstreamError
+from gateway.pipeline.call import Call, Handler
+from gateway.upstream.registry import PoolState
+from gateway.upstream.response import UpstreamResponse
+
+PRIORITIES: Final = frozenset(CLASSES)
+
+
+def build_limiter(policy: AdmissionPolicy) -> Limiter:
+    concurrency = policy.concurrency
+    if concurrency.mode == "fixed":
+        return FixedLimiter(concurrency.limit)
+    return GradientLimiter(
+        initial_limit=float(min(max(concurrency.initial, concurrency.min), concurrency.limit)),
+        min_limit=concurrency.min,
+        max_limit=concurrency.limit,
+    )
+
+
+class PoolAdmission:
+    """One pool's queues and slots."""
+
+    def __init__(self, pool: PoolState, policy: AdmissionPolicy) -> None:
+        self.pool = pool
+        self.policy = policy
+        classes = {name: getattr(policy, name) for name in CLASSES}
+        self.queues: AdmissionQueues[asyncio.Future[None]] = AdmissionQueues(
+            {name: c.weight for name, c in classes.items()},
+            {name: c.max_queue for name, c in classes.items()},
+            {name: c.queue_timeout for name, c in classes.items()},
+            policy.max_queued,
+        )
+        self.running = 0
+        self.completions = ArrivalRate(window_s=10)
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def room(self) -> int:
+        """Slots in the pool: the concurrency limits of the instances taking traffic."""
+        return sum(
+            inst.limiter.limit
+            for inst in self.pool.routable
+            if inst.limiter is not None and inst.breaker.state == ADMITTING
+        )
+
+    async def enter(self, priority: Priority) -> None:
+        """Return once the request holds a slot; raises Shed when it is refused."""
+        now = self._loop.time()
+        queues = self.queues
+        queues.arrived(priority, now)
+        room = self.room()
+        if room == 0 or (self.running < room and not len(queues)):
+            self.running += 1  # no room at all: the pick layer answers 503 straight away
+            return
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        offer = queues.offer(waiter, priority, now, self.completions.qps(now))
+        for entry in offer.evicted:
+            _refuse(entry.item, "evicted by a more urgent request", self._retry_after_s())
+        if not offer.queued:
+            raise Shed(
+                f"pool {self.pool.name!r} is overloaded: {offer.reason}",
+                retry_after_s=self._retry_after_s(),
+            )
+        self._arm()
+        try:
+            await waiter  # resolved by `dispatch`, which took the slot for us
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.leave()  # let through just as the client left: hand the slot on
+            raise
+
+    def leave(self) -> None:
+        self.running -= 1
+        self.completions.arrive(self._loop.time())
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Let waiting requests through while there is room."""
+        now = self._loop.time()
+        room = self.room()
+        while self.running < room:
+            entry = self.queues.pop(now)
+            if entry is None:
+                break
+            if entry.item.done():
+                continue  # its client left while it waited
+            self.running += 1
+            entry.item.set_result(None)
+        self._arm()
+
+    def _arm(self) -> None:
+        """One timer for the oldest waiting request's queue timeout."""
+        expiry = self.queues.next_expiry()
+        if self._timer is not None:
+            if expiry is not None and self._timer.when() <= expiry:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if expiry is not None:
+            self._timer = self._loop.call_at(expiry, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        for entry in self.queues.expire(now):
+            _refuse(
+                entry.item,
+                f"waited {now - entry.enqueued_at:.2f}s in the {entry.priority} queue",
+                self._retry_after_s(),
+            )
+        self.dispatch()
+
+    def _retry_after_s(self) -> float:
+        """When to come back: about the time the queues in front take to drain."""
+        rate = self.completions.qps(self._loop.time())
+        return max(1.0, len(self.queues) / rate) if rate > 0 else 1.0
+
+
+def _refuse(waiter: asyncio.Future[None], reason: str, retry_after_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(Shed(f"shed: {reason}", retry_after_s=retry_after_s))
+
+
+class Admit:
+    """The layer: holds a slot of the pool for the whole exchange."""
+
+    def __init__(self, admissions: dict[str, PoolAdmission]) -> None:
+        self._admissions = admissions
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        admission = self._admissions.get(call.pool.name)
+        if admission is None:
+            return await next_handler(call)
+        priority = call.priority or admission.policy.default_priority
+        await admission.enter(priority)
+        try:
+            response = await next_handler(call)
+        except BaseException:
+            admission.leave()
+            raise
+        if response.body is not None:
+            admission.leave()
+            return response
+        inner = response.on_finish
+
+        def finished(r: UpstreamResponse, error: UpstreamError | None) -> None:
+            if inner is not None:
+                inner(r, error)
+            admission.leave()
+
+        response.on_finish = finished
+        return response
+
+
+def parse_priority(raw: bytes | None) -> Priority | None:
+    """The `x-gateway-priority` header (None when absent); ValueError when unknown."""
+    if raw is None:
+        return None
+    value = raw.decode("latin-1").strip().lower()
+    if value not in PRIORITIES:
+        raise ValueError("x-gateway-priority must be interactive, standard or batch")
+    return value

@@ -1,0 +1,118 @@
+"""Admission control end to end: a burst of 3x a pool's capacity through a real gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import (
+    LOOPBACK_LISTENERS,
+    Backend,
+    Gateway,
+    instances_yaml,
+    start_backends,
+    start_gateway,
+    stop_backends,
+)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LIMIT = 2  # per instance: two instances, four slots
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started = start_backends(("a", "b"), ["m"], "--ttft", "0.3", "--per-token", "0.001")
+    yield started
+    stop_backends(started)
+
+
+@pytest.fixture
+def gateway(backends: dict[str, Backend], tmp_path: Path) -> Iterator[Gateway]:
+    policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances_yaml(backends)}]
+    admission:
+      max_queued: 10
+      concurrency: {{mode: fixed, limit: {LIMIT}}}
+      interactive: {{max_queue: 10, queue_timeout: 10s}}
+      batch: {{max_queue: 6, queue_timeout: 10s}}
+"""
+    gw = start_gateway(tmp_path / "policy.yaml", policy)
+    yield gw
+    gw.stop()
+
+
+async def send(
+    client: httpx.AsyncClient, gateway: Gateway, priority: str, delay_s: float
+) -> tuple[str, int, float, httpx.Response]:
+    await asyncio.sleep(delay_s)
+    started = time.monotonic()
+    response = await client.post(
+        f"{gateway.url}/v1/chat/completions", json=BODY, headers={"x-gateway-priority": priority}
+    )
+    return priority, response.status_code, time.monotonic() - started, response
+
+
+def max_concurrency(requests: list[dict[str, float]]) -> int:
+    edges = sorted([(r["started"], 1) for r in requests] + [(r["ended"], -1) for r in requests])
+    now = peak = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+async def test_a_burst_sheds_backlog_first_and_answers_everyone(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    for backend in backends.values():
+        backend.reset()
+    async with httpx.AsyncClient(timeout=30) as client:
+        # 12 requests in flight or queued = 3x the four slots: batch first, interactive next.
+        batch = [send(client, gateway, "batch", 0.0) for _ in range(12)]
+        interactive = [send(client, gateway, "interactive", 0.1) for _ in range(8)]
+        results = await asyncio.wait_for(asyncio.gather(*batch, *interactive), 30)
+        state = (await client.get(f"{gateway.admin_url}/admin/state")).json()
+        metrics = (await client.get(f"{gateway.admin_url}/metrics")).text
+    statuses = {(p, s) for p, s, _, _ in results}
+    assert statuses <= {("batch", 200), ("batch", 429), ("interactive", 200)}, statuses
+    shed = [r for p, s, _, r in results if s == 429]
+    assert shed, "the burst was larger than slots plus queues: some batch requests are shed"
+    for response in shed:
+        assert response.json()["error"]["code"] == "shed"
+        assert int(response.headers["retry-after"]) >= 1
+    # Interactive requests went ahead of the waiting batch ones.
+    waits = {
+        p: sorted(t for q, s, t, _ in results if q == p and s == 200)
+        for p in ("batch", "interactive")
+    }
+    assert len(waits["interactive"]) == 8
+    assert waits["interactive"][len(waits["interactive"]) // 2] < waits["batch"][-1]
+    # Counted where operators look.
+    admission = state["pools"]["chat"]["admission"]
+    assert admission["shed"]["batch"] == len(shed) and admission["shed"]["interactive"] == 0
+    assert admission["room"] == 2 * LIMIT and admission["running"] == 0
+    assert f'gateway_shed_requests_total{{class="batch",pool="chat"}} {float(len(shed))}' in metrics
+    # No instance ever had more than its limit at once.
+    for backend in backends.values():
+        done = [r for r in backend.requests() if r["path"] == "/v1/chat/completions"]
+        assert max_concurrency(done) <= LIMIT
+
+
+def test_an_unknown_priority_is_a_bad_request(gateway: Gateway) -> None:
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=BODY,
+        headers={"x-gateway-priority": "urgent"},
+        timeout=10,
+    )
+    assert response.status_code == 400
+    assert "x-gateway-priority" in response.json()["error"]["message"]
