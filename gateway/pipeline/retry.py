@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from opentelemetry import trace
+
 from gateway.core.backoff import backoff_s, retry_after_s
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
-from gateway.telemetry.tracing import current_span
 from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.stats import outcome_label
@@ -67,7 +68,7 @@ class Retry:
                     allowed = False
                     pool.stats.budget_exhausted += 1
                     if self._traced:
-                        current_span().add_event(
+                        trace.get_current_span().add_event(
                             "retry budget exhausted", {"gateway.attempt": call.attempts}
                         )
             if not allowed:
@@ -77,7 +78,7 @@ class Retry:
                 raise failure
             pool.stats.retry(outcome)
             if self._traced:
-                current_span().add_event(
+                trace.get_current_span().add_event(
                     "retry scheduled",
                     {
                         "gateway.attempt": call.attempts,

@@ -137,10 +137,6 @@ def context_headers(context: Context) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def current_span() -> trace.Span:
-    return trace.get_current_span()
-
-
 def traced_transitions(
     record: Callable[[str, Transition], None],
 ) -> Callable[[str, Transition], None]:
@@ -154,7 +150,7 @@ def traced_transitions(
             name = "instance restored"
         else:
             name = "instance isolated"
-        current_span().add_event(
+        trace.get_current_span().add_event(
             name,
             {
                 "gateway.pool": pool,
