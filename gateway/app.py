@@ -13,14 +13,13 @@ from starlette.types import ASGIApp
 
 from gateway.cluster import build_store
 from gateway.config import Policy
-from gateway.core.admission import CLASSES
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
 from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
 from gateway.pipeline.account import Account, OnTransition
-from gateway.pipeline.admit import Admit, PoolAdmission, build_limiter
+from gateway.pipeline.admit import Admit, PoolAdmission
 from gateway.pipeline.attempt_span import AttemptSpans
 from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
@@ -59,9 +58,6 @@ class Gateway:
             for name, pool in self.registry.pools.items()
             if pool.policy.admission is not None
         }
-        for admission in self.admissions.values():
-            for inst in admission.pool.instances:
-                inst.limiter = build_limiter(admission.policy)
         layers: list[Layer] = [Admit(self.admissions)] if self.admissions else []
         layers += [
             Retry(traced=self.tracing is not None),
@@ -132,10 +128,6 @@ class Gateway:
             self.decisions.record(pool, transition, operator=True)
         return {"pool": pool, "instance": name, "state": breaker.state}
 
-    def _admission_state(self, pool: str, now: float) -> dict[str, Any] | None:
-        admission = self.admissions.get(pool)
-        return None if admission is None else _admission_state_of(admission, now)
-
     def state(self) -> dict[str, Any]:
         """The operator's view, served as /admin/state."""
         now = asyncio.get_running_loop().time()
@@ -155,7 +147,7 @@ class Gateway:
                     "k": tier.k,
                 },
                 "retry_budget": {"requests": requests, "retries": retries},
-                "admission": self._admission_state(name, now),
+                "admission": self.admissions[name].state(now) if name in self.admissions else None,
                 "instances": [
                     _instance_state(pool, inst, tier.k, now, wall, self.decisions.decided_by)
                     for inst in pool.instances
@@ -165,17 +157,6 @@ class Gateway:
             "pools": pools,
             "shared_state": self.decisions.status(),
         }
-
-
-def _admission_state_of(admission: PoolAdmission, now: float) -> dict[str, Any]:
-    queues = admission.queues
-    return {
-        "running": admission.running,
-        "room": admission.room(),
-        "queued": {name: queues.length(name) for name in CLASSES},
-        "shed": dict(queues.shed),
-        "weights": queues.weights(now),
-    }
 
 
 def _finite(value: float) -> float | None:

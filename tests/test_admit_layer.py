@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.errors import Shed
-from gateway.pipeline.admit import PoolAdmission, build_limiter, parse_priority
+from gateway.pipeline.admit import PoolAdmission, parse_priority
 from gateway.upstream.registry import Registry
 
 POLICY = """
@@ -30,8 +30,7 @@ def admission() -> PoolAdmission:
     pool = registry.pools["chat"]
     admission_policy = pool.policy.admission
     assert admission_policy is not None
-    for inst in pool.instances:
-        inst.limiter = build_limiter(admission_policy)
+    assert all(inst.limiter is not None for inst in pool.instances)  # built with the pool
     return PoolAdmission(pool, admission_policy)
 
 

@@ -338,3 +338,13 @@ def test_vllm_saturated(waiting: float | None, cache_usage: float | None, satura
 def test_vllm_saturated_thresholds_that_disable_a_signal() -> None:
     assert not vllm_saturated(1e9, 1.0, max_waiting=math.inf, max_cache_usage=1.0)
     assert vllm_saturated(1.0, None, max_waiting=0.0, max_cache_usage=1.0)
+
+
+def test_limiter_for_a_policy() -> None:
+    from gateway.config.models import ConcurrencyPolicy
+    from gateway.core.concurrency import limiter_for
+
+    fixed = limiter_for(ConcurrencyPolicy(mode="fixed", limit=7))
+    assert isinstance(fixed, FixedLimiter) and fixed.limit == 7
+    adaptive = limiter_for(ConcurrencyPolicy(initial=100, min=3, limit=40))
+    assert isinstance(adaptive, GradientLimiter) and adaptive.limit == 40  # initial clamped

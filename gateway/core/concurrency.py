@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from gateway.config.models import ConcurrencyPolicy
+
 # Products such as 0.29 * 100 land a hair under the integer they mean.
 _EPSILON = 1e-9
 # The gradient's floor: one sample can at most halve the (unsmoothed) target.
@@ -288,3 +290,14 @@ def vllm_saturated(
     if waiting is not None and waiting > max_waiting:
         return True
     return cache_usage is not None and cache_usage > max_cache_usage
+
+
+def limiter_for(policy: ConcurrencyPolicy) -> Limiter:
+    """The limiter a pool's `admission.concurrency` asks for, for one of its instances."""
+    if policy.mode == "fixed":
+        return FixedLimiter(policy.limit)
+    return GradientLimiter(
+        initial_limit=float(min(max(policy.initial, policy.min), policy.limit)),
+        min_limit=policy.min,
+        max_limit=policy.limit,
+    )

@@ -13,29 +13,17 @@ queued for: the pick layer answers 503 at once, as without admission.
 from __future__ import annotations
 
 import asyncio
-from typing import Final
+from typing import Any, Final
 
 from gateway.config.models import AdmissionPolicy
 from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
 from gateway.core.breaker import ADMITTING
-from gateway.core.concurrency import FixedLimiter, GradientLimiter, Limiter
 from gateway.errors import Shed, UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 PRIORITIES: Final = frozenset(CLASSES)
-
-
-def build_limiter(policy: AdmissionPolicy) -> Limiter:
-    concurrency = policy.concurrency
-    if concurrency.mode == "fixed":
-        return FixedLimiter(concurrency.limit)
-    return GradientLimiter(
-        initial_limit=float(min(max(concurrency.initial, concurrency.min), concurrency.limit)),
-        min_limit=concurrency.min,
-        max_limit=concurrency.limit,
-    )
 
 
 class PoolAdmission:
@@ -55,6 +43,17 @@ class PoolAdmission:
         self.completions = ArrivalRate(window_s=10)
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
+
+    def state(self, now: float) -> dict[str, Any]:
+        """The operator's view, in /admin/state."""
+        queues = self.queues
+        return {
+            "running": self.running,
+            "room": self.room(),
+            "queued": {name: queues.length(name) for name in CLASSES},
+            "shed": dict(queues.shed),
+            "weights": queues.weights(now),
+        }
 
     def room(self) -> int:
         """Slots in the pool: the concurrency limits of the instances taking traffic."""

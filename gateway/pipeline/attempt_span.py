@@ -31,7 +31,28 @@ class AttemptSpans:
         if not parent.is_recording():
             # The request is not sampled: no span to record, but the backend still gets the
             # trace's context (flagged not sampled), as W3C asks of every hop.
-            return await self._propagate(call, next_handler, parent)
+            return await _send_in(parent, call, next_handler)
+        span = self._start(call)
+        try:
+            response = await _send_in(span, call, next_handler)
+        except UpstreamError as error:
+            _end(span, error.outcome, error)
+            raise
+        except asyncio.CancelledError:
+            span.set_status(Status(StatusCode.ERROR, "cancelled"))
+            span.set_attribute("gateway.outcome", "cancelled")
+            span.end()
+            raise
+        span.set_attribute("http.response.status_code", response.status)
+        if response.body is not None:
+            _end(span, response.outcome, None)
+        else:
+            response.on_finish = lambda r, error: _end(
+                span, error.outcome if error is not None else r.outcome, error
+            )
+        return response
+
+    def _start(self, call: Call) -> trace.Span:
         instance = call.instance
         timeouts = call.timeouts
         assert instance is not None and timeouts is not None, "runs after pick and deadline"
@@ -50,42 +71,20 @@ class AttemptSpans:
         }
         if timeouts.idle_s is not None:
             attributes["gateway.timeout.idle_s"] = timeouts.idle_s
-        span = self._tracer.start_span(
+        return self._tracer.start_span(
             f"POST {call.path}", kind=SpanKind.CLIENT, attributes=attributes
         )
-        forward = call.headers
-        call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
-        call.headers += context_headers(trace.set_span_in_context(span))
-        try:
-            response = await next_handler(call)
-        except UpstreamError as error:
-            _end(span, error.outcome, error)
-            raise
-        except asyncio.CancelledError:
-            span.set_status(Status(StatusCode.ERROR, "cancelled"))
-            span.set_attribute("gateway.outcome", "cancelled")
-            span.end()
-            raise
-        finally:
-            call.headers = forward
-        span.set_attribute("http.response.status_code", response.status)
-        if response.body is not None:
-            _end(span, response.outcome, None)
-        else:
-            response.on_finish = lambda r, error: _end(
-                span, error.outcome if error is not None else r.outcome, error
-            )
-        return response
 
-    @staticmethod
-    async def _propagate(call: Call, next_handler: Handler, span: trace.Span) -> UpstreamResponse:
-        forward = call.headers
-        call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
-        call.headers += context_headers(trace.set_span_in_context(span))
-        try:
-            return await next_handler(call)
-        finally:
-            call.headers = forward
+
+async def _send_in(span: trace.Span, call: Call, next_handler: Handler) -> UpstreamResponse:
+    """The attempt, sent with `span`'s context in place of the client's trace headers."""
+    forward = call.headers
+    call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
+    call.headers += context_headers(trace.set_span_in_context(span))
+    try:
+        return await next_handler(call)
+    finally:
+        call.headers = forward
 
 
 def _end(span: trace.Span, outcome: Outcome, error: UpstreamError | None) -> None:

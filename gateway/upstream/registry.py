@@ -11,7 +11,7 @@ from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
-from gateway.core.concurrency import Limiter
+from gateway.core.concurrency import Limiter, limiter_for
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.latency import LatencyState
@@ -49,6 +49,7 @@ class InstanceState:
         health: HealthState,
         breaker: BreakerState,
         now: float,
+        limiter: Limiter | None = None,
     ) -> None:
         self.pool_name = pool_name
         self.name = policy.name
@@ -72,7 +73,7 @@ class InstanceState:
         self.not_before = 0.0
         self.stats = InstanceStats()
         # Its concurrency limit, when its pool has admission control (None: no cap).
-        self.limiter: Limiter | None = None
+        self.limiter = limiter
 
 
 class PoolState:
@@ -109,6 +110,7 @@ class PoolState:
                 else HealthState.assumed_healthy(now),
                 self.breakers[inst.name],
                 now,
+                limiter_for(policy.admission.concurrency) if policy.admission else None,
             )
             for inst in policy.instances
         ]
