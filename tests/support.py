@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,17 @@ def start_backends(names: tuple[str, ...], models: list[str], *extra: str) -> di
     return {name: start_backend(name, models, *extra) for name in names}
 
 
+def running_backends(
+    names: tuple[str, ...], models: list[str], *extra: str
+) -> Iterator[dict[str, Backend]]:
+    """For a fixture: `yield from running_backends(...)`; stopped when the fixture ends."""
+    started = start_backends(names, models, *extra)
+    try:
+        yield started
+    finally:
+        stop_backends(started)
+
+
 def stop_backends(backends: dict[str, Backend]) -> None:
     for backend in backends.values():
         backend.stop()
@@ -71,6 +84,21 @@ def instances_yaml(backends: dict[str, Backend]) -> str:
 
 # A test gateway's listeners: loopback, on ports the kernel picks (announced when READY).
 LOOPBACK_LISTENERS = "listen: 127.0.0.1:0\nadmin: {listen: 127.0.0.1:0}"
+
+
+def pool_policy(backends: dict[str, Backend], pool_settings: str = "", top: str = "") -> str:
+    """A test gateway's policy: one pool `chat` serving model `m` from these backends, with
+    `pool_settings` (YAML lines, indented as pool keys) and `top` (top-level YAML lines)."""
+    settings = textwrap.indent(textwrap.dedent(pool_settings).strip("\n"), "    ")
+    return f"""
+{LOOPBACK_LISTENERS}
+{textwrap.dedent(top).strip()}
+pools:
+  chat:
+    models: [m]
+    instances: [{instances_yaml(backends)}]
+{settings}
+"""
 
 
 @dataclass

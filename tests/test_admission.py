@@ -11,13 +11,11 @@ import httpx
 import pytest
 
 from tests.support import (
-    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
-    instances_yaml,
-    start_backends,
+    pool_policy,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -26,25 +24,21 @@ LIMIT = 2  # per instance: two instances, four slots
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(("a", "b"), ["m"], "--ttft", "0.3", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(("a", "b"), ["m"], "--ttft", "0.3", "--per-token", "0.001")
 
 
 @pytest.fixture
 def gateway(backends: dict[str, Backend], tmp_path: Path) -> Iterator[Gateway]:
-    policy = f"""
-{LOOPBACK_LISTENERS}
-pools:
-  chat:
-    models: [m]
-    instances: [{instances_yaml(backends)}]
-    admission:
-      max_queued: 10
-      concurrency: {{mode: fixed, limit: {LIMIT}}}
-      interactive: {{max_queue: 10, queue_timeout: 10s}}
-      batch: {{max_queue: 6, queue_timeout: 10s}}
-"""
+    policy = pool_policy(
+        backends,
+        f"""
+        admission:
+          max_queued: 10
+          concurrency: {{mode: fixed, limit: {LIMIT}}}
+          interactive: {{max_queue: 10, queue_timeout: 10s}}
+          batch: {{max_queue: 6, queue_timeout: 10s}}
+        """,
+    )
     gw = start_gateway(tmp_path / "policy.yaml", policy)
     yield gw
     gw.stop()

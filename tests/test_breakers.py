@@ -18,10 +18,9 @@ from tests.support import (
     Backend,
     Gateway,
     instances_yaml,
+    running_backends,
     start_backend,
-    start_backends,
     start_gateway,
-    stop_backends,
 )
 
 NAMES = ("b0", "b1", "b2")
@@ -29,9 +28,7 @@ NAMES = ("b0", "b1", "b2")
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(NAMES, ["bm"], "--ttft", "0.02", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(NAMES, ["bm"], "--ttft", "0.02", "--per-token", "0.001")
 
 
 @pytest.fixture(scope="module")

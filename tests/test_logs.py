@@ -12,13 +12,11 @@ import pytest
 
 from gateway.telemetry.logs import JsonFormatter, TextFormatter, escape
 from tests.support import (
-    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
-    instances_yaml,
-    start_backends,
+    pool_policy,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -56,20 +54,11 @@ def test_json_lines_are_one_object_each() -> None:
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(("a",), ["m"], "--ttft", "0.01", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(("a",), ["m"], "--ttft", "0.01", "--per-token", "0.001")
 
 
 def gateway_with(tmp_path: Path, backends: dict[str, Backend], telemetry: str) -> Gateway:
-    policy = f"""
-{LOOPBACK_LISTENERS}
-telemetry: {telemetry}
-pools:
-  chat:
-    models: [m]
-    instances: [{instances_yaml(backends)}]
-"""
+    policy = pool_policy(backends, top=f"telemetry: {telemetry}")
     return start_gateway(tmp_path / "policy.yaml", policy)
 
 

@@ -10,13 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import (
-    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
-    instances_yaml,
-    start_backends,
+    pool_policy,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -24,21 +22,14 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(("a", "b"), ["m"], "--ttft", "0.01", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(("a", "b"), ["m"], "--ttft", "0.01", "--per-token", "0.001")
 
 
 @pytest.fixture
 def gateway(backends: dict[str, Backend], tmp_path: Path) -> Iterator[Gateway]:
-    policy = f"""
-{LOOPBACK_LISTENERS}
-pools:
-  chat:
-    models: [m]
-    instances: [{instances_yaml(backends)}]
-    breaker: {{consecutive_failures: 3, isolation: 60s, max_isolation: 120s}}
-"""
+    policy = pool_policy(
+        backends, "breaker: {consecutive_failures: 3, isolation: 60s, max_isolation: 120s}"
+    )
     gw = start_gateway(tmp_path / "policy.yaml", policy)
     yield gw
     gw.stop()

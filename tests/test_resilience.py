@@ -15,9 +15,8 @@ from tests.support import (
     Backend,
     Gateway,
     instances_yaml,
-    start_backends,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 NAMES = ("r0", "r1", "r2")
@@ -26,9 +25,7 @@ TICK_S = 0.025  # the watchdog's resolution
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(NAMES, ["res", "outage"], "--ttft", "0.01", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(NAMES, ["res", "outage"], "--ttft", "0.01", "--per-token", "0.001")
 
 
 @pytest.fixture(scope="module")

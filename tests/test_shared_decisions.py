@@ -27,9 +27,8 @@ from tests.support import (
     Gateway,
     closed_port,
     instances_yaml,
-    start_backends,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 NAMES = ("a", "b", "c")
@@ -42,9 +41,7 @@ SLOWEST_ALLOWED_S = 0.5
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(NAMES, ["m"], "--ttft", "0.02", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(NAMES, ["m"], "--ttft", "0.02", "--per-token", "0.001")
 
 
 @pytest.fixture(autouse=True)

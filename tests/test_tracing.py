@@ -12,14 +12,12 @@ import pytest
 
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import (
-    LOOPBACK_LISTENERS,
     Backend,
     Gateway,
     closed_port,
-    instances_yaml,
-    start_backends,
+    pool_policy,
+    running_backends,
     start_gateway,
-    stop_backends,
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -28,9 +26,7 @@ CANARY = "sk-canary-7f3a9c0d1e"
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    started = start_backends(("good", "bad"), ["m"], "--ttft", "0.01", "--per-token", "0.001")
-    yield started
-    stop_backends(started)
+    yield from running_backends(("good", "bad"), ["m"], "--ttft", "0.01", "--per-token", "0.001")
 
 
 @pytest.fixture
@@ -42,15 +38,11 @@ def receiver() -> Iterator[OtlpReceiver]:
 def traced_gateway(
     tmp_path: Path, backends: dict[str, Backend], traces_url: str, sampler: str = "always_on"
 ) -> Gateway:
-    policy = f"""
-{LOOPBACK_LISTENERS}
-telemetry: {{service_name: gw-under-test, tracing: true, access_log: true}}
-pools:
-  chat:
-    models: [m]
-    instances: [{instances_yaml(backends)}]
-    breaker: {{consecutive_failures: 1000, error_rate: 1.0}}
-"""
+    policy = pool_policy(
+        backends,
+        "breaker: {consecutive_failures: 1000, error_rate: 1.0}",
+        top="telemetry: {service_name: gw-under-test, tracing: true, access_log: true}",
+    )
     env = {
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_url,
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
