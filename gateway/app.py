@@ -32,6 +32,7 @@ from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
+from gateway.upstream.vllm_load import VllmLoadScraper
 
 
 class Gateway:
@@ -43,10 +44,11 @@ class Gateway:
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
         self.session: aiohttp.ClientSession = new_session()
         self.health = HealthChecker(self.registry, self.session)
+        self.vllm_load = VllmLoadScraper(self.registry, self.session)
         self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
         self.watchdog.start()
-        on_transition: OnTransition = self.decisions.record
+        on_transition: OnTransition = self._on_transition
         if self.tracing is not None:
             on_transition = traced_transitions(on_transition)
         # Outermost first. Admission (pools that have it) holds a slot for the whole exchange;
@@ -79,14 +81,22 @@ class Gateway:
 
         self.admin_app: ASGIApp = build_admin_app(self)
 
+    def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
+        """Share a breaker's transition; one back to ADMITTING makes room for waiting requests."""
+        self.decisions.record(pool, transition, operator)
+        if transition.to == ADMITTING and transition.state_from != ADMITTING:
+            self.registry.pools[pool].capacity_changed()
+
     async def start(self) -> None:
         """Know which instances are healthy, and what other replicas decided (bounded: Redis
         being down must not keep us from serving), before serving; then keep checking."""
         await asyncio.gather(self.health.first_round(), self.decisions.start())
         self.health.start()
+        self.vllm_load.start()
 
     async def close(self) -> None:
         await self.health.close()
+        await self.vllm_load.close()
         await self.decisions.close()
         await self.watchdog.close()
         await self.session.close()
@@ -125,7 +135,7 @@ class Gateway:
             # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
             transition = Transition(name, ADMITTING, ADMITTING, "operator")
         if transition is not None:
-            self.decisions.record(pool, transition, operator=True)
+            self._on_transition(pool, transition, operator=True)
         return {"pool": pool, "instance": name, "state": breaker.state}
 
     def state(self) -> dict[str, Any]:
@@ -190,6 +200,16 @@ def _instance_state(
         "forced": inst.breaker.forced,
         "in_flight": inst.in_flight,
         "concurrency_limit": inst.limiter.limit if inst.limiter is not None else None,
+        "kv_tokens": (
+            {"in_use": inst.budget.used, "budget": inst.budget.budget}
+            if inst.budget is not None
+            else None
+        ),
+        "vllm": {
+            "saturated": inst.saturated,
+            "waiting": inst.vllm_waiting,
+            "cache_usage": inst.vllm_cache_usage,
+        },
         "requests": inst.requests,
         "failures": inst.failures,
         "peak_ewma_s": inst.peak.peek(now),

@@ -71,6 +71,25 @@ def test_fifo_within_a_class() -> None:
     assert q.pop(10.0) is None
 
 
+def test_a_class_whose_head_does_not_fit_is_passed_over_and_keeps_its_place() -> None:
+    q = queues()
+    q.offer(5000, "interactive", 0.0)  # items are token counts here
+    q.offer(10, "interactive", 0.0)
+    q.offer(20, "batch", 0.0)
+    q.offer(30, "standard", 0.0)
+
+    def fits(tokens: int) -> bool:
+        return tokens <= 100
+
+    served = [entry.item for entry in (q.pop(1.0, fits) for _ in range(3)) if entry]
+    # Interactive's head is too large: the others are served, in their pass order; the
+    # interactive request behind the large one waits its turn (FIFO within a class).
+    assert served == [30, 20]
+    assert q.length("interactive") == 2
+    head = q.pop(1.0)
+    assert head is not None and head.item == 5000
+
+
 def test_an_idle_class_banks_no_credit() -> None:
     q = queues()
     for i in range(100):

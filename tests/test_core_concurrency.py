@@ -269,6 +269,17 @@ def test_token_budget_admission(
     assert budget.available == max(0, budget.budget - used)
 
 
+def test_fits_asks_without_taking_and_acquire_can_over_commit() -> None:
+    budget = TokenBudget(1000, 1.0)
+    assert budget.fits(1000) and budget.used == 0
+    budget.acquire(800)
+    assert not budget.fits(201) and budget.fits(200)
+    budget.acquire(500)  # the caller chose to over-commit
+    assert budget.used == 1300 and budget.available == 0
+    budget.release(1300)
+    assert budget.fits(5000)  # nothing in use: even an oversized request
+
+
 def test_release_restores_room() -> None:
     budget = TokenBudget(1000)
     assert budget.budget == 1300

@@ -175,7 +175,10 @@ pools:
     instances: [{instances_yaml({"c": backends["c"]})}]
     timeouts: {{initial: 200ms, initial_per_token: 10ms, floor: 100ms}}
     retries: {{on: [connect_failure]}}
-    admission: {{concurrency: {{mode: fixed, limit: 4}}}}
+    admission:
+      concurrency: {{mode: fixed, limit: 4}}
+      tokens: {{capacity: 100000}}
+      vllm_signals: {{interval: 100ms}}
 """
     gw = start_gateway(tmp_path_factory.mktemp("dashboard") / "policy.yaml", policy)
     yield gw

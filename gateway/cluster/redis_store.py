@@ -103,6 +103,7 @@ class RedisDecisions:
         self._channel = f"{policy.key_prefix}:decisions"
         self._wall = wall
         self._clock = asyncio.get_running_loop().time
+        self._pools = registry.pools
         self._breakers: dict[Key, BreakerState] = {}
         self._decision_keys: dict[Key, str] = {}
         for pool in registry.pools.values():
@@ -430,6 +431,7 @@ class RedisDecisions:
             self.counters["adopted"] += 1
         else:
             self.counters["lifted"] += 1
+            self._pools[decision.pool].capacity_changed()
             encoded = self._own.pop(key, None)
             if encoded is not None:
                 self._retract[key] = encoded
@@ -441,6 +443,7 @@ class RedisDecisions:
         if transition is not None:
             log_transition(key[0], transition)
             self.counters["withdrawn"] += 1
+            self._pools[key[0]].capacity_changed()
 
     def _bad(self, counter: str, message: str) -> None:
         self.counters[counter] += 1

@@ -255,6 +255,25 @@ class ConcurrencyPolicy(Strict):
     min: int = Field(default=2, ge=1)
 
 
+class TokenBudgetPolicy(Strict):
+    """The KV-cache tokens each instance is trusted with at once (absent: not counted)."""
+
+    # vLLM logs it at start: "GPU KV cache size: N tokens".
+    capacity: int = Field(ge=1)
+    overcommit: float = Field(default=1.3, gt=0)  # requests rarely reach their max_tokens
+
+
+class VllmSignalsPolicy(Strict):
+    """vLLM's own load gauges, scraped per instance: a saturated instance gets no new work."""
+
+    path: UrlPath = "/metrics"
+    interval: Duration = Field(default=0.5, gt=0)
+    timeout: Duration = Field(default=0.25, gt=0)
+    # Saturated above these: requests waiting in vLLM's own queue, share of the KV cache used.
+    max_waiting: float = Field(default=0.0, ge=0)
+    max_cache_usage: Fraction = 0.95
+
+
 class AdmissionPolicy(Strict):
     """Queues in front of the pool (absent: every request goes straight to an instance)."""
 
@@ -264,6 +283,8 @@ class AdmissionPolicy(Strict):
     standard: AdmissionClassPolicy = AdmissionClassPolicy()
     batch: BatchPolicy = BatchPolicy()
     concurrency: ConcurrencyPolicy = ConcurrencyPolicy()
+    tokens: TokenBudgetPolicy | None = None
+    vllm_signals: VllmSignalsPolicy | None = None
 
 
 class PoolPolicy(Strict):

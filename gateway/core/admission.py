@@ -14,7 +14,9 @@ starve the others; a quiet class keeps its whole weight.
 `pass`; the class with the lowest pass is served and its pass grows by `1 / weight`. A class
 that was empty restarts at the lowest active pass (no credit banked while idle). FIFO within a
 class. Over any stretch where several classes wait, each gets a share of the service in
-proportion to its weight.
+proportion to its weight. A class whose first request cannot be placed yet (no instance has
+room in its KV-token budget for it) is passed over for the next class in that order, so a large
+request holds up its own class only.
 
 **Bounds and shedding** (`offer`), in order:
 1. the class's own queue is full (`max_queue[class]`): refused;
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Generic, Literal, TypeVar
 
@@ -216,19 +218,21 @@ class AdmissionQueues(Generic[T]):
                 self.shed[name] += 1
         return expired
 
-    def pop(self, now: float) -> Entry[T] | None:
-        """The next entry to serve (expired ones are left for `expire`), or None."""
-        best: Priority | None = None
-        for name in CLASSES:
-            queue = self._queues[name]
-            waiting = queue and queue[0].expires_at > now
-            if waiting and (best is None or self._pass[name] < self._pass[best]):
-                best = name
-        if best is None:
-            return None
-        weights = self.weights(now)
-        self._pass[best] += 1.0 / weights[best]
-        return self._queues[best].popleft()
+    def pop(self, now: float, fits: Callable[[T], bool] | None = None) -> Entry[T] | None:
+        """The next entry to serve (expired ones are left for `expire`), or None.
+
+        With `fits`, a class whose first entry does not fit now (say, too many KV-cache tokens)
+        is passed over for the next class in order; its entry keeps its place at the head.
+        """
+        queues = self._queues
+        waiting = [name for name in CLASSES if queues[name] and queues[name][0].expires_at > now]
+        waiting.sort(key=self._pass.__getitem__)  # stable: ties go to the more urgent class
+        for name in waiting:
+            queue = queues[name]
+            if fits is None or fits(queue[0].item):
+                self._pass[name] += 1.0 / self.weights(now)[name]
+                return queue.popleft()
+        return None
 
     def next_expiry(self) -> float | None:
         """When the oldest waiting entry times out (for the shell's timer), or None."""

@@ -243,6 +243,15 @@ class TokenBudget:
         """`max(0, budget - used)` (0 while an oversized request holds more than the budget)."""
         return max(0, self.budget - self.used)
 
+    def fits(self, tokens: int) -> bool:
+        """Whether `tokens` more fit (rule in the class docstring)."""
+        used = self.used
+        return used + tokens <= self.budget or used == 0
+
+    def acquire(self, tokens: int) -> None:
+        """Count `tokens` as in use (the caller checked `fits`, or chose to over-commit)."""
+        self.used += tokens
+
     def try_acquire(self, tokens: int) -> bool:
         """Whether `tokens` more fit (rule in the class docstring); when they do, they count.
 
@@ -250,9 +259,8 @@ class TokenBudget:
         """
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        used = self.used
-        if used + tokens <= self.budget or used == 0:
-            self.used = used + tokens
+        if self.fits(tokens):
+            self.used += tokens
             return True
         return False
 

@@ -80,6 +80,13 @@ def _record(
         on_transition(pool.name, transition)
 
 
+def _end(instance: InstanceState, tokens: int) -> None:
+    """The attempt no longer occupies the instance."""
+    instance.in_flight -= 1
+    if instance.budget is not None:
+        instance.budget.release(tokens)
+
+
 class Account:
     def __init__(self, pools: dict[str, PoolState], on_transition: OnTransition) -> None:
         self._pools = pools
@@ -88,7 +95,7 @@ class Account:
 
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
         instance = response.instance
-        instance.in_flight -= 1
+        _end(instance, response.tokens)
         outcome = error.outcome if error is not None else response.outcome
         now = self._clock()
         probe = response.probe
@@ -113,13 +120,21 @@ class Account:
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         instance = call.instance
         assert instance is not None, "the pick layer runs first"
+        tokens = call.tokens
         instance.in_flight += 1
+        reserved = call.reserved
+        if reserved is not None:  # admission held the tokens; this attempt takes them over
+            call.reserved = None
+            if reserved.budget is not None:
+                reserved.budget.release(tokens)
+        if instance.budget is not None:
+            instance.budget.acquire(tokens)
         instance.requests += 1
         started = self._clock()
         try:
             response = await next_handler(call)
         except UpstreamError as error:
-            instance.in_flight -= 1
+            _end(instance, tokens)
             now = self._clock()
             _record(
                 call.pool,
@@ -132,12 +147,13 @@ class Account:
             )
             raise
         except asyncio.CancelledError:
-            instance.in_flight -= 1  # the client left: nobody's fault, but a probe is lost
+            _end(instance, tokens)  # the client left: nobody's fault, but a probe is lost
             if call.probe:
                 instance.breaker.release_probe(self._clock())
             raise
         if response.body is None:
             response.probe = call.probe
+            response.tokens = tokens
             inner = response.on_finish  # a layer further in (the attempt's span) ends it too
             if inner is None:
                 response.on_finish = self._stream_finished
@@ -150,7 +166,7 @@ class Account:
 
                 response.on_finish = both
             return response
-        instance.in_flight -= 1
+        _end(instance, tokens)
         outcome = response.outcome
         now = self._clock()
         _record(

@@ -18,12 +18,31 @@ from typing import Any, Final
 from gateway.config.models import AdmissionPolicy
 from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
 from gateway.core.breaker import ADMITTING
+from gateway.core.concurrency import estimate_tokens
+from gateway.core.histogram import Histogram
 from gateway.errors import Shed, UpstreamError
 from gateway.pipeline.call import Call, Handler
-from gateway.upstream.registry import PoolState
+from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
 PRIORITIES: Final = frozenset(CLASSES)
+
+
+QUEUE_WAIT_BUCKETS_S: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class _Waiter:
+    """A queued request: what lets it through, the KV-cache tokens it will need, and the
+    instance those tokens were reserved on when it was let through."""
+
+    __slots__ = ("future", "reserved", "tokens")
+
+    def __init__(self, future: asyncio.Future[None], tokens: int) -> None:
+        self.future = future
+        self.tokens = tokens
+        self.reserved: InstanceState | None = None
 
 
 class PoolAdmission:
@@ -33,7 +52,7 @@ class PoolAdmission:
         self.pool = pool
         self.policy = policy
         classes = {name: getattr(policy, name) for name in CLASSES}
-        self.queues: AdmissionQueues[asyncio.Future[None]] = AdmissionQueues(
+        self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(
             {name: c.weight for name, c in classes.items()},
             {name: c.max_queue for name, c in classes.items()},
             {name: c.queue_timeout for name, c in classes.items()},
@@ -41,8 +60,10 @@ class PoolAdmission:
         )
         self.running = 0
         self.completions = ArrivalRate(window_s=10)
+        self.waits = {name: Histogram(QUEUE_WAIT_BUCKETS_S) for name in CLASSES}
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
+        pool.capacity_listeners.append(self.dispatch)
 
     def state(self, now: float) -> dict[str, Any]:
         """The operator's view, in /admin/state."""
@@ -56,38 +77,73 @@ class PoolAdmission:
         }
 
     def room(self) -> int:
-        """Slots in the pool: the concurrency limits of the instances taking traffic."""
+        """Slots in the pool: the concurrency limits of the instances taking new work."""
         return sum(
             inst.limiter.limit
             for inst in self.pool.routable
-            if inst.limiter is not None and inst.breaker.state == ADMITTING
+            if inst.limiter is not None and inst.breaker.state == ADMITTING and not inst.saturated
         )
 
-    async def enter(self, priority: Priority) -> None:
-        """Return once the request holds a slot; raises Shed when it is refused."""
+    def _place(self, tokens: int) -> InstanceState | None:
+        """An instance taking new work that has room for `tokens` in its KV-token budget (the
+        one with the most room left), or None."""
+        best: InstanceState | None = None
+        most = -1
+        for inst in self.pool.routable:
+            if inst.breaker.state != ADMITTING or inst.saturated:
+                continue
+            budget = inst.budget
+            if budget is None:
+                return inst
+            if budget.fits(tokens) and budget.available > most:
+                best, most = inst, budget.available
+        return best
+
+    def _reserve(self, tokens: int) -> InstanceState | None:
+        """Hold the request's tokens on an instance until its first attempt is placed, so
+        requests let through together cannot all count on the same free tokens."""
+        inst = self._place(tokens)
+        if inst is None or inst.budget is None:
+            return None
+        inst.budget.acquire(tokens)
+        return inst
+
+    async def enter(self, priority: Priority, tokens: int = 0) -> InstanceState | None:
+        """Return once the request holds a slot, with the instance its tokens are reserved on
+        (None: no reservation); raises Shed when it is refused."""
         now = self._loop.time()
         queues = self.queues
         queues.arrived(priority, now)
-        room = self.room()
-        if room == 0 or (self.running < room and not len(queues)):
-            self.running += 1  # no room at all: the pick layer answers 503 straight away
-            return
-        waiter: asyncio.Future[None] = self._loop.create_future()
+        if self.running < self.room() and not len(queues) and self._place(tokens) is not None:
+            self.running += 1
+            self.waits[priority].observe(0.0)
+            return self._reserve(tokens)
+        if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
+            self.running += 1  # nothing takes traffic: the pick layer answers 503 straight away
+            return None
+        waiter = _Waiter(self._loop.create_future(), tokens)
         offer = queues.offer(waiter, priority, now, self.completions.qps(now))
         for entry in offer.evicted:
-            _refuse(entry.item, "evicted by a more urgent request", self._retry_after_s())
+            _refuse(entry.item.future, "evicted by a more urgent request", self._retry_after_s())
         if not offer.queued:
             raise Shed(
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
                 retry_after_s=self._retry_after_s(),
             )
-        self._arm()
+        if self.running < self.room():
+            self.dispatch()  # slots free, yet others wait for tokens: this one may fit now
+        else:
+            self._arm()
+        future = waiter.future
         try:
-            await waiter  # resolved by `dispatch`, which took the slot for us
+            await future  # resolved by `dispatch`, which took the slot for us
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.leave()  # let through just as the client left: hand the slot on
+            if future.done() and not future.cancelled() and future.exception() is None:
+                unreserve(waiter.reserved, tokens)  # let through just as the client left
+                self.leave()
             raise
+        self.waits[priority].observe(self._loop.time() - now)
+        return waiter.reserved
 
     def leave(self) -> None:
         self.running -= 1
@@ -96,16 +152,20 @@ class PoolAdmission:
 
     def dispatch(self) -> None:
         """Let waiting requests through while there is room."""
+        if not len(self.queues):
+            return
         now = self._loop.time()
         room = self.room()
         while self.running < room:
-            entry = self.queues.pop(now)
+            entry = self.queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
                 break
-            if entry.item.done():
+            waiter = entry.item
+            if waiter.future.done():
                 continue  # its client left while it waited
             self.running += 1
-            entry.item.set_result(None)
+            waiter.reserved = self._reserve(waiter.tokens)
+            waiter.future.set_result(None)
         self._arm()
 
     def _arm(self) -> None:
@@ -124,7 +184,7 @@ class PoolAdmission:
         now = self._loop.time()
         for entry in self.queues.expire(now):
             _refuse(
-                entry.item,
+                entry.item.future,
                 f"waited {now - entry.enqueued_at:.2f}s in the {entry.priority} queue",
                 self._retry_after_s(),
             )
@@ -134,6 +194,12 @@ class PoolAdmission:
         """When to come back: about the time the queues in front take to drain."""
         rate = self.completions.qps(self._loop.time())
         return max(1.0, len(self.queues) / rate) if rate > 0 else 1.0
+
+
+def unreserve(instance: InstanceState | None, tokens: int) -> None:
+    """Give back tokens reserved at admission that no attempt took over."""
+    if instance is not None and instance.budget is not None:
+        instance.budget.release(tokens)
 
 
 def _refuse(waiter: asyncio.Future[None], reason: str, retry_after_s: float) -> None:
@@ -152,10 +218,15 @@ class Admit:
         if admission is None:
             return await next_handler(call)
         priority = call.priority or admission.policy.default_priority
-        await admission.enter(priority)
+        if admission.policy.tokens is not None:
+            call.tokens = estimate_tokens(
+                len(call.body), call.facts.max_tokens, call.pool.policy.timeouts.assumed_max_tokens
+            )
+        call.reserved = await admission.enter(priority, call.tokens)
         try:
             response = await next_handler(call)
         except BaseException:
+            unreserve(call.reserved, call.tokens)  # when no attempt was made to take it over
             admission.leave()
             raise
         if response.body is not None:

@@ -33,6 +33,9 @@ class Call:
     probe: bool = False  # the current attempt is its isolated instance's one probe
     timeouts: AttemptTimeouts | None = None  # of the current attempt
     priority: Priority | None = None  # x-gateway-priority; None: the pool's default
+    tokens: int = 0  # its estimated KV-cache need, in pools that budget tokens
+    # Where admission reserved those tokens, until the first attempt takes them over.
+    reserved: InstanceState | None = None
 
 
 Handler = Callable[[Call], Awaitable[UpstreamResponse]]

@@ -18,9 +18,10 @@ class Pick:
     trips (as tower, Finagle and Linkerd balance).
 
     May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
-    Retry-After, below its concurrency limit (pools with admission control). An isolated
+    Retry-After; in pools with admission control also below its concurrency limit, with room
+    in its KV-token budget for the request, and not saturated by vLLM's account. An isolated
     instance whose isolation ran out takes the attempt as its one probe (a real request)
-    first. When every healthy instance was tried, is paused or is at its limit, one of those
+    first. When every healthy instance was tried, is paused or is full, one of those
     is used rather than failing; when none is healthy and admitting, the client is
     told at once (503 + Retry-After): no waiting on a dead pool; unless the pool's policy says
     `breaker.when_none_available: panic`, and then every instance is a candidate again.
@@ -33,6 +34,8 @@ class Pick:
         pool = call.pool
         now = self._clock()
         tried = call.tried
+        tokens = call.tokens
+        reserved = call.reserved  # holds this request's tokens already
         # One pass: a due probe wins; else the admitting instances this request may use.
         fresh: list[InstanceState] = []
         admitting: list[InstanceState] = []
@@ -42,10 +45,13 @@ class Pick:
             if breaker.state == ADMITTING:
                 admitting.append(inst)
                 limiter = inst.limiter
+                budget = inst.budget
                 if (
                     inst.not_before <= now
                     and inst not in tried
+                    and not inst.saturated
                     and (limiter is None or inst.in_flight < limiter.limit)
+                    and (budget is None or inst is reserved or budget.fits(tokens))
                 ):
                     fresh.append(inst)
             elif probe is None and breaker.try_admit(now):

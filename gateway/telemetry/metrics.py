@@ -75,16 +75,51 @@ class GatewayCollector(Collector):
             "Attempts an instance may have in flight (fixed, or learned from its latency)",
             labels=["pool", "backend"],
         )
+        wait = HistogramMetricFamily(
+            "gateway_admission_queue_wait_seconds",
+            "Time admitted requests waited for a slot, by class (0 for those that did not)",
+            labels=["pool", "class"],
+        )
+        tokens = GaugeMetricFamily(
+            "gateway_instance_kv_tokens",
+            "Estimated KV-cache tokens of the attempts in flight, and the instance's budget",
+            labels=["pool", "backend", "kind"],
+        )
+        saturated = GaugeMetricFamily(
+            "gateway_instance_saturated",
+            "1 while vLLM's own gauges say the instance should get no new work",
+            labels=["pool", "backend"],
+        )
+        vllm = GaugeMetricFamily(
+            "gateway_instance_vllm_load",
+            "vLLM's gauges as last scraped: requests waiting, KV-cache usage (0..1)",
+            labels=["pool", "backend", "signal"],
+        )
         for name, admission in self._gateway.admissions.items():
+            signals = admission.policy.vllm_signals is not None
             for klass in CLASSES:
                 queued.add_metric([name, klass], admission.queues.length(klass))
                 shed.add_metric([name, klass], admission.queues.shed[klass])
+                histogram = admission.waits[klass]
+                wait.add_metric([name, klass], _buckets(histogram), histogram.sum)
             running.add_metric([name], admission.running)
             room.add_metric([name], admission.room())
             for inst in admission.pool.instances:
+                labels = [name, inst.name]
                 if inst.limiter is not None:
-                    limit.add_metric([name, inst.name], inst.limiter.limit)
-        yield from (queued, shed, running, room, limit)
+                    limit.add_metric(labels, inst.limiter.limit)
+                if inst.budget is not None:
+                    tokens.add_metric([*labels, "in_use"], inst.budget.used)
+                    tokens.add_metric([*labels, "budget"], inst.budget.budget)
+                if signals:
+                    saturated.add_metric(labels, 1.0 if inst.saturated else 0.0)
+                    for signal, value in (
+                        ("waiting", inst.vllm_waiting),
+                        ("cache_usage", inst.vllm_cache_usage),
+                    ):
+                        if value is not None:
+                            vllm.add_metric([*labels, signal], value)
+        yield from (queued, shed, running, room, limit, wait, tokens, saturated, vllm)
 
     def _requests(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -9,11 +9,11 @@ cost 5 % of a core where the design allows about 1 %.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
 
+from gateway.tasks import cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
 log = logging.getLogger("gateway.health")
@@ -38,11 +38,7 @@ class HealthChecker:
         self._tasks = [loop.create_task(self._run(pool)) for pool in self._pools]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     async def _run(self, pool: PoolState) -> None:
         interval = pool.policy.health.interval

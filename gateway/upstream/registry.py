@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -11,7 +12,7 @@ from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
-from gateway.core.concurrency import Limiter, limiter_for
+from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.latency import LatencyState
@@ -26,6 +27,7 @@ class InstanceState:
     __slots__ = (
         "base_url",
         "breaker",
+        "budget",
         "failures",
         "health",
         "in_flight",
@@ -37,8 +39,11 @@ class InstanceState:
         "peak",
         "pool_name",
         "requests",
+        "saturated",
         "stats",
         "urls",
+        "vllm_cache_usage",
+        "vllm_waiting",
     )
 
     def __init__(
@@ -50,6 +55,7 @@ class InstanceState:
         breaker: BreakerState,
         now: float,
         limiter: Limiter | None = None,
+        budget: TokenBudget | None = None,
     ) -> None:
         self.pool_name = pool_name
         self.name = policy.name
@@ -74,6 +80,12 @@ class InstanceState:
         self.stats = InstanceStats()
         # Its concurrency limit, when its pool has admission control (None: no cap).
         self.limiter = limiter
+        # The KV-cache tokens of the requests it has in flight, when its pool counts them.
+        self.budget = budget
+        # vLLM's own gauges (None: not scraped, or the last scrape failed) and their verdict.
+        self.vllm_waiting: float | None = None
+        self.vllm_cache_usage: float | None = None
+        self.saturated = False
 
 
 class PoolState:
@@ -82,6 +94,7 @@ class PoolState:
     __slots__ = (
         "breakers",
         "budget",
+        "capacity_listeners",
         "failure",
         "instances",
         "name",
@@ -99,6 +112,7 @@ class PoolState:
         self.policy = policy
         smoothing = policy.timeouts.smoothing
         health = policy.health
+        admission = policy.admission
         self.breakers = PoolBreakers(policy.breaker, [inst.name for inst in policy.instances])
         self.instances = [
             InstanceState(
@@ -110,7 +124,10 @@ class PoolState:
                 else HealthState.assumed_healthy(now),
                 self.breakers[inst.name],
                 now,
-                limiter_for(policy.admission.concurrency) if policy.admission else None,
+                limiter_for(admission.concurrency) if admission else None,
+                TokenBudget(admission.tokens.capacity, admission.tokens.overcommit)
+                if admission and admission.tokens
+                else None,
             )
             for inst in policy.instances
         ]
@@ -122,11 +139,19 @@ class PoolState:
         self.rng = rng  # jitter and backoff draws
         self.stats = PoolStats(list(policy.models))
         self.routable: list[InstanceState] = []  # healthy instances, kept by `refresh_routable`
+        # Told when the pool may take more work than before (admission lets waiters through).
+        self.capacity_listeners: list[Callable[[], None]] = []
         self.refresh_routable()
 
     def refresh_routable(self) -> None:
         """Recompute the healthy instances (on every change of a health verdict)."""
         self.routable = [inst for inst in self.instances if inst.health.healthy]
+        self.capacity_changed()
+
+    def capacity_changed(self) -> None:
+        """An instance came back, got unsaturated or was restored: tell whoever waits."""
+        for listener in self.capacity_listeners:
+            listener()
 
 
 class Registry:

@@ -52,6 +52,7 @@ class UpstreamResponse:
         "started_at",
         "status",
         "tail",
+        "tokens",
     )
 
     def __init__(
@@ -88,6 +89,7 @@ class UpstreamResponse:
             self.outcome = Outcome.from_status(status)
         self.on_finish: FinishHook | None = None
         self.probe = False  # this attempt is its isolated instance's probe
+        self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
 
     def header(self, name: str) -> str | None:
         return self._raw.headers.get(name)

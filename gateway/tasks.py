@@ -1,0 +1,16 @@
+"""Background tasks' end: cancelled and awaited, so none outlives the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]]) -> None:
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
