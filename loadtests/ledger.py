@@ -44,6 +44,9 @@ class Record:
     error_event: bool = False  # the stream carried an error event
     oom: bool = False  # a CUDA out-of-memory answer (body text or x-oom-count)
     lag: float = 0.0  # how late the generator sent it after its scheduled time
+    # Added later, so defaulted: older ledger lines without them still parse.
+    priority: str | None = None  # the x-gateway-priority class sent; None: no header
+    shed: bool = False  # a 429 whose JSON error code is "shed" (gateway admission control)
 
     @property
     def ok(self) -> bool:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
+import dataclasses
 import itertools
 import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from loadtests.ledger import JsonlWriter, Record, read_records
 from loadtests.loadgen import (
@@ -23,9 +27,13 @@ from loadtests.loadgen import (
     Target,
     WorkloadSpec,
     arrival_times,
+    parse_priority_mix,
+    parse_rate_steps,
+    per_class_summary,
     plans,
     run_load,
 )
+from loadtests.loadgen.arrivals import mean_rate
 from loadtests.loadgen.cli import main as cli_main
 from loadtests.loadgen.sse import SseScanner
 from tests.support import Backend, closed_port, start_backend
@@ -331,3 +339,215 @@ def test_cli_runs_and_summarises(
     assert "sent        20 of 20" in report and "ok          20/20" in report
     records = list(read_records(out))
     assert len(records) == 20 and all(r.ok and r.instance == "a" for r in records)
+
+
+# --- priority classes and rate steps ---------------------------------------------------------
+
+MIX = (("interactive", 0.2), ("standard", 0.3), ("batch", 0.5))
+
+
+def test_priority_mix_is_seeded_with_its_shares_and_leaves_the_rest_alone() -> None:
+    spec = WorkloadSpec(models=["m1", "m2"], seed=5, priorities=MIX)
+    first = list(itertools.islice(plans(spec), 10_000))
+    assert [p.priority for p in first] == [
+        p.priority for p in itertools.islice(plans(spec), 10_000)
+    ]
+    other = WorkloadSpec(models=["m1", "m2"], seed=6, priorities=MIX)
+    assert [p.priority for p in first] != [
+        p.priority for p in itertools.islice(plans(other), 10_000)
+    ]
+    shares = Counter(p.priority for p in first)
+    for name, share in MIX:
+        assert shares[name] / 10_000 == pytest.approx(share, abs=0.015), shares
+    # The mix has its own generator: every other field is as without a mix.
+    plain = itertools.islice(plans(WorkloadSpec(models=["m1", "m2"], seed=5)), 10_000)
+    assert [dataclasses.replace(p, priority=None) for p in first] == list(plain)
+
+
+def test_no_mix_means_no_priority_and_mixes_are_normalised() -> None:
+    spec = WorkloadSpec(models=["m"])
+    assert spec.priorities == ()
+    assert all(p.priority is None for p in itertools.islice(plans(spec), 100))
+    mix = WorkloadSpec(models=["m"], priorities=(("interactive", 2), ("batch", 6))).priorities
+    assert mix == (("interactive", 0.25), ("batch", 0.75))
+    assert parse_priority_mix("interactive=0.2, standard=0.3,batch=0.5") == MIX
+    one = WorkloadSpec(models=["m"], priorities=(("batch", 3.0),))
+    assert {p.priority for p in itertools.islice(plans(one), 100)} == {"batch"}
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        (("urgent", 1.0),),
+        (("batch", 0.0),),
+        (("batch", -1.0),),
+        (("batch", math.nan),),
+        (("batch", math.inf),),
+        (("batch", 0.5), ("batch", 0.5)),
+    ],
+)
+def test_bad_priority_mixes_are_refused(mix: tuple[tuple[str, float], ...]) -> None:
+    with pytest.raises(ValueError):
+        WorkloadSpec(models=["m"], priorities=mix)
+
+
+@pytest.mark.parametrize("text", ["batch", "batch=x", "batch=1,", "nobody=1", "batch=0"])
+def test_bad_priority_mix_text_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_priority_mix(text)
+
+
+def counts_per_step(times: Iterator[float], bounds: list[float]) -> list[int]:
+    """How many of `times` (before bounds[-1]) fall in each [bounds[k], bounds[k + 1])."""
+    counts = [0] * (len(bounds) - 1)
+    for t in itertools.takewhile(lambda t: t < bounds[-1], times):
+        counts[bisect.bisect_right(bounds, t) - 1] += 1
+    return counts
+
+
+def test_fixed_rate_steps_give_exact_counts() -> None:
+    steps = ((0.0, 100.0), (2.0, 300.0), (3.0, 50.0))
+    times = list(itertools.takewhile(lambda t: t < 5, arrival_times("fixed", 1.0, 1, steps)))
+    assert counts_per_step(iter(times), [0, 2, 3, 5]) == [200, 300, 100]
+    # Each step's grid starts at its boundary.
+    assert times[0] == 0.0 and times[200] == 2.0 and times[500] == 3.0
+    assert times[501] == pytest.approx(3.02)
+    assert all(b > a for a, b in itertools.pairwise(times))
+
+
+def test_poisson_rate_steps_follow_each_rate() -> None:
+    steps = ((0.0, 200.0), (10.0, 1000.0), (20.0, 100.0))
+    bounds = [0.0, 10.0, 20.0, 30.0]
+    counts = counts_per_step(arrival_times("poisson", 1.0, 3, steps), bounds)
+    assert counts == counts_per_step(arrival_times("poisson", 1.0, 3, steps), bounds)
+    for count, expected in zip(counts, (2000, 10_000, 1000), strict=True):
+        # Seeded, so deterministic; 4 standard deviations of a Poisson count.
+        assert abs(count - expected) < 4 * math.sqrt(expected), counts
+
+
+def test_one_step_is_the_plain_rate() -> None:
+    for arrival in ("fixed", "poisson"):
+        plain = list(itertools.islice(arrival_times(arrival, 200.0, 4), 3000))
+        stepped = list(itertools.islice(arrival_times(arrival, 1.0, 4, ((0, 200),)), 3000))
+        assert plain == stepped, arrival
+
+
+def test_rate_steps_parsing_and_checks() -> None:
+    assert parse_rate_steps("0:100, 20:300") == ((0.0, 100.0), (20.0, 300.0))
+    for text in ("", "0", "0:100,x:3", "5:100", "0:100,0:200", "0:100,10:0", "0:100,10:-1"):
+        with pytest.raises(ValueError):
+            parse_rate_steps(text)
+    with pytest.raises(ValueError):
+        arrival_times("fixed", 100.0, 1, ())
+    assert mean_rate(((0.0, 100.0), (20.0, 300.0)), 40.0) == pytest.approx(200.0)
+    assert mean_rate(((0.0, 100.0), (20.0, 300.0)), 10.0) == pytest.approx(100.0)
+
+
+@contextlib.asynccontextmanager
+async def tiny_gateway() -> AsyncIterator[tuple[str, dict[int, str | None]]]:
+    """A loopback server answering like the gateway under load: batch is shed (429 + code shed),
+    standard seqs divisible by 4 get a 429 that is not a shed, the rest succeed. It notes the
+    x-gateway-priority header it received per x-loadgen-seq."""
+    seen: dict[int, str | None] = {}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seq = int(request.headers["x-loadgen-seq"])
+        priority = request.headers.get("x-gateway-priority")
+        seen[seq] = priority
+        body = await request.json()
+        if priority == "batch":
+            error = {"message": "shed", "type": "rate_limit_error", "code": "shed"}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "1"})
+        if priority == "standard" and seq % 4 == 0:
+            return web.json_response({"error": {"code": "rate_limit_exceeded"}}, status=429)
+        if not body["stream"]:
+            return web.json_response({"choices": []})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[]}\n\ndata: [DONE]\n\n')
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        app.router.add_post(path, handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_priority_header_sent_and_shed_counted_per_class(tmp_path: Path) -> None:
+    spec = small(priorities=MIX)
+    async with tiny_gateway() as (url, seen):
+        gateway = [Target("gateway", url, gateway=True)]
+        stats, records = await run(
+            tmp_path, spec, dict.fromkeys(MODELS, gateway), rate=1000, requests=200
+        )
+        assert_one_record_each(stats, records)
+        plan_of = {p.seq: p for p in itertools.islice(plans(spec), 200)}
+        assert seen == {seq: plan.priority for seq, plan in plan_of.items()}
+        assert all(r.priority == plan_of[r.seq].priority for r in records)
+
+        summary = per_class_summary(records)
+        assert list(summary) == ["interactive", "standard", "batch"]
+        by_class = Counter(r.priority for r in records)
+        refused = sum(1 for r in records if r.priority == "standard" and r.seq % 4 == 0)
+        interactive, standard, batch = summary.values()
+        n_batch = by_class["batch"]
+        assert (batch.count, batch.ok, batch.shed, batch.status_429) == (
+            n_batch,
+            0,
+            n_batch,
+            n_batch,
+        )
+        assert (batch.p50_s, batch.p99_s, batch.ttfb_p99_s) == (None, None, None)
+        assert (standard.count, standard.shed, standard.status_429) == (
+            by_class["standard"],
+            0,
+            refused,
+        )
+        assert standard.ok == by_class["standard"] - refused
+        assert (interactive.count, interactive.ok) == (by_class["interactive"],) * 2
+        assert interactive.ok_percent == 100.0 and interactive.shed == 0
+        assert interactive.p50_s is not None and interactive.ttfb_p99_s is not None
+
+        # Without a mix, no header at all.
+        seen.clear()
+        await run(tmp_path, small(), dict.fromkeys(MODELS, gateway), rate=1000, requests=10)
+        assert seen == dict.fromkeys(range(10))
+
+
+def test_cli_rate_steps_and_priority_mix(
+    tmp_path: Path, fake: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli.jsonl"
+    argv = ["--url", f"a={fake.url}", "--model", "m1", "--arrival", "fixed"]
+    argv += ["--rate-steps", "0:100,0.1:400", "--requests", "30"]
+    argv += ["--priority-mix", "interactive=1,batch=3"]
+    argv += ["--max-tokens", "8:32", "--prompt-tokens", "16:64"]
+    argv += ["--progress-every", "0", "--out", str(out)]
+    assert cli_main(argv) == 0
+    report = capsys.readouterr().out
+    assert "steps 0:100,0.1:400" in report and "per priority class" in report
+    lines = report.splitlines()
+    assert any(line.startswith("interactive") for line in lines)
+    assert any(line.startswith("batch") for line in lines)
+    records = sorted(read_records(out), key=lambda r: r.seq)
+    # 10 sends at 100/s in the first 0.1 s, then 400/s from 0.1 s.
+    assert [r.t for r in records[9:12]] == pytest.approx([0.09, 0.1, 0.1025])
+    assert {r.priority for r in records} == {"interactive", "batch"}
+    log = fake.requests(wait_for=30)
+    sent = {int(r["headers"]["x-loadgen-seq"]): r["headers"]["x-gateway-priority"] for r in log}
+    assert sent == {r.seq: r.priority for r in records}
+
+
+def test_cli_refuses_bad_steps_and_mixes(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value in (("--rate-steps", "5:100"), ("--priority-mix", "urgent=1")):
+        with pytest.raises(SystemExit):
+            cli_main(["--url", "http://127.0.0.1:1", "--model", "m", flag, value])
+    assert "rate step" in capsys.readouterr().err

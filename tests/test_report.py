@@ -7,6 +7,7 @@ test of the percentile definition.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import struct
@@ -18,7 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loadtests.ledger import Event, JsonlWriter, Record
+from loadtests.ledger import Event, JsonlWriter, Record, read_records
+from loadtests.loadgen import NO_CLASS, per_class_summary
 from loadtests.report import build_report
 from loadtests.report.data import load_run
 from loadtests.report.stats import bucket_step, markers, summarize
@@ -427,3 +429,81 @@ def test_percentiles_and_spans(tmp_path: Path) -> None:
     assert bucket_step(40) == 1.0
     assert bucket_step(3600) == 10.0
     assert np.ceil(36_000 / bucket_step(36_000)) <= 600
+
+
+# --- per priority class ----------------------------------------------------------------------
+
+
+def class_records() -> list[Record]:
+    """Hand-made: interactive 4 ok streams (sent at t=0..3), standard 1 ok + 1 shed + 1 upstream
+    429 + 1 refused connection (t=0..3), batch 2 shed (t=2, 3), 1 record without a class."""
+
+    def rec(seq: int, t: float, priority: str | None, **fields: Any) -> Record:
+        base = Record(seq, t, "m", "chat", False, 10, 10, "gateway", priority=priority)
+        return dataclasses.replace(base, **fields)
+
+    ok = {"status": 200, "proper": True}
+    shed = {"status": 429, "shed": True, "total": 0.001}
+    return [
+        *(
+            rec(i, float(i), "interactive", stream=True, ttfb=t / 10, total=t, **ok)
+            for i, t in enumerate((0.1, 0.2, 0.3, 0.4))
+        ),
+        rec(4, 0.0, "standard", total=2.0, **ok),
+        rec(5, 1.0, "standard", **shed),
+        rec(6, 2.0, "standard", status=429, total=0.5),
+        rec(7, 3.0, "standard", error="ClientConnectorError: refused", total=0.01),
+        rec(8, 2.0, "batch", **shed),
+        rec(9, 3.0, "batch", **shed),
+        rec(10, 1.5, None, total=1.0, **ok),
+    ]
+
+
+def test_per_class_summary_figures() -> None:
+    summary = per_class_summary(class_records())
+    assert list(summary) == ["interactive", "standard", "batch", NO_CLASS]
+    interactive, standard, batch, none = summary.values()
+    i = interactive
+    assert (i.count, i.ok, i.shed, i.status_429) == (4, 4, 0, 0)
+    assert interactive.ok_percent == 100.0
+    # Histogram quantiles: within 1 % of the exact rank's value (capped at the maximum).
+    assert interactive.p50_s == pytest.approx(0.2, rel=0.011)
+    assert interactive.p99_s == pytest.approx(0.4)
+    assert interactive.ttfb_p99_s == pytest.approx(0.04)
+    assert (standard.count, standard.ok, standard.shed, standard.status_429) == (4, 1, 1, 2)
+    assert standard.ok_percent == 25.0
+    assert standard.p50_s == standard.p99_s == pytest.approx(2.0)
+    assert standard.ttfb_p99_s is None  # no ok stream
+    assert (batch.count, batch.ok, batch.shed, batch.status_429, batch.p99_s) == (2, 0, 2, 2, None)
+    assert (none.count, none.ok, none.priority) == (1, 1, NO_CLASS)
+
+
+def test_per_class_summary_time_window() -> None:
+    window = per_class_summary(class_records(), since=2.0, until=3.0)  # sent in [2, 3)
+    assert {k: v.count for k, v in window.items()} == {"interactive": 1, "standard": 1, "batch": 1}
+    assert window["interactive"].p50_s == pytest.approx(0.3)
+    assert window["standard"].status_429 == 1 and window["standard"].shed == 0
+    assert per_class_summary(class_records(), since=3.5) == {}
+    early = per_class_summary(class_records(), until=1.0)
+    assert {k: v.count for k, v in early.items()} == {"interactive": 1, "standard": 1}
+
+
+def test_old_ledger_lines_without_priority_still_parse(tmp_path: Path) -> None:
+    old = {
+        "seq": 0, "t": 0.5, "model": "m", "kind": "chat", "stream": False, "prompt_tokens": 1,
+        "max_tokens": 1, "target": "x", "status": 200, "error": None, "ttfb": 0.1, "total": 0.2,
+        "bytes": 10, "chunks": 0, "attempts": None, "instance": "x", "proper": True,
+        "error_event": False, "oom": False, "lag": 0.0,
+    }  # fmt: skip
+    rec = Record.from_json(json.dumps(old))
+    assert (rec.priority, rec.shed, rec.ok) == (None, False, True)
+    new = dataclasses.replace(rec, seq=1, priority="batch", status=429, shed=True, proper=False)
+    path = tmp_path / "ledger.jsonl"
+    path.write_text(json.dumps(old) + "\n" + new.to_json() + "\n")
+    first, second = read_records(path)
+    assert first == rec and second == new
+    summary = per_class_summary([first, second])
+    assert {k: (v.count, v.shed) for k, v in summary.items()} == {"batch": (1, 1), NO_CLASS: (1, 0)}
+    # The chart report reads such a ledger as before.
+    write_mode(tmp_path / "run", "direct", [first, second], None)
+    assert load_run(tmp_path / "run").modes["direct"].count == 2

@@ -3,6 +3,10 @@
 Every URL serves every model (round robin over the URLs per model). `--url NAME=URL` names a
 target (default: host:port, or "gateway" with --gateway). With --gateway the instance and the
 attempt count of each record come from the gateway's x-gateway-* headers.
+
+`--rate-steps 0:100,20:300` (start seconds:rate) replaces `--rate` with a step schedule;
+`--priority-mix interactive=0.2,standard=0.3,batch=0.5` sends x-gateway-priority headers in
+those shares and adds a per-class table to the closing summary.
 """
 
 from __future__ import annotations
@@ -11,17 +15,18 @@ import argparse
 import asyncio
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from loadtests.ledger import JsonlWriter, Record
-from loadtests.loadgen.arrivals import ARRIVALS
+from loadtests.loadgen.arrivals import ARRIVALS, Schedule, parse_rate_steps
+from loadtests.loadgen.classes import ClassTally, class_table
 from loadtests.loadgen.client import DEFAULT_TIMEOUT_S, Target
 from loadtests.loadgen.generator import run_load
 from loadtests.loadgen.progress import Progress
 from loadtests.loadgen.stats import Histogram, LoadStats
-from loadtests.loadgen.workload import WorkloadSpec
+from loadtests.loadgen.workload import WorkloadSpec, parse_priority_mix
 
 
 def token_range(text: str) -> tuple[int, int]:
@@ -35,12 +40,29 @@ def token_range(text: str) -> tuple[int, int]:
     return values
 
 
+def rate_steps(text: str) -> Schedule:
+    try:
+        return parse_rate_steps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def priority_mix(text: str) -> tuple[tuple[str, float], ...]:
+    try:
+        return parse_priority_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtests.loadgen", description=__doc__)
     parser.add_argument("--url", action="append", required=True, help="[NAME=]URL, repeatable")
     parser.add_argument("--model", action="append", required=True, help="repeatable")
     parser.add_argument("--gateway", action="store_true", help="the URL is a gateway")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second")
+    parser.add_argument(
+        "--rate-steps", type=rate_steps, help="START:RATE,... (seconds:per second); over --rate"
+    )
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds of sending")
     parser.add_argument("--arrival", choices=ARRIVALS, default="poisson")
@@ -49,6 +71,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-share", type=float, default=0.5)
     parser.add_argument("--prompt-tokens", type=token_range, default=(512, 4096))
     parser.add_argument("--max-tokens", type=token_range, default=(512, 4096))
+    parser.add_argument(
+        "--priority-mix", type=priority_mix, default=(), help="CLASS=SHARE,... (x-gateway-priority)"
+    )
     parser.add_argument("--concurrency-cap", type=int, default=0, help="0: no cap")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S)
@@ -76,8 +101,10 @@ class Summary:
         self.total = Histogram()
         self.ttfb = Histogram()
         self.outcomes: Counter[str] = Counter()
+        self.classes = ClassTally()
 
     def add(self, record: Record) -> None:
+        self.classes.add(record)
         if record.ok:
             self.outcomes["ok"] += 1
             if record.total is not None:
@@ -89,15 +116,19 @@ class Summary:
             self.outcomes[record.error.split(":", 1)[0]] += 1
         else:
             extra = " oom" if record.oom else " error-event" if record.error_event else ""
+            extra = " shed" if record.shed else extra
             self.outcomes[f"status {record.status}{extra}"] += 1
 
     def report(self, stats: LoadStats) -> str:
         ok_pct = 100.0 * stats.ok / stats.completed if stats.completed else 0.0
         ms = 1000.0
+        target = f"{stats.target_rate:g}/s target"
+        if stats.rate_steps is not None:
+            target = f"{stats.target_rate:.1f}/s target (steps {steps_text(stats.rate_steps)})"
         lines = [
             f"sent        {stats.sent} of {stats.planned} planned in {stats.duration_s:.1f} s "
             f"(stopped by {stats.stopped_by})",
-            f"send rate   {stats.send_rate:.1f}/s achieved vs {stats.target_rate:g}/s target; "
+            f"send rate   {stats.send_rate:.1f}/s achieved vs {target}; "
             f"lag p99 {stats.p99_lag_s * ms:.1f} ms, max {stats.max_lag_s * ms:.1f} ms",
             f"ok          {stats.ok}/{stats.completed} ({ok_pct:.1f} %); "
             f"max in flight {stats.max_in_flight}",
@@ -111,7 +142,14 @@ class Summary:
         failures = [(k, v) for k, v in self.outcomes.most_common() if k != "ok"]
         if failures:
             lines.append("failures    " + ", ".join(f"{k}: {v}" for k, v in failures[:8]))
+        if self.classes.has_priorities:
+            lines.append("per priority class (latencies of ok requests, ttfb of ok streams):")
+            lines.append(class_table(self.classes.summaries()))
         return "\n".join(lines)
+
+
+def steps_text(steps: Iterable[tuple[float, float]]) -> str:
+    return ",".join(f"{start:g}:{rate:g}" for start, rate in steps)
 
 
 async def _report_progress(progress: Progress, every: float) -> None:
@@ -134,6 +172,7 @@ async def run(args: argparse.Namespace) -> tuple[LoadStats, Summary]:
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        priorities=args.priority_mix,
     )
     summary = Summary()
     progress = Progress()
@@ -151,6 +190,7 @@ async def run(args: argparse.Namespace) -> tuple[LoadStats, Summary]:
             requests=args.requests,
             time_limit=args.time_limit,
             arrival=args.arrival,
+            rate_steps=args.rate_steps,
             concurrency_cap=args.concurrency_cap,
             drain_timeout=args.drain_timeout,
             request_timeout=args.request_timeout,

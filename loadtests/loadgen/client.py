@@ -18,11 +18,20 @@ from yarl import URL
 
 from loadtests.ledger import Record
 from loadtests.loadgen.sse import SseScanner
-from loadtests.loadgen.workload import RequestPlan
+from loadtests.loadgen.workload import PRIORITIES, RequestPlan
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_KEPT_BODY = 4 << 20  # a plain body is kept up to this size to parse it; longer is not proper
 ERROR_TEXT_MAX = 200
+SHED_CODE = "shed"  # the error code of the gateway's admission 429 (gateway/errors.py, Shed)
+
+# The constant headers, one dict per priority class, built once: a request copies its class's
+# dict and adds its sequence number.
+_JSON = {"Content-Type": "application/json"}
+_HEADERS: dict[str | None, dict[str, str]] = {
+    None: _JSON,
+    **{name: {**_JSON, "x-gateway-priority": name} for name in PRIORITIES},
+}
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ def new_record(plan: RequestPlan, target: Target, t: float, lag: float) -> Recor
         max_tokens=plan.max_tokens,
         target=target.name,
         lag=round(lag, 6),
+        priority=plan.priority,
     )
 
 
@@ -90,7 +100,11 @@ async def send(
     a cancelled request's record still holds what was seen so far (status, ttfb, bytes, ...).
     Times are from the moment of sending, not from the scheduled time (add `record.lag` for that).
     """
-    headers = {"Content-Type": "application/json", "x-loadgen-seq": str(plan.seq)}
+    base = _HEADERS.get(plan.priority)
+    if base is None:  # a hand-made plan with a class the workload would refuse: send it as is
+        base = {**_JSON, "x-gateway-priority": str(plan.priority)}
+    headers = base.copy()
+    headers["x-loadgen-seq"] = str(plan.seq)
     scanner: SseScanner | None = None
     nbytes = 0
     started = time.perf_counter()
@@ -129,6 +143,7 @@ async def send(
                 body = b"".join(kept)
                 record.proper = status == 200 and kept_size < MAX_KEPT_BODY and _proper(body)
                 record.oom = oom_header or (status == 500 and b"out of memory" in body.lower())
+                record.shed = status == 429 and _error_code(body) == SHED_CODE
     except Exception as exc:  # any failure, ours included, ends in the record, never lost
         record.error = describe(exc)
         record.proper = False
@@ -139,6 +154,17 @@ async def send(
             record.chunks = scanner.events
             record.error_event = scanner.error_event
             record.oom = record.oom or scanner.oom
+
+
+def _error_code(body: bytes) -> str | None:
+    """`error.code` of an OpenAI-style error body, None when there is none."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    error = value.get("error") if isinstance(value, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _proper(body: bytes) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import aiohttp
 
 from loadtests.ledger import JsonlWriter, Record
-from loadtests.loadgen.arrivals import Arrival, arrival_times
+from loadtests.loadgen.arrivals import Arrival, Schedule, arrival_times, check_schedule, mean_rate
 from loadtests.loadgen.client import (
     DEFAULT_TIMEOUT_S,
     Target,
@@ -43,10 +43,11 @@ async def run_load(
     targets: Mapping[str, Sequence[Target]],
     writer: JsonlWriter,
     *,
-    rate: float,
+    rate: float | None = None,
     requests: int,
     time_limit: float | None = None,
     arrival: Arrival = "poisson",
+    rate_steps: Sequence[tuple[float, float]] | None = None,
     concurrency_cap: int = 0,
     drain_timeout: float = 30.0,
     request_timeout: float = DEFAULT_TIMEOUT_S,
@@ -55,16 +56,19 @@ async def run_load(
 ) -> LoadStats:
     """Send `requests` requests of `spec` at `rate` per second, for at most `time_limit` s.
 
-    `targets` maps every model of `spec` to where its requests go, round robin: a model's
-    instances (direct), or one gateway target for every model. `concurrency_cap` > 0 holds a
-    request back while that many are in flight (its `lag` includes the wait). `on_record` sees
-    each record after it is written (keep it cheap; it must not raise).
+    `rate_steps` ((start_s, rate), ...; the first at 0) makes the rate piecewise constant and
+    replaces `rate`; one of the two is needed. `targets` maps every model of `spec` to where its
+    requests go, round robin: a model's instances (direct), or one gateway target for every
+    model. `concurrency_cap` > 0 holds a request back while that many are in flight (its `lag`
+    includes the wait). `on_record` sees each record after it is written (keep it cheap; it
+    must not raise).
     """
     run = _Run(
         spec,
         targets,
         writer,
         rate=rate,
+        rate_steps=rate_steps,
         requests=requests,
         time_limit=time_limit,
         arrival=arrival,
@@ -84,7 +88,8 @@ class _Run:
         targets: Mapping[str, Sequence[Target]],
         writer: JsonlWriter,
         *,
-        rate: float,
+        rate: float | None,
+        rate_steps: Sequence[tuple[float, float]] | None,
         requests: int,
         time_limit: float | None,
         arrival: Arrival,
@@ -105,10 +110,17 @@ class _Run:
         self.targets = {m: list(targets[m]) for m in spec.models}
         self.next_target = dict.fromkeys(spec.models, 0)
         self.writer = writer
-        self.rate = rate
+        if rate_steps is None and rate is None:
+            raise ValueError("give a rate or rate steps")
+        # A plain rate is the one-step schedule: a single code path for the target rate.
+        self.rate_steps: Schedule | None = (
+            None if rate_steps is None else check_schedule(rate_steps)
+        )
+        self.schedule = self.rate_steps or ((0.0, rate or 0.0),)
         self.requests = requests
         self.time_limit = time_limit
-        self.times = arrival_times(arrival, rate, spec.seed)  # checks arrival and rate
+        # Checks arrival and rate.
+        self.times = arrival_times(arrival, rate or 0.0, spec.seed, self.rate_steps)
         self.cap = concurrency_cap
         self.drain_timeout = drain_timeout
         self.timeout = timeout_of(request_timeout)
@@ -120,6 +132,7 @@ class _Run:
         self.lag = Histogram()
         self.first_send: float | None = None
         self.last_send = 0.0
+        self.last_offset = 0.0  # the scheduled time of the last send
         self.last_record = 0.0
         self.stopped_by = "count"
         self._ended = False
@@ -167,7 +180,7 @@ class _Run:
             completed=progress.completed,
             ok=progress.ok,
             duration_s=end - t0,
-            target_rate=self.rate,
+            target_rate=mean_rate(self.schedule, self.last_offset),
             send_rate=(sent - 1) / window if sent > 1 and window > 0 else 0.0,
             max_lag_s=self.lag.max,
             p99_lag_s=self.lag.quantile(0.99),
@@ -175,6 +188,7 @@ class _Run:
             cpu_s=cpu_seconds() - cpu_before,
             peak_rss_mib=peak_rss_mib(),
             stopped_by=self.stopped_by,
+            rate_steps=self.rate_steps,
         )
 
     async def _schedule(
@@ -214,6 +228,7 @@ class _Run:
         if self.first_send is None:
             self.first_send = now
         self.last_send = now
+        self.last_offset = offset
         choices = self.targets[plan.model]
         index = self.next_target[plan.model]
         self.next_target[plan.model] = (index + 1) % len(choices)

@@ -60,7 +60,7 @@ class LoadStats:
     completed: int  # records written (== sent once the run has returned)
     ok: int  # records with status 200 and a proper body
     duration_s: float  # from the run's start to the last record written
-    target_rate: float
+    target_rate: float  # with rate steps: their mean over [0, the last scheduled send]
     send_rate: float  # achieved: (sent - 1) / (last send - first send)
     max_lag_s: float
     p99_lag_s: float
@@ -68,6 +68,7 @@ class LoadStats:
     cpu_s: float  # CPU time of the whole process during the run (getrusage)
     peak_rss_mib: float  # the process's peak RSS, since the process started
     stopped_by: str  # "count", "time_limit", "stop" (Progress.stop) or "cancelled"
+    rate_steps: tuple[tuple[float, float], ...] | None = None  # ((start_s, rate), ...) if any
 
     @property
     def cpu_percent(self) -> float:

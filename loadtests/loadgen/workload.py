@@ -5,19 +5,27 @@ a direct run see identical requests. Bodies are assembled from precomputed bytes
 prompt text is built once and sliced per request (the fake backend counts whitespace-separated
 words as prompt tokens, so one word is one token), and the JSON is concatenated rather than
 serialised, which keeps 200+ requests/s with 16 KB prompts cheap.
+
+An optional priority mix tags each plan with the gateway's admission class (interactive,
+standard, batch). It is drawn from its own seeded generator, so adding a mix leaves every other
+field of the sequence exactly as it was without one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
-from collections.abc import Iterator
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["chat", "completions"]
 
 PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# The gateway's admission classes (x-gateway-priority), most urgent first.
+PRIORITIES: tuple[str, ...] = ("interactive", "standard", "batch")
 
 # Plain ASCII words: pasted into JSON strings with no escaping.
 _WORDS = (
@@ -38,6 +46,7 @@ class RequestPlan:
     max_tokens: int
     path: str  # "/v1/chat/completions" or "/v1/completions"
     body: bytes  # the JSON request body
+    priority: str | None = None  # x-gateway-priority; None: no header
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,12 @@ class WorkloadSpec:
     prompt_tokens: tuple[int, int] = (512, 4096)  # inclusive range, uniform
     max_tokens: tuple[int, int] = (512, 4096)  # inclusive range, uniform
     seed: int = 1
+    # (class, share) pairs; shares are normalised to sum to 1. Empty: no priority header.
+    priorities: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        # Frozen: the normalised mix replaces the given one in place.
+        object.__setattr__(self, "priorities", normalise_priorities(self.priorities))
         if not self.models:
             raise ValueError("a workload needs at least one model")
         for name in ("chat_share", "stream_share"):
@@ -59,6 +72,35 @@ class WorkloadSpec:
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be a range 1 <= low <= high, got {low}:{high}")
+
+
+def normalise_priorities(mix: Iterable[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+    """`mix` checked (known classes, each once, shares > 0) with shares scaled to sum to 1."""
+    pairs = [(str(name), float(share)) for name, share in mix]
+    names = [name for name, _ in pairs]
+    for name, share in pairs:
+        if name not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {name!r}")
+        if not (share > 0 and math.isfinite(share)):  # NaN fails the comparison too
+            raise ValueError(f"priority share must be finite and > 0, got {name}={share}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"each priority may appear once, got {', '.join(names)}")
+    total = sum(share for _, share in pairs)
+    return tuple((name, share / total) for name, share in pairs)
+
+
+def parse_priority_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """`interactive=0.2,standard=0.3,batch=0.5` -> the normalised mix; ValueError if malformed."""
+    pairs = []
+    for item in text.split(","):
+        name, sep, share = item.partition("=")
+        try:
+            pairs.append((name.strip(), float(share)))
+        except ValueError:
+            raise ValueError(f"expected CLASS=SHARE, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"expected CLASS=SHARE, got {item!r}")
+    return normalise_priorities(pairs)
 
 
 class PromptText:
@@ -90,6 +132,10 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
     model_json = [json.dumps(m).encode() for m in spec.models]
     p_low, p_high = spec.prompt_tokens
     m_low, m_high = spec.max_tokens
+    # A separate generator: the main one's draws, hence every other field, stay unchanged.
+    priority_rng = random.Random(f"priority-{spec.seed}")
+    classes = [name for name, _ in spec.priorities]
+    bounds = _cumulative([share for _, share in spec.priorities])
     seq = 0
     while True:
         index = seq % len(spec.models)
@@ -101,8 +147,23 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
         start = rng.randint(0, prompt.max_words)
         kind: Kind = "chat" if chat else "completions"
         body = build_body(model_json[index], chat, stream, prompt.words(start, n_prompt), n_max)
-        yield RequestPlan(seq, spec.models[index], kind, stream, n_prompt, n_max, PATHS[kind], body)
+        priority = classes[bisect_right(bounds, priority_rng.random())] if classes else None
+        yield RequestPlan(
+            seq, spec.models[index], kind, stream, n_prompt, n_max, PATHS[kind], body, priority
+        )
         seq += 1
+
+
+def _cumulative(shares: list[float]) -> list[float]:
+    """Upper bounds of each class on [0, 1); the last is exactly 1 so rounding never overflows."""
+    bounds: list[float] = []
+    total = 0.0
+    for share in shares:
+        total += share
+        bounds.append(total)
+    if bounds:
+        bounds[-1] = 1.0
+    return bounds
 
 
 _STREAM_TAIL = b',"stream":true,"stream_options":{"include_usage":true}}'
