@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtests.fake_vllm.responses import OOM_MESSAGE
 from loadtests.procs import ManagedProcess, python_module
 
 MODELS = ("m1", "m2")
@@ -369,3 +371,86 @@ def test_fixed_body_mode_and_clean_stop() -> None:
         assert httpx.get(f"{url}/health").status_code == 200
     finally:
         assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture
+def engine_fake() -> Iterator[ManagedProcess]:
+    # Two generate at once in a 250-token KV cache; 0.5 s a token keeps a stream running until
+    # the test closes it.
+    args = ["--port", "0", "--models", "m1,m2", "--ttft", "0", "--per-token", "0.5"]
+    args += ["--max-running", "2", "--kv-tokens", "250"]
+    proc = ManagedProcess(python_module("loadtests.fake_vllm", *args))
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def gauge(metrics: str, name: str, model: str) -> float:
+    prefix = f'{name}{{model_name="{model}"}} '
+    [line] = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(line[len(prefix) :])
+
+
+async def test_engine_queues_beyond_max_running_and_fails_kv_overflow_as_oom(
+    engine_fake: ManagedProcess,
+) -> None:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{engine_fake.port()}", timeout=10.0
+    ) as client:
+
+        async def wait_waiting(count: int) -> dict[str, Any]:
+            # The fake answers once `count` requests are queued: no polling.
+            state: dict[str, Any] = (
+                await client.get("/_fake/engine", params={"waiting": count, "timeout": 5})
+            ).json()
+            assert state["waiting"] >= count, state
+            return state
+
+        async def stream_all(body: dict[str, Any]) -> tuple[int, list[str]]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                text = (await response.aread()).decode()
+            return response.status_code, [e for e in text.split("\n\n") if e]
+
+        # KV need = 3 prompt words + max_tokens. A stream's headers mean it is running.
+        async with client.stream("POST", "/v1/chat/completions", json=chat(200, True)) as a:
+            assert a.status_code == 200  # 203 of 250 tokens held
+            overflow = await client.post("/v1/chat/completions", json={**chat(100), "model": "m2"})
+            assert overflow.status_code == 500  # 203 + 103 > 250, though a place is free
+            assert overflow.json()["error"]["message"] == OOM_MESSAGE
+            assert overflow.headers["x-oom-count"] == "1"
+
+            async with client.stream("POST", "/v1/chat/completions", json=chat(40, True)) as b:
+                assert b.status_code == 200  # 246 of 250 held; both places taken
+                await client.post("/_fake/faults", json={"per_token": 0})
+                late_big = asyncio.create_task(client.post("/v1/chat/completions", json=chat(100)))
+                await wait_waiting(1)
+                late_small = asyncio.create_task(stream_all(chat(5, True)))
+                await wait_waiting(2)
+                assert not late_big.done() and not late_small.done()
+                metrics = (await client.get("/metrics")).text
+                for model in ("m1", "m2"):  # one engine: the same figures on each model's line
+                    assert gauge(metrics, "vllm:num_requests_running", model) == 2
+                    assert gauge(metrics, "vllm:num_requests_waiting", model) == 2
+                    assert gauge(metrics, "vllm:gpu_cache_usage_perc", model) == 246 / 250
+                    assert gauge(metrics, "vllm:kv_cache_usage_perc", model) == 246 / 250
+            # Closing b frees its place and 43 tokens: the first waiter (103) still does not fit
+            # beside a's 203 and fails as OOM; the place goes on to the next, which runs.
+            big = await asyncio.wait_for(late_big, 5)
+            assert big.status_code == 500 and big.headers["x-oom-count"] == "2"
+            status, events = await asyncio.wait_for(late_small, 5)
+            assert status == 200 and len(events) == 5 + 1 and events[-1] == "data: [DONE]"
+
+        log = (await client.get("/_fake/requests", params={"wait_for": 5, "timeout": 5})).json()
+        outcomes = sorted((r["max_tokens"], r["outcome"], r["fault"]) for r in log)
+        assert outcomes == [
+            (5, "ok", None),
+            (40, "cancelled", None),
+            (100, "oom", "oom"),
+            (100, "oom", "oom"),
+            (200, "cancelled", None),
+        ]
+        state = (await client.get("/_fake/engine")).json()
+        assert (state["running"], state["waiting"], state["kv_used"], state["ooms"]) == (0, 0, 0, 2)
+        metrics = (await client.get("/metrics")).text
+        assert gauge(metrics, "vllm:kv_cache_usage_perc", "m1") == 0
+        await client.post("/_fake/reset")
+        assert (await client.get("/_fake/engine")).json()["ooms"] == 0

@@ -36,6 +36,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fixed-body", action="store_true", help="answer every POST /v1/* with one fixed body"
     )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=0,
+        help="requests generating at once, as vLLM's max_num_seqs; the rest wait (0: unlimited)",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="KV-cache size in tokens; a request starting without room fails as OOM (0: unlimited)",
+    )
+    parser.add_argument(
+        "--batch-slowdown",
+        type=float,
+        default=0.0,
+        help="per-token time x (1 + this x running / max-running) as a request starts",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -71,6 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tokens_per_event < 1:
         print("--tokens-per-event must be >= 1", file=sys.stderr)
         return 2
+    for flag, value in (
+        ("--max-running", args.max_running),
+        ("--kv-tokens", args.kv_tokens),
+        ("--batch-slowdown", args.batch_slowdown),
+    ):
+        if value < 0:
+            print(f"{flag} must be >= 0", file=sys.stderr)
+            return 2
     config = FakeConfig(
         name=args.name,
         models=models,
@@ -79,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         tokens_per_event=args.tokens_per_event,
         fixed_body=args.fixed_body,
+        max_running=args.max_running,
+        kv_tokens=args.kv_tokens,
+        batch_slowdown=args.batch_slowdown,
     )
     sock = bind_listener(args.host, args.port)
     server_config = uvicorn.Config(

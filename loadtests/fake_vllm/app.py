@@ -29,6 +29,7 @@ from .asgi import (
     start_message,
 )
 from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
+from .engine import Engine, EngineOOM
 from .requestlog import RequestLog, RequestRecord
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -56,6 +57,10 @@ class FakeVllm:
         self.oom_count = 0
         self.running = dict.fromkeys(config.models, 0)
         self.success = dict.fromkeys(config.models, 0)
+        # None keeps the fake as it was: every request generates at once, without limits.
+        self.engine: Engine | None = None
+        if config.engine_enabled:
+            self.engine = Engine(config.max_running, config.kv_tokens, config.batch_slowdown)
         self._model_json = {m: json.dumps(m) for m in config.models}
         self._id_prefix = secrets.token_hex(4)
         self._seq = 0
@@ -73,6 +78,7 @@ class FakeVllm:
             ("GET", "/_fake/faults"): self._get_faults,
             ("POST", "/_fake/faults"): self._set_faults,
             ("POST", "/_fake/reset"): self._reset,
+            ("GET", "/_fake/engine"): self._engine_state,
             ("GET", "/_fake/requests"): self._requests,
         }
         self._paths = {path for _, path in self._routes}
@@ -128,7 +134,8 @@ class FakeVllm:
         record.fault = fault
         ttft = faults.ttft_s(self.config)
         per_token = faults.per_token_s(self.config)
-        if fault is None and not stream and ttft == 0 and per_token == 0:
+        engine = self.engine
+        if engine is None and fault is None and not stream and ttft == 0 and per_token == 0:
             # Nothing to wait for, so nothing a disconnect could interrupt: skip the watcher.
             build = r.chat_body if chat else r.completion_body
             body = build(self._next_rid(), self._model_json[model], n, prompt_tokens)
@@ -137,9 +144,7 @@ class FakeVllm:
             self.log.finish(record, "ok")
             return
 
-        async def run() -> str:
-            if fault is not None and fault not in (DIE, STALL):
-                return await self._fault_reply(send, fault, faults)
+        async def generate(per_token: float) -> str:
             rid = self._next_rid()
             if stream:
                 writer = r.ChunkWriter(chat, rid, self._model_json[model])
@@ -155,6 +160,21 @@ class FakeVllm:
             await respond(send, 200, full)
             return "ok"
 
+        async def run() -> str:
+            # Faults decided before any token is generated are answered outside the engine.
+            if fault is not None and fault not in (DIE, STALL):
+                return await self._fault_reply(send, fault, faults)
+            if engine is None:
+                return await generate(per_token)
+            try:
+                # Nothing is sent while the request waits, so a stream's headers (and a plain
+                # reply) leave only once it runs, and an OOM can still be a 500.
+                async with engine.run(prompt_tokens + n) as factor:
+                    return await generate(per_token * factor)
+            except EngineOOM:
+                record.fault = OOM
+                return await self._fault_reply(send, OOM, faults)
+
         await self._guarded(receive, record, model, run)
 
     async def _stream(
@@ -169,7 +189,8 @@ class FakeVllm:
         fault: str | None,
         faults: Faults,
     ) -> str:
-        # Headers go out at once, as from vLLM (a Starlette StreamingResponse); tokens follow.
+        # Headers go out as the request starts running, as from vLLM (a Starlette
+        # StreamingResponse); tokens follow.
         await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache")]))
         cut = -1
         if fault == DIE:
@@ -324,7 +345,15 @@ class FakeVllm:
         await respond(send, status, b"", content_type=b"text/plain; charset=utf-8")
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = r.metrics_text(self.config.models, self.running, self.success)
+        engine = self.engine
+        if engine is None:
+            body = r.metrics_text(self.config.models, self.running, self.success)
+        else:
+            # One engine serves every model, so each model's line shows the engine's figures.
+            running = dict.fromkeys(self.config.models, engine.running)
+            body = r.metrics_text(
+                self.config.models, running, self.success, engine.waiting, engine.cache_usage
+            )
         await respond(send, 200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     # --- control endpoints -----------------------------------------------------------------
@@ -352,8 +381,35 @@ class FakeVllm:
         self.faults = Faults()
         self.rng = random.Random(self.config.seed)
         self.oom_count = 0
+        if self.engine is not None:
+            self.engine.reset()
         self.log.reset()
         await respond(send, 200, r.dumps(self.faults.as_dict()))
+
+    async def _engine_state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The engine's counters; `?waiting=N` first waits (up to `timeout` s) for N queued."""
+        engine = self.engine
+        if engine is None:
+            await respond(send, 404, r.error_body(404, "no engine: start with --max-running etc."))
+            return
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        try:
+            waiting = int(query["waiting"][0]) if "waiting" in query else None
+            timeout_s = float(query["timeout"][0]) if "timeout" in query else 10.0
+        except ValueError:
+            await respond(send, 400, r.error_body(400, "waiting and timeout must be numbers"))
+            return
+        if waiting is not None:
+            await engine.wait_waiting(waiting, timeout_s)
+        state = {
+            "running": engine.running,
+            "waiting": engine.waiting,
+            "kv_used": engine.kv_used,
+            "kv_tokens": engine.kv_tokens,
+            "max_running": engine.max_running,
+            "ooms": engine.ooms,
+        }
+        await respond(send, 200, r.dumps(state))
 
     async def _requests(self, scope: Scope, receive: Receive, send: Send) -> None:
         query = parse_qs(scope["query_string"].decode("latin-1"))

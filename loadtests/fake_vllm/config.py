@@ -31,6 +31,19 @@ class FakeConfig:
     # Answer every POST /v1/* with one precomputed body: no parsing, sleeping, faults or log.
     fixed_body: bool = False
     log_size: int = 10_000
+    # The simulated engine (engine.py); all off by default. At most `max_running` requests
+    # generate at once, the rest wait in FIFO order (0: unlimited, vLLM's max_num_seqs).
+    max_running: int = 0
+    # KV-cache size in tokens; a request starting without room for prompt + max_tokens fails
+    # as on a GPU out-of-memory error (0: unlimited).
+    kv_tokens: int = 0
+    # Per-token time grows by this fraction of the batch's fullness as a request starts.
+    batch_slowdown: float = 0.0
+
+    @property
+    def engine_enabled(self) -> bool:
+        """False keeps the fake as it was before the engine: no queue, no KV limit."""
+        return self.max_running > 0 or self.kv_tokens > 0 or self.batch_slowdown > 0
 
 
 @dataclass(frozen=True)

@@ -203,9 +203,17 @@ def _label(value: str) -> str:
 
 
 def metrics_text(
-    models: Iterable[str], running: Mapping[str, int], success: Mapping[str, int]
+    models: Iterable[str],
+    running: Mapping[str, int],
+    success: Mapping[str, int],
+    waiting: int = 0,
+    cache_usage: float | None = None,
 ) -> bytes:
-    """Prometheus exposition with the names vLLM uses, labelled by `model_name`."""
+    """Prometheus exposition with the names vLLM uses, labelled by `model_name`.
+
+    `waiting` and `cache_usage` (0..1) are the engine's, shown on every model's line; without a
+    cache size (None) each running request stands for 1 % of the cache.
+    """
     names = list(models)
     lines: list[str] = []
 
@@ -225,15 +233,20 @@ def metrics_text(
         "vllm:num_requests_waiting",
         "gauge",
         "Number of requests waiting to be processed.",
-        [(lbl, 0.0) for _, lbl in per_model],
+        [(lbl, float(waiting)) for _, lbl in per_model],
     )
-    # A plausible figure that moves with load: each running request holds 1 % of the KV cache.
+    usage = [
+        (lbl, min(1.0, running.get(m, 0) / 100) if cache_usage is None else float(cache_usage))
+        for m, lbl in per_model
+    ]
+    # vLLM 0.10 renamed the cache gauge; both names are served so either kind of scraper works.
     family(
         "vllm:gpu_cache_usage_perc",
         "gauge",
         "GPU KV-cache usage. 1 means 100 percent usage.",
-        [(lbl, min(1.0, running.get(m, 0) / 100)) for m, lbl in per_model],
+        usage,
     )
+    family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage)
     family(
         "vllm:request_success_total",
         "counter",
