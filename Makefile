@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-propagation loadtest system-deps clean
+.PHONY: install test lint demo bench bench-propagation bench-admission loadtest system-deps clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ bench: install
 # How fast an isolation reaches every replica sharing decisions via Redis (pub/sub, TTL backstop).
 bench-propagation: install system-deps
 	$(BIN)/python -m loadtests.bench_propagation $(BENCH_ARGS)
+
+# A step from 100 % to 300 % of the backends' capacity, through the gateway without and with
+# admission control: p99 per priority class and OOMs.
+bench-admission: install
+	$(BIN)/python -m loadtests.bench_admission $(BENCH_ARGS)
 
 # A chaos scenario, direct vs through the gateway; report in loadtests/out/<scenario>-<time>/.
 SCENARIO ?= chaos-mix

@@ -158,3 +158,37 @@ def test_otlp_sink_counts_spans() -> None:
         "spans_by_kind": {"CLIENT": 2, "SERVER": 1},
         "rejected": 1,
     }
+
+
+def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -> None:
+    out = tmp_path / "admission.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtests.bench_admission",
+            "--step-s",
+            "2",
+            "--calibrate-s",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["capacity_rps"] > 0
+    without, with_admission = report["results"]
+    assert (without["name"], with_admission["name"]) == ("without admission", "with admission")
+    for result in report["results"]:
+        assert result["sent"] > 0
+        assert set(result["at_300"]) == {"interactive", "standard", "batch"}
+    # Only the gateway with admission has queues to report.
+    assert without["queue_wait_p99_s"] == {}
+    assert set(with_admission["queue_wait_p99_s"]) == {"interactive", "standard", "batch"}
+    assert "| with admission | 300 % | interactive |" in done.stdout

@@ -71,23 +71,32 @@ def test_fifo_within_a_class() -> None:
     assert q.pop(10.0) is None
 
 
-def test_a_class_whose_head_does_not_fit_is_passed_over_and_keeps_its_place() -> None:
+def test_a_head_that_does_not_fit_is_passed_only_by_more_urgent_classes() -> None:
     q = queues()
-    q.offer(5000, "interactive", 0.0)  # items are token counts here
-    q.offer(10, "interactive", 0.0)
+    q.offer(5000, "standard", 0.0)  # items are token counts here
+    q.offer(10, "standard", 0.0)
     q.offer(20, "batch", 0.0)
-    q.offer(30, "standard", 0.0)
+    q.offer(30, "interactive", 0.0)
 
     def fits(tokens: int) -> bool:
         return tokens <= 100
 
+    # Interactive goes past the large standard request; batch may not take its room, and the
+    # standard request behind the large one waits its turn (FIFO within a class).
     served = [entry.item for entry in (q.pop(1.0, fits) for _ in range(3)) if entry]
-    # Interactive's head is too large: the others are served, in their pass order; the
-    # interactive request behind the large one waits its turn (FIFO within a class).
-    assert served == [30, 20]
-    assert q.length("interactive") == 2
+    assert served == [30]
+    assert q.length("standard") == 2 and q.length("batch") == 1
     head = q.pop(1.0)
     assert head is not None and head.item == 5000
+
+
+def test_a_large_batch_head_holds_up_nobody_else() -> None:
+    q = queues()
+    q.offer(5000, "batch", 0.0)
+    q.offer(10, "standard", 0.0)
+    q.offer(20, "interactive", 0.0)
+    served = [entry.item for entry in (q.pop(1.0, lambda t: t <= 100) for _ in range(3)) if entry]
+    assert sorted(served) == [10, 20] and q.length("batch") == 1
 
 
 def test_an_idle_class_banks_no_credit() -> None:

@@ -15,8 +15,9 @@ starve the others; a quiet class keeps its whole weight.
 that was empty restarts at the lowest active pass (no credit banked while idle). FIFO within a
 class. Over any stretch where several classes wait, each gets a share of the service in
 proportion to its weight. A class whose first request cannot be placed yet (no instance has
-room in its KV-token budget for it) is passed over for the next class in that order, so a large
-request holds up its own class only.
+room in its KV-token budget for it) is passed over for the next class in that order if that
+class is more urgent: small interactive requests go past a large batch one, but batch requests
+never take the room a large interactive one waits for.
 
 **Bounds and shedding** (`offer`), in order:
 1. the class's own queue is full (`max_queue[class]`): refused;
@@ -222,16 +223,22 @@ class AdmissionQueues(Generic[T]):
         """The next entry to serve (expired ones are left for `expire`), or None.
 
         With `fits`, a class whose first entry does not fit now (say, too many KV-cache tokens)
-        is passed over for the next class in order; its entry keeps its place at the head.
+        keeps it at its head and is passed over, but only for more urgent classes: a less
+        urgent one must not take the room that entry waits for.
         """
         queues = self._queues
         waiting = [name for name in CLASSES if queues[name] and queues[name][0].expires_at > now]
         waiting.sort(key=self._pass.__getitem__)  # stable: ties go to the more urgent class
+        blocked = len(CLASSES)  # the most urgent class whose head does not fit, by rank
         for name in waiting:
+            rank = CLASSES.index(name)
+            if rank > blocked:
+                continue
             queue = queues[name]
             if fits is None or fits(queue[0].item):
                 self._pass[name] += 1.0 / self.weights(now)[name]
                 return queue.popleft()
+            blocked = rank
         return None
 
     def next_expiry(self) -> float | None:

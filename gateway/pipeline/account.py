@@ -50,18 +50,20 @@ def _record(
     elapsed_s: float,
     probe: bool,
     on_transition: OnTransition,
-    first_byte_s: float | None = None,
+    first_byte_s: float | None = None,  # of a stream
 ) -> None:
     failed = outcome.counts_as_failure
     pool.failure.observe(failed)
     limiter = instance.limiter
     if limiter is not None:
-        # The time to the first byte is what grows when vLLM queues; timeouts, OOMs, 429 and
-        # 503 say it is overloaded.
+        # A stream's time to first token is what grows when vLLM queues. A whole answer's
+        # latency also grows as a fuller batch decodes each token more slowly, which is vLLM
+        # trading latency for throughput as designed, not overload: it teaches nothing.
+        # Timeouts, OOMs, 429 and 503 say it is overloaded, streamed or not.
         if outcome.kind in _OVERLOAD or outcome.status in (429, 503):
             limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
-        elif outcome.kind == "ok":
-            limiter.record(now, first_byte_s or elapsed_s, instance.in_flight)
+        elif outcome.kind == "ok" and first_byte_s is not None:
+            limiter.record(now, first_byte_s, instance.in_flight)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
         pool.stats.timeout(outcome.phase or "deadline")
@@ -177,7 +179,6 @@ class Account:
             now - started,
             call.probe,
             self._on_transition,
-            response.first_at - response.started_at,
         )
         if outcome.kind == "ok":
             instance.latency.observe_whole(
