@@ -8,6 +8,7 @@ import pytest
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
 from gateway.ingress.body import ClientGone, read_body, read_facts
+from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import response_headers, split_request_headers
 
 
@@ -25,7 +26,7 @@ def test_request_headers_sorted_into_forwarded_and_gateway() -> None:
         (b"x-forwarded-for", b"10.0.0.2"),
         (b"accept", b"*/*"),
     ]
-    out = split_request_headers(raw, "192.0.2.9", "https")
+    out = split_request_headers(raw, "192.0.2.9", "https", TrustedProxies(["192.0.2.0/24"]))
     assert out.content_length == 12
     assert out.gateway == {b"x-gateway-timeout": b"2.5"}
     assert out.forward == [
@@ -36,9 +37,12 @@ def test_request_headers_sorted_into_forwarded_and_gateway() -> None:
     ]
 
 
-def test_existing_forwarded_proto_is_kept() -> None:
-    out = split_request_headers([(b"x-forwarded-proto", b"https")], None, "http")
-    assert out.forward == [("x-forwarded-proto", "https")]
+def test_existing_forwarded_proto_is_kept_from_a_trusted_proxy() -> None:
+    raw = [(b"x-forwarded-proto", b"https")]
+    out = split_request_headers(raw, "10.1.2.3", "http", TrustedProxies(["10.0.0.0/8"]))
+    assert out.forward == [("x-forwarded-for", "10.1.2.3"), ("x-forwarded-proto", "https")]
+    untrusted = split_request_headers(raw, "192.0.2.9", "http", TrustedProxies(["10.0.0.0/8"]))
+    assert untrusted.forward == [("x-forwarded-for", "192.0.2.9"), ("x-forwarded-proto", "http")]
 
 
 @pytest.mark.parametrize("value", [b"-1", b"12a", b"", b" 1"])

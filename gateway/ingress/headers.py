@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from gateway.ingress.forwarded import TrustedProxies
+
 # RFC 9110 §7.6.1 hop-by-hop headers: they describe one connection, never the exchange.
 _HOP_BY_HOP = frozenset(
     {
@@ -35,26 +37,32 @@ def _connection_tokens(value: bytes) -> set[bytes]:
 class RequestHeaders:
     """What the ingress needs from the client's headers, read in one pass."""
 
-    __slots__ = ("content_length", "forward", "gateway")
+    __slots__ = ("client", "content_length", "forward", "gateway")
 
-    def __init__(self) -> None:
+    def __init__(self, client: str | None) -> None:
+        self.client = client  # the client's address: the peer, or from a trusted proxy's XFF
         self.content_length: int | None = None
         self.forward: list[tuple[str, str]] = []
         self.gateway: dict[bytes, bytes] = {}
 
 
 def split_request_headers(
-    raw: Iterable[tuple[bytes, bytes]], client_host: str | None, scheme: str
+    raw: Iterable[tuple[bytes, bytes]],
+    client_host: str | None,
+    scheme: str,
+    trusted: TrustedProxies | None = None,
 ) -> RequestHeaders:
     """Sort the client's headers into the ones to forward and the gateway's own.
 
+    X-Forwarded-For / X-Forwarded-Proto are believed only from a peer in `trusted`: its XFF is
+    kept and the peer appended; anyone else's are replaced by the peer and our scheme.
     Raises ValueError for a Content-Length that is not a non-negative integer.
     """
-    out = RequestHeaders()
+    out = RequestHeaders(client_host)
     forward = out.forward
     named_by_connection: set[bytes] | None = None
     forwarded_for: bytes | None = None
-    has_proto = False
+    proto: bytes | None = None
     for name, value in raw:
         if name in _REQUEST_DROP:
             if name == b"connection":
@@ -71,20 +79,24 @@ def split_request_headers(
             forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
             continue
         if name == b"x-forwarded-proto":
-            has_proto = True
+            proto = value if proto is None else proto
+            continue
         forward.append((name.decode("latin-1"), value.decode("latin-1")))
     if named_by_connection:
         forward[:] = [(n, v) for n, v in forward if n.encode("latin-1") not in named_by_connection]
-    if client_host:
-        chain = (
-            client_host
-            if forwarded_for is None
-            else f"{forwarded_for.decode('latin-1')}, {client_host}"
-        )
-        forward.append(("x-forwarded-for", chain))
-    elif forwarded_for is not None:
-        forward.append(("x-forwarded-for", forwarded_for.decode("latin-1")))
-    if not has_proto:
+    if not client_host:  # no peer address (a Unix socket): nothing to check nor append
+        forward.append(("x-forwarded-proto", scheme))
+        return out
+    if trusted and client_host in trusted:
+        if forwarded_for is not None:
+            chain = forwarded_for.decode("latin-1")
+            out.client = trusted.client(chain, client_host)
+            forward.append(("x-forwarded-for", f"{chain}, {client_host}"))
+        else:
+            forward.append(("x-forwarded-for", client_host))
+        forward.append(("x-forwarded-proto", scheme if proto is None else proto.decode("latin-1")))
+    else:
+        forward.append(("x-forwarded-for", client_host))
         forward.append(("x-forwarded-proto", scheme))
     return out
 

@@ -1,0 +1,289 @@
+"""The HTTP/1.1 connection handler: uvicorn's httptools protocol with the limits it lacks.
+
+uvicorn waits forever for a request's headers and body, and httptools buffers a header of any
+size. `HardenedProtocol` adds, per connection (`limits` in the policy):
+
+- a deadline for the request line and headers, `header_timeout`: from the connection's
+  accept for its first request, from the first byte of each next one (the wait *between*
+  requests stays uvicorn's keep-alive timeout); a connection that never sent a byte is just
+  closed, one stuck in the middle of its headers gets 408 (slowloris);
+- a deadline for the whole body, `body_timeout`, from the end of the headers: 408 while no
+  response has started, else the connection is closed (slow bodies). Time during which
+  uvicorn itself holds the body back (a pipelined request waiting its turn, the app not
+  reading yet) does not count;
+- caps on the URI (`max_uri_bytes`, 414), on the headers' names + values (`max_header_bytes`)
+  and their count (`max_headers`), 431; the raw bytes of an unfinished head are capped too, so
+  a header that never ends cannot grow the parser's buffer;
+- a connection cap, `max_connections`: a connection accepted above it gets a 503 (JSON,
+  `retry-after: 1`) as soon as its headers are in, unless others closed meanwhile, without
+  running the app.
+
+Every refusal is the gateway's JSON error with `connection: close`, written only when no
+response is under way on the connection (else the connection is just closed), and ends the
+connection. One lazily re-armed timer per connection keeps the hot path to a clock read per
+request: arming sets a deadline, the timer re-arms itself when it fires early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.config.models import LimitsPolicy
+
+log = logging.getLogger("gateway.ingress")
+
+# What is being read on the connection.
+_NEW = 0  # nothing yet: the connection's first request
+_HEAD = 1  # a request line and headers
+_HEADERS_DONE = 2  # headers complete in the current chunk, body pending: arm its deadline
+_BODY = 3  # the body, under its deadline
+_DONE = 4  # nothing: the request was read (its response runs, or uvicorn's keep-alive waits)
+
+
+def _refusal(status: int, type_: str, code: str, message: str, extra: bytes = b"") -> bytes:
+    body = json.dumps(
+        {"error": {"message": message, "type": type_, "code": code}}, separators=(",", ":")
+    ).encode()
+    return b"".join(
+        [
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+            extra,
+            b"\r\n",
+            body,
+        ]
+    )
+
+
+class _Refused(Exception):
+    """Raised from a parser callback after a refusal, to stop parsing the rest."""
+
+
+class HardenedProtocol(HttpToolsProtocol):
+    # Set per server by `configured` (class attributes: read on every request).
+    header_timeout: ClassVar[float]
+    body_timeout: ClassVar[float]
+    max_header_bytes: ClassVar[int]
+    max_headers: ClassVar[int]
+    max_uri_bytes: ClassVar[int]
+    max_connections: ClassVar[int]
+    max_head_bytes: ClassVar[int]
+    quick_head_bytes: ClassVar[int]
+    header_timeout_response: ClassVar[bytes]
+    body_timeout_response: ClassVar[bytes]
+    uri_too_long_response: ClassVar[bytes]
+    headers_too_large_response: ClassVar[bytes]
+    over_capacity_response: ClassVar[bytes]
+
+    @classmethod
+    def configured(cls, limits: LimitsPolicy) -> type[HardenedProtocol]:
+        """A subclass carrying these limits, for `uvicorn.Config(http=...)`."""
+        invalid = "invalid_request_error"
+        attributes: dict[str, Any] = {
+            "header_timeout": limits.header_timeout,
+            "body_timeout": limits.body_timeout,
+            "max_header_bytes": limits.max_header_bytes,
+            "max_headers": limits.max_headers,
+            "max_uri_bytes": limits.max_uri_bytes,
+            "max_connections": limits.max_connections,
+            # The unfinished head's raw bytes: request line, names, values and separators.
+            "max_head_bytes": limits.max_uri_bytes + 2 * limits.max_header_bytes + 1024,
+            # A head that came in fewer raw bytes than this is within both caps: not counted.
+            "quick_head_bytes": min(limits.max_uri_bytes, limits.max_header_bytes),
+            "header_timeout_response": _refusal(
+                408,
+                invalid,
+                "request_timeout",
+                f"the request headers did not arrive within {limits.header_timeout:g}s",
+            ),
+            "body_timeout_response": _refusal(
+                408,
+                invalid,
+                "request_timeout",
+                f"the request body did not arrive within {limits.body_timeout:g}s",
+            ),
+            "uri_too_long_response": _refusal(
+                414, invalid, "uri_too_long", f"the URI exceeds {limits.max_uri_bytes} bytes"
+            ),
+            "headers_too_large_response": _refusal(
+                431,
+                invalid,
+                "headers_too_large",
+                f"the request headers exceed {limits.max_headers} headers "
+                f"or {limits.max_header_bytes} bytes",
+            ),
+            "over_capacity_response": _refusal(
+                503,
+                "service_unavailable",
+                "too_many_connections",
+                "the gateway is at its connection limit",
+                b"retry-after: 1\r\n",
+            ),
+        }
+        return type(cls.__name__, (cls,), attributes)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase = _NEW
+        self._expires = math.inf  # the current deadline (loop time); inf: none
+        self._timer: asyncio.TimerHandle | None = None
+        self._head_received = 0  # raw bytes of the unfinished head
+        self._chunk = 0  # bytes of the chunk being parsed
+        # The chunk that ended the previous request, where a pipelined head may have begun.
+        self._carry = 0
+        self._over_capacity = False
+
+    # --- connection -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn added this connection to the set: above the cap, refuse its request.
+        self._over_capacity = len(self.connections) > self.max_connections
+        self._arm(self.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._expires = math.inf
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == _DONE:  # the first byte of a next request
+            self._phase = _HEAD
+            self._head_received = 0
+            self._arm(self.header_timeout)
+        self._unset_keepalive_if_required()
+        self._chunk = len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():  # pragma: no cover - the data plane has no websockets
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError:
+            if self.transport.is_closing():
+                return  # a callback refused the request (or the client is gone)
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
+        phase = self._phase
+        if phase == _HEADERS_DONE:
+            self._phase = _BODY
+            self._arm(self.body_timeout)
+        elif phase <= _HEAD:
+            self._head_received += len(data)
+            if self._head_received > self.max_head_bytes and not self.transport.is_closing():
+                too_long = len(self.url) > self.max_uri_bytes
+                response = (
+                    self.uri_too_long_response if too_long else self.headers_too_large_response
+                )
+                self._close(response, head=True)
+
+    # --- parser callbacks -------------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        # The URI and headers are measured once complete (a head still arriving is bounded by
+        # its raw bytes, in data_received), and only when its raw size could exceed a cap.
+        headers = self.headers
+        if self._head_received + self._chunk + self._carry > self.quick_head_bytes:
+            if len(self.url) > self.max_uri_bytes:
+                self._refuse(self.uri_too_long_response)
+            if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
+                self._refuse(self.headers_too_large_response)
+        if len(headers) > self.max_headers:
+            self._refuse(self.headers_too_large_response)
+        if self._over_capacity:
+            if len(self.connections) > self.max_connections:
+                self._refuse(self.over_capacity_response)
+            self._over_capacity = False  # others closed meanwhile: serve it
+        HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
+        self._phase = _HEADERS_DONE
+        self._carry = 0
+
+    def on_message_complete(self) -> None:
+        HttpToolsProtocol.on_message_complete(self)
+        self._phase = _DONE
+        self._carry = self._chunk
+        self._expires = math.inf
+
+    # --- deadlines --------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        loop = self.loop
+        expires = loop.time() + seconds
+        self._expires = expires
+        timer = self._timer
+        if timer is None:
+            self._timer = loop.call_at(expires, self._on_timer)
+        elif timer.when() > expires:
+            timer.cancel()
+            self._timer = loop.call_at(expires, self._on_timer)
+        # else: the pending timer fires first and re-arms itself for the rest
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        expires = self._expires
+        if expires == math.inf or self.transport.is_closing():
+            return
+        if self.loop.time() < expires:
+            self._timer = self.loop.call_at(expires, self._on_timer)
+            return
+        cycle = self.cycle
+        if self._phase >= _HEADERS_DONE:  # the body is late
+            if self.pipeline or self.flow.read_paused:
+                # uvicorn holds it back (a pipelined request waits, the app has not read
+                # what came): not the client's slowness.
+                self._arm(self.body_timeout)
+                return
+            log.debug("request body timeout", extra={"fields": {"client": self._peer()}})
+            self._close(self.body_timeout_response, head=False)
+            return
+        if cycle is not None and not cycle.response_complete:
+            # Bytes of a next request behind a response still running: its turn comes later.
+            self._arm(self.header_timeout)
+            return
+        if self._phase == _NEW and self._head_received == 0:
+            self.transport.close()  # never said a word: nobody to answer
+            return
+        log.debug("request header timeout", extra={"fields": {"client": self._peer()}})
+        self._close(self.header_timeout_response, head=True)
+
+    # --- refusals ---------------------------------------------------------------------------
+
+    def _refuse(self, response: bytes) -> None:
+        """From a parser callback, while reading a head: answer, close, stop the parser."""
+        log.debug("request refused", extra={"fields": {"client": self._peer()}})
+        self._close(response, head=True)
+        raise _Refused
+
+    def _close(self, response: bytes, *, head: bool) -> None:
+        """Answer with `response` when the connection's response slot is free, and close.
+
+        Reading a head, the slot is free when the previous request's response is complete;
+        reading a body, when this request's response has not started.
+        """
+        cycle = self.cycle
+        free = (cycle is None or cycle.response_complete) if head else not cycle.response_started
+        if cycle is not None and not cycle.response_complete:
+            # The app must not write after us: it sees a disconnect from now on.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if free:
+            self.transport.write(response)
+        self.transport.close()
+        self._expires = math.inf
+
+    def _peer(self) -> str | None:
+        return self.client[0] if self.client else None
