@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.drain import STREAMS, shutting_down
 from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError
 from gateway.ingress.headers import response_headers
 from gateway.upstream.response import UpstreamResponse
@@ -76,8 +77,10 @@ async def relay(
     arrives, so the error event never lands inside half an event. Any other body is aborted
     (ResponseAborted) so the client sees an incomplete response, not a short one that looks whole.
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
+    A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain).
     """
     ok = False
+    task: asyncio.Task[Any] | None = None
     try:
         no_body = response.status in _NO_BODY_STATUSES
         headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
@@ -90,21 +93,42 @@ async def relay(
             ok = True
             return
         await send(start)
-        error = await _relay_body(send, response, idle_s, end_at)
+        error: GatewayError | None
+        if response.is_sse:
+            task = asyncio.current_task()
+            assert task is not None
+            STREAMS.add(task)
+            if STREAMS.ending:  # started after the drain's deadline: end it at once
+                error = shutting_down()
+            else:
+                error = await _relay_body(send, response, idle_s, end_at, task)
+            STREAMS.discard(task)  # its last event is not the drain's to interrupt
+            task = None
+        else:
+            error = await _relay_body(send, response, idle_s, end_at, None)
         if error is None:
             ok = True
         elif response.is_sse:
             await send({"type": "http.response.body", "body": sse_error_event(error)})
         else:
+            assert isinstance(error, UpstreamError)
             raise ResponseAborted(error)
     finally:
+        if task is not None:
+            STREAMS.discard(task)
         response.finish(ok)
 
 
 async def _relay_body(
-    send: Send, response: UpstreamResponse, idle_s: float, end_at: float
-) -> UpstreamError | None:
-    """Forward the body chunk by chunk; returns the error that broke it, if any."""
+    send: Send,
+    response: UpstreamResponse,
+    idle_s: float,
+    end_at: float,
+    stream: asyncio.Task[Any] | None,
+) -> GatewayError | None:
+    """Forward the body chunk by chunk; returns the error that broke it, if any.
+
+    `stream`: the task of an SSE stream registered with the drain, which may end it."""
     events = response.is_sse
     held = b""  # SSE only: the start of an event whose end has not arrived yet
     chunk = response.first_chunk
@@ -120,12 +144,15 @@ async def _relay_body(
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await response.next_chunk(idle_s, end_at)
+        await send({"type": "http.response.body", "body": held})
     except UpstreamError as error:
         return error
     except asyncio.CancelledError:
         timeout = response.cancelled_by_deadline()
-        if timeout is None:
+        if timeout is not None:
+            return timeout
+        drained = STREAMS.ended_by_drain(stream) if stream is not None else None
+        if drained is None:
             raise  # not a deadline: the client went away
-        return timeout
-    await send({"type": "http.response.body", "body": held})
+        return drained
     return None

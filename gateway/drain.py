@@ -1,0 +1,199 @@
+"""Graceful shutdown: SIGTERM drains the data plane instead of cutting it.
+
+1. SIGTERM: `/readyz` answers 503 `{"ready": false, "draining": true}`; requests are still
+   served as usual for `drain.delay`, while Kubernetes takes the pod out of its Services.
+2. The data plane's listener closes (new connections are refused); idle keep-alive connections
+   are closed, busy ones get `Connection: close` on their response (uvicorn's own shutdown).
+3. In-flight requests and streams may finish for `drain.timeout`, counted from step 2.
+4. At that deadline every SSE stream still open ends with an SSE error event (`shutting_down`)
+   and `data: [DONE]`, never a silent cut. A request still without an answer a moment later
+   gets a 503 `shutting_down` (Retry-After: 1) and is cancelled (its upstream request closed, so
+   vLLM aborts it); a non-streamed body already under way is cut (the connection closes, so
+   the client sees an incomplete response, as for a backend that dies mid-body).
+5. The admin plane, which kept serving, closes; background tasks stop (`Gateway.close`); exit 0.
+
+A second SIGTERM during the drain skips to step 4 at once. SIGINT (Ctrl-C) is the quick stop,
+as in gunicorn: straight to step 4, so streams still end properly but nobody waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from gateway.config.models import DrainPolicy
+from gateway.errors import GatewayError
+
+log = logging.getLogger("gateway")
+
+# After the deadline: time for the ended streams to flush their last event, and then for the
+# cancelled requests to be answered, before the process stops waiting for them.
+END_GRACE_S = 1.0
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
+
+
+def shutting_down() -> ShuttingDown:
+    return ShuttingDown("the gateway is shutting down", retry_after_s=1.0)
+
+
+class OpenStreams:
+    """The SSE streams being relayed (their tasks), so the drain can end them properly.
+
+    A stream registers when its relay starts and leaves when it ends: one set operation each.
+    """
+
+    __slots__ = ("_ended", "_tasks", "ending")
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ended: set[asyncio.Task[Any]] = set()
+        self.ending = False  # past the drain's deadline: a stream starting now ends at once
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+
+    def discard(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+
+    def end_all(self) -> int:
+        """Cancel every open stream's task; its relay ends it with `ended_by_drain`."""
+        self.ending = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            self._ended.add(task)
+            task.cancel()
+        return len(tasks)
+
+    def ended_by_drain(self, task: asyncio.Task[Any]) -> ShuttingDown | None:
+        """After a CancelledError in a relay: the error to end the stream with, if the drain's
+        deadline caused it (the cancel is then consumed)."""
+        if task not in self._ended:
+            return None
+        self._ended.discard(task)
+        task.uncancel()
+        return shutting_down()
+
+
+# One process serves one data plane: its relays and its drain share this.
+STREAMS = OpenStreams()
+
+
+async def _answer_unanswered(connections: Any) -> None:
+    """Answer 503 `shutting_down` on every connection whose request has no response yet."""
+    error = shutting_down()
+    body = error.body()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+    ]
+    for connection in list(connections):
+        cycle = getattr(connection, "cycle", None)  # uvicorn's request-response cycle
+        if cycle is None or cycle.response_started or cycle.response_complete:
+            continue
+        try:
+            await cycle.send({"type": "http.response.start", "status": 503, "headers": headers})
+            await cycle.send({"type": "http.response.body", "body": body})
+        except Exception:  # the client left, or uvicorn refused: the cancel below still ends it
+            log.debug("could not answer a request at the drain's deadline", exc_info=True)
+
+
+class Drain:
+    """Runs the steps above once the first signal comes (see `signal`)."""
+
+    def __init__(
+        self,
+        policy: DrainPolicy,
+        data: uvicorn.Server,
+        data_task: asyncio.Task[None],
+        admin: uvicorn.Server,
+        set_draining: Callable[[bool], None],
+        streams: OpenStreams = STREAMS,
+    ) -> None:
+        self._policy = policy
+        self._data = data
+        self._data_task = data_task
+        self._admin = admin
+        self._set_draining = set_draining
+        self._streams = streams
+        self._hurry = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self._task is not None
+
+    def signal(self) -> None:
+        """SIGTERM: start draining; a second one ends the drain at once."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        else:
+            self._hurry.set()
+
+    def interrupt(self) -> None:
+        """SIGINT: end at once (streams still get their proper ending)."""
+        self._hurry.set()
+        self.signal()
+
+    async def _wait(self, timeout_s: float, *others: asyncio.Future[Any]) -> None:
+        """Until `timeout_s` passes, a second signal comes, or one of `others` is done."""
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait([hurry, *others], timeout=timeout_s, return_when="FIRST_COMPLETED")
+        finally:
+            hurry.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        state = self._data.server_state
+        in_flight = len(state.tasks)
+        answered = state.total_requests  # uvicorn counts a request when its response completes
+        self._set_draining(True)
+        fields: dict[str, Any] = {
+            "delay_s": self._policy.delay,
+            "timeout_s": self._policy.timeout,
+            "in_flight": in_flight,
+            "streams": len(self._streams),
+        }
+        log.warning("drain started", extra={"fields": fields})
+        ended = cut = 0
+        try:
+            await self._wait(self._policy.delay, self._data_task)
+            # uvicorn notices within its 0.1 s tick: it closes the listener and idle
+            # connections, and gives the busy ones `Connection: close`.
+            self._data.should_exit = True
+            await self._wait(self._policy.timeout, self._data_task)
+            ended = self._streams.end_all()
+            if not self._data_task.done():
+                await asyncio.wait([self._data_task], timeout=END_GRACE_S)
+            if not self._data_task.done():
+                await _answer_unanswered(state.connections)
+                leftover = list(state.tasks)
+                cut = len(leftover)
+                for task in leftover:
+                    task.cancel("the drain's deadline passed")
+                await asyncio.wait([self._data_task], timeout=END_GRACE_S)
+                self._data.force_exit = True
+        finally:
+            self._admin.should_exit = True
+            fields = {
+                # answered during the drain (in flight at its start, or new during the delay)
+                "completed": max(0, state.total_requests - answered - ended - cut),
+                "ended_at_deadline": ended,
+                "cancelled": cut,
+                "duration_s": round(loop.time() - started, 3),
+            }
+            log.warning("drain finished", extra={"fields": fields})
