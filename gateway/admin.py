@@ -80,8 +80,13 @@ def build_admin_app(gateway: Gateway) -> ASGIApp:
             return JSONResponse({"error": error}, status_code=404)
         return JSONResponse(result)
 
+    async def reload(request: Request) -> Response:
+        result = await gateway.reload_from_file("admin")
+        return JSONResponse(result.as_json(), status_code=200 if result.reloaded else 400)
+
     app = Starlette(
         routes=[
+            Route("/admin/reload", reload, methods=["POST"]),
             Route("/admin/state", state, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),

@@ -34,7 +34,10 @@ def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
     configure_access_log(policy.telemetry.access_log, chosen)
     import uvloop
 
+    from gateway.reload import set_policy_file
     from gateway.server import serve
+
+    set_policy_file(policy_path)  # what SIGHUP, the file watcher and /admin/reload read
     from gateway.telemetry.tracing import TracingConfigError
 
     try:

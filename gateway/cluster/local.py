@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.cluster.store import log_transition
 from gateway.core.breaker import Transition
+
+if TYPE_CHECKING:
+    from gateway.upstream.registry import Registry
 
 
 class LocalDecisions:
@@ -17,6 +20,9 @@ class LocalDecisions:
 
     def status(self) -> dict[str, Any]:
         return {"configured": False, "connected": False}
+
+    def follow(self, registry: Registry) -> None:
+        return None
 
     async def start(self) -> None:
         return None

@@ -45,6 +45,7 @@ class ProbeLeases:
     ) -> None:
         self._client = client
         self._replica = replica
+        self._prefix = prefix
         self._lease_s = lease_s
         self._lease_ms = max(1, round(lease_s * 1000))
         self._tick_s = tick_s
@@ -64,6 +65,23 @@ class ProbeLeases:
         self._release = client.register_script(RELEASE_IF_OURS)
         self._renew = client.register_script(_RENEW_IF_OURS)
         self.acquired = 0
+
+    def follow(self, registry: Registry, connected: bool) -> None:
+        """A reloaded policy's instances: leases on dropped ones lapse by themselves."""
+        prefix = self._prefix
+        breakers: dict[Key, BreakerState] = {}
+        keys: dict[Key, str] = {}
+        for pool in registry.pools.values():
+            for inst in pool.instances:
+                key = (pool.name, inst.name)
+                breakers[key] = inst.breaker
+                keys[key] = f"{prefix}:probe:{pool.name}:{inst.name}"
+                if key not in self._breakers and connected:
+                    inst.breaker.lease_until = 0.0  # new here: coordinate as the others do
+        self._breakers, self._keys = breakers, keys
+        for table in (self._held, self._renewed):
+            for key in [key for key in table if key not in breakers]:
+                del table[key]
 
     def held(self) -> list[str]:
         return sorted(f"{pool}/{instance}" for pool, instance in self._held)
@@ -110,7 +128,9 @@ class ProbeLeases:
             return
         async with asyncio.timeout(self._timeout_s * 2):
             for key, action in work:
-                name = self._keys[key]
+                name = self._keys.get(key)
+                if name is None:
+                    continue  # dropped by a policy reload while this ran
                 if action == "release":
                     await self._release(keys=[name], args=[self._replica])
                     continue
@@ -137,7 +157,9 @@ class ProbeLeases:
         return busy
 
     def _lease_result(self, key: Key, action: str, granted: bool) -> None:
-        breaker = self._breakers[key]
+        breaker = self._breakers.get(key)
+        if breaker is None:
+            return  # dropped by a policy reload while the call ran
         if not granted:
             self._held.pop(key, None)
             self._renewed.pop(key, None)

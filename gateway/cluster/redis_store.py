@@ -200,6 +200,25 @@ class RedisDecisions:
             "counters": {**self.counters, "leases_acquired": self._leases.acquired},
         }
 
+    def follow(self, registry: Registry) -> None:
+        """The pools and instances of a reloaded policy (a synchronous step): instances kept
+        keep their marks and our isolations of them; new ones start with none (and need the
+        probe lease while connected); dropped ones are forgotten (their keys expire)."""
+        prefix = self._policy.key_prefix
+        breakers: dict[Key, BreakerState] = {}
+        keys: dict[Key, str] = {}
+        for pool in registry.pools.values():
+            for inst in pool.instances:
+                key = (pool.name, inst.name)
+                breakers[key] = inst.breaker
+                keys[key] = f"{prefix}:decision:{pool.name}:{inst.name}"
+        self._breakers, self._decision_keys = breakers, keys
+        self._marks = {key: self._marks.get(key) or Marks() for key in breakers}
+        for table in (self._own, self._outbox, self._retract, self._heard):
+            for key in [key for key in table if key not in breakers]:
+                del table[key]
+        self._leases.follow(registry, self.connected)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -6,9 +6,12 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.core.breaker import Transition
+
+if TYPE_CHECKING:
+    from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.breaker")
 
@@ -23,6 +26,9 @@ class DecisionStore(Protocol):
 
     def status(self) -> dict[str, Any]:
         """The `shared_state` section of /admin/state."""
+
+    def follow(self, registry: Registry) -> None:
+        """The registry after a policy reload (instances added or dropped). Synchronous."""
 
     async def start(self) -> None: ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -176,17 +176,29 @@ class BreakerState:
         self.consecutive_timeouts = 0
         self.consecutive_failures = 0
         self._admitting_since = -_INF
-        self._guard = may_isolate
         self._jitter = jitter
+        self._window_s = policy.window
+        # first: results, second: failures
+        self._window = WindowPair(max(1, math.ceil(policy.window)))
+        self._settings(policy, may_isolate)
+
+    def reconfigure(self, policy: BreakerPolicy, may_isolate: Callable[[], bool] | None) -> None:
+        """Take a reloaded policy's settings (and the new pool's guard), keeping the state:
+        ISOLATED stays isolated until its `isolated_until`, the streak and counts stay. The
+        window keeps its counts unless its length changed (then it starts empty)."""
+        self._settings(policy, may_isolate)
+        if max(1, math.ceil(policy.window)) != max(1, math.ceil(self._window_s)):
+            self._window = WindowPair(max(1, math.ceil(policy.window)))
+        self._window_s = policy.window
+
+    def _settings(self, policy: BreakerPolicy, may_isolate: Callable[[], bool] | None) -> None:
+        self._guard = may_isolate
         self._timeout_limit = policy.consecutive_timeouts
         self._failure_limit = policy.consecutive_failures
         self._error_rate = policy.error_rate
         self._min_requests = policy.min_requests
         self._isolation_s = policy.isolation
         self._max_isolation_s = policy.max_isolation
-        self._window_s = policy.window
-        # first: results, second: failures
-        self._window = WindowPair(max(1, math.ceil(policy.window)))
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -452,14 +464,25 @@ class PoolBreakers:
     __slots__ = ("breakers", "cap")
 
     def __init__(
-        self, policy: BreakerPolicy, instances: Sequence[str], jitter: float = JITTER
+        self,
+        policy: BreakerPolicy,
+        instances: Sequence[str],
+        jitter: float = JITTER,
+        existing: Mapping[str, BreakerState] | None = None,
     ) -> None:
+        """`existing`: breakers to keep (a policy reload), by instance name; they take the
+        new policy's settings and this pool's guard."""
         if len(set(instances)) != len(instances):
             raise ValueError("instance names must be unique within a pool")
         self.cap = isolation_cap(policy.max_isolated_fraction, len(instances))
-        self.breakers: dict[str, BreakerState] = {
-            name: BreakerState(policy, name, self.may_isolate, jitter) for name in instances
-        }
+        self.breakers: dict[str, BreakerState] = {}
+        for name in instances:
+            kept = existing.get(name) if existing is not None else None
+            if kept is None:
+                self.breakers[name] = BreakerState(policy, name, self.may_isolate, jitter)
+            else:
+                kept.reconfigure(policy, self.may_isolate)
+                self.breakers[name] = kept
 
     def __getitem__(self, instance: str) -> BreakerState:
         return self.breakers[instance]

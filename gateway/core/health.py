@@ -52,6 +52,11 @@ class HealthState:
         state.last_reason = "health checks disabled"
         return state
 
+    def set_thresholds(self, healthy_threshold: int, unhealthy_threshold: int) -> None:
+        """A reloaded policy's thresholds; the verdict and the current runs are kept."""
+        self._healthy_threshold = healthy_threshold
+        self._unhealthy_threshold = unhealthy_threshold
+
     @property
     def cold_start_s(self) -> float | None:
         return None if self.first_healthy is None else self.first_healthy - self.first_seen

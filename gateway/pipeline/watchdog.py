@@ -10,8 +10,9 @@ Deadlines fire up to one tick late; LLM timeouts are hundreds of milliseconds an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
+
+from gateway.tasks import cancel_and_wait
 
 
 class Deadline:
@@ -41,9 +42,7 @@ class Watchdog:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
 
     def arm(self, task: asyncio.Task[Any], at: float, phase: str) -> Deadline:

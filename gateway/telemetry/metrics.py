@@ -50,6 +50,28 @@ class GatewayCollector(Collector):
         yield from self._pools()
         yield from self._admission()
         yield from self._shared()
+        yield from self._policy()
+
+    def _policy(self) -> Iterator[Metric]:
+        stats = self._gateway.reloads
+        reloads = CounterMetricFamily(
+            "gateway_policy_reloads",
+            "Policy reloads by result (error: invalid or restart-only; the old policy kept)",
+            labels=["result"],
+        )
+        reloads.add_metric(["ok"], stats.ok)
+        reloads.add_metric(["error"], stats.errors)
+        yield reloads
+        yield GaugeMetricFamily(
+            "gateway_policy_version",
+            "Version of the policy served: 1 at startup, +1 per reload that changed something",
+            value=stats.version,
+        )
+        yield GaugeMetricFamily(
+            "gateway_policy_loaded_timestamp_seconds",
+            "Unix time the policy served was loaded",
+            value=stats.loaded_at,
+        )
 
     def _admission(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily(

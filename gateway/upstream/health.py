@@ -33,6 +33,13 @@ class HealthChecker:
         """Check every instance once: the process is not ready before it knows who is healthy."""
         await asyncio.gather(*(self.check_pool(pool) for pool in self._pools))
 
+    async def check_instances(self, instances: list[InstanceState]) -> None:
+        """Check these instances once now (new ones after a policy reload)."""
+        pools = {pool.name: pool for pool in self._pools}
+        await asyncio.gather(
+            *(self._check(pools[i.pool_name], i) for i in instances if i.pool_name in pools)
+        )
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(pool)) for pool in self._pools]

@@ -15,6 +15,7 @@ from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
+from gateway.core.histogram import Histogram
 from gateway.core.latency import LatencyState
 from gateway.core.tiers import TierTable
 from gateway.ingress.routes import PROXY_ROUTES
@@ -110,25 +111,9 @@ class PoolState:
     def __init__(self, name: str, policy: PoolPolicy, rng: random.Random, now: float) -> None:
         self.name = name
         self.policy = policy
-        smoothing = policy.timeouts.smoothing
-        health = policy.health
-        admission = policy.admission
         self.breakers = PoolBreakers(policy.breaker, [inst.name for inst in policy.instances])
         self.instances = [
-            InstanceState(
-                name,
-                inst,
-                smoothing,
-                HealthState(now, health.healthy_threshold, health.unhealthy_threshold)
-                if health.enabled
-                else HealthState.assumed_healthy(now),
-                self.breakers[inst.name],
-                now,
-                limiter_for(admission.concurrency) if admission else None,
-                TokenBudget(admission.tokens.capacity, admission.tokens.overcommit)
-                if admission and admission.tokens
-                else None,
-            )
+            _new_instance(name, inst, policy, self.breakers[inst.name], now)
             for inst in policy.instances
         ]
         self.next_index = 0
@@ -143,6 +128,77 @@ class PoolState:
         self.capacity_listeners: list[Callable[[], None]] = []
         self.refresh_routable()
 
+    def reconfigure(self, policy: PoolPolicy, now: float) -> list[InstanceState]:
+        """Take a reloaded policy in place (one synchronous step: nothing runs in between).
+
+        Instances whose name and url are unchanged keep their state object (breaker, EWMAs,
+        in-flight counts, limiter, token budget, health), with the new settings applied; the
+        others are new (and returned: they take no traffic before a passing health check,
+        unless health checks are off). Dropped instances just leave the list: requests in
+        flight on them hold their own reference and finish normally.
+        """
+        old = {(inst.name, inst.base_url): inst for inst in self.instances}
+        kept = {
+            inst.name: old[(inst.name, inst.url)]
+            for inst in policy.instances
+            if (inst.name, inst.url) in old
+        }
+        breakers = PoolBreakers(
+            policy.breaker,
+            [inst.name for inst in policy.instances],
+            existing={name: inst.breaker for name, inst in kept.items()},
+        )
+        previous = self.policy
+        admission, was = policy.admission, previous.admission
+        health = policy.health
+        added: list[InstanceState] = []
+        instances: list[InstanceState] = []
+        for inst_policy in policy.instances:
+            inst = kept.get(inst_policy.name)
+            if inst is None:
+                inst = _new_instance(
+                    self.name, inst_policy, policy, breakers[inst_policy.name], now
+                )
+                added.append(inst)
+                instances.append(inst)
+                continue
+            for ewma in (inst.latency.ttfb, inst.latency.gap, inst.latency.per_token):
+                ewma.smoothing = policy.timeouts.smoothing
+            if not health.enabled:
+                if previous.health.enabled:
+                    inst.health = HealthState.assumed_healthy(now)
+            else:
+                inst.health.set_thresholds(health.healthy_threshold, health.unhealthy_threshold)
+            concurrency = admission.concurrency if admission else None
+            if concurrency != (was.concurrency if was else None):
+                inst.limiter = limiter_for(concurrency) if concurrency else None
+            tokens = admission.tokens if admission else None
+            if tokens != (was.tokens if was else None):
+                used = inst.budget.used if inst.budget is not None else 0
+                inst.budget = TokenBudget(tokens.capacity, tokens.overcommit) if tokens else None
+                if inst.budget is not None:
+                    inst.budget.used = used  # tokens of requests in flight stay counted
+            if admission is None or admission.vllm_signals is None:
+                inst.saturated = False  # nobody scrapes it any more
+                inst.vllm_waiting = inst.vllm_cache_usage = None
+            instances.append(inst)
+        retries, was_retries = policy.retries, previous.retries
+        # The swap: plain assignments, no await in between.
+        self.policy = policy
+        self.breakers = breakers
+        self.instances = instances
+        self.failure.smoothing = retries.failure_smoothing
+        if retries.tiers != was_retries.tiers:
+            self.tiers = TierTable(retries.tiers)
+        if retries.budget != was_retries.budget:
+            self.budget = RetryBudget.from_policy(retries.budget)
+        self.retry_on = frozenset(retries.on)
+        for model in policy.models:  # histograms of dropped models stay (in-flight requests)
+            self.stats.duration.setdefault(model, Histogram())
+            self.stats.ttfb.setdefault(model, Histogram())
+        self.refresh_routable()
+        return added
+
     def refresh_routable(self) -> None:
         """Recompute the healthy instances (on every change of a health verdict)."""
         self.routable = [inst for inst in self.instances if inst.health.healthy]
@@ -154,12 +210,63 @@ class PoolState:
             listener()
 
 
+def _new_instance(
+    pool_name: str, inst: InstancePolicy, policy: PoolPolicy, breaker: BreakerState, now: float
+) -> InstanceState:
+    health = policy.health
+    admission = policy.admission
+    return InstanceState(
+        pool_name,
+        inst,
+        policy.timeouts.smoothing,
+        HealthState(now, health.healthy_threshold, health.unhealthy_threshold)
+        if health.enabled
+        else HealthState.assumed_healthy(now),
+        breaker,
+        now,
+        limiter_for(admission.concurrency) if admission else None,
+        TokenBudget(admission.tokens.capacity, admission.tokens.overcommit)
+        if admission and admission.tokens
+        else None,
+    )
+
+
 class Registry:
-    """Pools by name and by the models they serve."""
+    """Pools by name and by the models they serve.
+
+    The two dicts are long-lived: the data plane and the decision store hold them, so a policy
+    reload (`apply`) changes them in place rather than replacing them.
+    """
 
     def __init__(self, policy: Policy, now: float, rng: random.Random | None = None) -> None:
-        rng = rng or random.Random()
-        self.pools = {name: PoolState(name, pool, rng, now) for name, pool in policy.pools.items()}
+        self.rng = rng or random.Random()
+        self.pools = {
+            name: PoolState(name, pool, self.rng, now) for name, pool in policy.pools.items()
+        }
         self.by_model = {
             model: self.pools[name] for name, pool in policy.pools.items() for model in pool.models
         }
+
+    def apply(self, policy: Policy, now: float) -> tuple[list[InstanceState], list[PoolState]]:
+        """Take a reloaded policy, in one synchronous step: surviving pools are reconfigured
+        in place (`PoolState.reconfigure`), new ones built, dropped ones removed (their
+        requests in flight keep their references and finish). Returns the new instances
+        (to health-check) and the dropped pools."""
+        added: list[InstanceState] = []
+        pools: dict[str, PoolState] = {}
+        for name, pool_policy in policy.pools.items():
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = PoolState(name, pool_policy, self.rng, now)
+                added.extend(pool.instances)
+            elif pool.policy != pool_policy:
+                added.extend(pool.reconfigure(pool_policy, now))
+            pools[name] = pool
+        dropped = [pool for name, pool in self.pools.items() if name not in pools]
+        self.pools.clear()
+        self.pools.update(pools)
+        self.by_model.clear()
+        self.by_model.update(
+            {model: pools[name] for name, pool in policy.pools.items() for model in pool.models}
+        )
+        return added, dropped

@@ -1,0 +1,234 @@
+"""Hot reload of the policy: what changed, what may not change without a restart, and the
+file watcher.
+
+A reload comes from `POST /admin/reload`, SIGHUP or a change of the policy file's content (a
+Kubernetes ConfigMap update swaps the mounted file's `..data` symlink). The new file is validated
+first; an invalid one, or one that changes a setting only a restart can apply, is refused and
+the old policy keeps serving. `Gateway.reload` applies the rest in one synchronous step.
+
+Only `pools` can change at run time. The rest is read once at startup (listening sockets, the
+admin token, the Redis session, tracing and log setup, the data plane's limits), so a change
+there refuses the whole reload with the dotted keys listed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.config import Policy
+from gateway.tasks import cancel_and_wait
+
+log = logging.getLogger("gateway.reload")
+
+# How often the policy file is looked at (stat only; the content is read when the stat changes).
+WATCH_INTERVAL_S = 1.0
+
+_policy_file: str | None = None
+
+
+def set_policy_file(path: str | None) -> None:
+    """The file this process serves from (set by `gateway run`): what reloads read."""
+    global _policy_file
+    _policy_file = path
+
+
+def policy_file() -> str | None:
+    return _policy_file
+
+
+class ReloadRefused(Exception):
+    """A valid policy that cannot be applied without a restart."""
+
+
+@dataclass(frozen=True)
+class PolicyDiff:
+    """What a reload changes. Instances are `pool/name`; one whose url changed is both removed
+    and added (a different backend: no state carried over)."""
+
+    restart_required: list[str] = field(default_factory=list)
+    pools_added: list[str] = field(default_factory=list)
+    pools_removed: list[str] = field(default_factory=list)
+    pools_changed: list[str] = field(default_factory=list)  # settings other than instances
+    instances_added: list[str] = field(default_factory=list)
+    instances_removed: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.pools_added
+            or self.pools_removed
+            or self.pools_changed
+            or self.instances_added
+            or self.instances_removed
+        )
+
+    def summary(self) -> dict[str, list[str]]:
+        return {
+            "pools_added": self.pools_added,
+            "pools_removed": self.pools_removed,
+            "pools_changed": self.pools_changed,
+            "instances_added": self.instances_added,
+            "instances_removed": self.instances_removed,
+        }
+
+
+def _leaves(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def restart_only_changes(old: Policy, new: Policy) -> list[str]:
+    """Dotted keys outside `pools` whose value differs (a whole section added or removed is
+    named by the section)."""
+    before = old.model_dump(exclude={"pools"})
+    after = new.model_dump(exclude={"pools"})
+    changed: list[str] = []
+    for section in before.keys() | after.keys():
+        a, b = before.get(section), after.get(section)
+        if a == b:
+            continue
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            changed.append(section)
+            continue
+        left, right = _leaves(a, section), _leaves(b, section)
+        changed.extend(k for k in left.keys() | right.keys() if left.get(k) != right.get(k))
+    return sorted(changed)
+
+
+def diff_policies(old: Policy, new: Policy) -> PolicyDiff:
+    """Compare two valid policies (pure: no state, no I/O)."""
+    diff = PolicyDiff(restart_required=restart_only_changes(old, new))
+    for name in sorted(old.pools.keys() - new.pools.keys()):
+        diff.pools_removed.append(name)
+        diff.instances_removed.extend(f"{name}/{i.name}" for i in old.pools[name].instances)
+    for name, pool in new.pools.items():
+        before = old.pools.get(name)
+        if before is None:
+            diff.pools_added.append(name)
+            diff.instances_added.extend(f"{name}/{i.name}" for i in pool.instances)
+            continue
+        was = {(i.name, i.url) for i in before.instances}
+        now = {(i.name, i.url) for i in pool.instances}
+        diff.instances_removed.extend(f"{name}/{i}" for i, _ in sorted(was - now))
+        diff.instances_added.extend(f"{name}/{i}" for i, _ in sorted(now - was))
+        if before.model_copy(update={"instances": ()}) != pool.model_copy(update={"instances": ()}):
+            diff.pools_changed.append(name)
+    return diff
+
+
+@dataclass
+class ReloadResult:
+    reloaded: bool
+    version: int
+    changes: dict[str, list[str]] = field(default_factory=dict)
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"reloaded": self.reloaded, "version": self.version}
+        if self.reloaded:
+            body["changes"] = self.changes
+        else:
+            body["error"] = self.error
+        return body
+
+
+@dataclass
+class ReloadStats:
+    """The reload history /metrics and /admin/state show."""
+
+    version: int = 1
+    loaded_at: float = 0.0  # wall clock
+    ok: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "loaded_at": self.loaded_at,
+            "source": policy_file(),
+            "reloads": {"ok": self.ok, "error": self.errors},
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+        }
+
+
+def _fingerprint(path: str) -> tuple[int, int, int, int] | None:
+    """(mtime_ns, size, inode, device) of the file the path leads to (symlinks followed)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+class PolicyWatcher:
+    """Polls the policy file every `interval_s`: when its stat changes (mtime, size, inode: a
+    ConfigMap's symlink swap changes the inode), the content is hashed, and a different hash
+    calls `reload` (once per content: a refused file is not retried until it changes again)."""
+
+    def __init__(
+        self,
+        path: str,
+        reload: Callable[[str], Awaitable[object]],
+        interval_s: float = WATCH_INTERVAL_S,
+    ) -> None:
+        self._path = path
+        self._reload = reload
+        self._interval_s = interval_s
+        self._stat = _fingerprint(path)
+        self._hash = _digest(path)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+            self._task = None
+
+    def seen(self) -> None:
+        """The file was just read by another reload: do not reload the same content again."""
+        self._stat = _fingerprint(self._path)
+        self._hash = _digest(self._path)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the watcher die: the next poll tries again
+                log.exception("policy watcher")
+
+    async def poll(self) -> None:
+        stat = _fingerprint(self._path)
+        if stat is None or stat == self._stat:
+            return  # missing for a moment (a swap in progress): wait for it to come back
+        self._stat = stat
+        digest = _digest(self._path)
+        if digest is None or digest == self._hash:
+            return
+        self._hash = digest
+        await self._reload("file change")
