@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -12,7 +14,7 @@ import aiohttp
 from starlette.types import ASGIApp
 
 from gateway.cluster import build_store
-from gateway.config import Policy
+from gateway.config import Policy, PolicyError, load_policy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
@@ -27,6 +29,7 @@ from gateway.pipeline.deadline import deadline
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
+from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies, policy_file
 from gateway.telemetry.logs import access_log
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
@@ -34,12 +37,20 @@ from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.transport import Transport, new_session
 from gateway.upstream.vllm_load import VllmLoadScraper
 
+log = logging.getLogger("gateway.reload")
+
 
 class Gateway:
     """Everything one gateway process serves from. Create it inside the running event loop."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, policy_path: str | None = None) -> None:
         self.policy = policy
+        # The file reloads read (`gateway run` records it; None: reloads from a file refused).
+        self.policy_path = policy_path if policy_path is not None else policy_file()
+        self.reloads = ReloadStats(loaded_at=time.time())
+        self._reload_lock = asyncio.Lock()
+        self._watcher: PolicyWatcher | None = None
+        self._background: set[asyncio.Task[ReloadResult]] = set()
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
         self.session: aiohttp.ClientSession = new_session()
@@ -60,11 +71,19 @@ class Gateway:
             for name, pool in self.registry.pools.items()
             if pool.policy.admission is not None
         }
-        layers: list[Layer] = [Admit(self.admissions)] if self.admissions else []
+        # Admission objects replaced by a reload, kept until their running requests and
+        # waiters are done (they still listen to their pool's capacity).
+        self._retired_admissions: list[PoolAdmission] = []
+        # The pools the account layer records into: the current ones and those a reload
+        # dropped while requests were in flight on them (until those have finished).
+        self._account_pools: dict[str, PoolState] = dict(self.registry.pools)
+        # Always there (a pool without admission costs one dict lookup): a reload may give
+        # a pool an admission section.
+        layers: list[Layer] = [Admit(self.admissions)]
         layers += [
             Retry(traced=self.tracing is not None),
             Pick(),
-            Account(self.registry.pools, on_transition),
+            Account(self._account_pools, on_transition),
             deadline,
         ]
         if self.tracing is not None:
@@ -76,6 +95,7 @@ class Gateway:
             max_request_bytes=policy.limits.max_request_bytes,
             readiness=self.readiness,
             tracing=self.tracing,
+            limits=policy.limits,
         )
         from gateway.admin import build_admin_app  # the admin plane depends on Gateway
 
@@ -85,7 +105,9 @@ class Gateway:
         """Share a breaker's transition; one back to ADMITTING makes room for waiting requests."""
         self.decisions.record(pool, transition, operator)
         if transition.to == ADMITTING and transition.state_from != ADMITTING:
-            self.registry.pools[pool].capacity_changed()
+            state = self.registry.pools.get(pool)  # None: dropped by a reload meanwhile
+            if state is not None:
+                state.capacity_changed()
 
     async def start(self) -> None:
         """Know which instances are healthy, and what other replicas decided (bounded: Redis
@@ -93,8 +115,20 @@ class Gateway:
         await asyncio.gather(self.health.first_round(), self.decisions.start())
         self.health.start()
         self.vllm_load.start()
+        self.watch_policy_file()
+
+    def watch_policy_file(self) -> None:
+        """Reload when the policy file's content changes (no-op without a file)."""
+        if self.policy_path is not None and self._watcher is None:
+            self._watcher = PolicyWatcher(self.policy_path, self.reload_from_file)
+            self._watcher.start()
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.close()
         await self.vllm_load.close()
         await self.decisions.close()
@@ -106,9 +140,147 @@ class Gateway:
         if log is not None:
             log.flush()
 
+    # Set by the process on SIGTERM (gateway.drain): not ready from then on, while it drains.
+    draining = False
+
+    # -- policy reload ----------------------------------------------------------------------
+
+    def reload_in_background(self, source: str = "SIGHUP") -> None:
+        """For a signal handler: reload from the policy file in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.reload_from_file(source))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def reload_from_file(self, source: str = "api") -> ReloadResult:
+        """Read, validate and apply the policy file; the old policy stays when it fails."""
+        async with self._reload_lock:
+            if self.policy_path is None:
+                return self._refused("no policy file to reload from", source)
+            try:
+                policy = load_policy(self.policy_path)
+            except PolicyError as exc:
+                return self._refused(str(exc), source)
+            finally:
+                if self._watcher is not None:
+                    self._watcher.seen()  # this content is handled: not again by the watcher
+            return await self._apply(policy, source)
+
+    async def reload(self, policy: Policy, source: str = "api") -> ReloadResult:
+        """Apply an already validated policy (reloads are serialised)."""
+        async with self._reload_lock:
+            return await self._apply(policy, source)
+
+    def _refused(self, message: str, source: str) -> ReloadResult:
+        stats = self.reloads
+        stats.errors += 1
+        stats.last_error = message
+        stats.last_error_at = time.time()
+        log.error(
+            "policy reload refused, the old policy keeps serving",
+            extra={"fields": {"source": source, "version": stats.version, "error": message}},
+        )
+        return ReloadResult(False, stats.version, error=message)
+
+    async def _apply(self, policy: Policy, source: str) -> ReloadResult:
+        diff = diff_policies(self.policy, policy)
+        if diff.restart_required:
+            return self._refused(
+                "these settings take effect only after a restart (nothing was applied): "
+                + ", ".join(diff.restart_required),
+                source,
+            )
+        stats = self.reloads
+        stats.ok += 1
+        if diff.empty:
+            self.policy = policy
+            log.warning(
+                "policy reloaded: no change",
+                extra={"fields": {"source": source, "version": stats.version}},
+            )
+            return ReloadResult(True, stats.version, diff.summary())
+        # The swap: one synchronous step, so no request sees half of it. Requests in flight
+        # keep the pool and instance objects they hold and finish on them.
+        now = asyncio.get_running_loop().time()
+        added, dropped = self.registry.apply(policy, now)
+        self.policy = policy
+        self._sync_account_pools(dropped)
+        self._sync_admissions()
+        self.decisions.follow(self.registry)
+        self._refresh_models()
+        stats.version += 1
+        stats.loaded_at = time.time()
+        fields: dict[str, Any] = {"source": source, "version": stats.version}
+        fields.update({k: ",".join(v) for k, v in diff.summary().items() if v})
+        log.warning("policy reloaded", extra={"fields": fields})
+        # The background work follows the new pools. New instances are checked at once and
+        # take traffic only once healthy (as at startup).
+        old_health, old_load = self.health, self.vllm_load
+        self.health = HealthChecker(self.registry, self.session)
+        self.vllm_load = VllmLoadScraper(self.registry, self.session)
+        await asyncio.gather(old_health.close(), old_load.close())
+        await self.health.check_instances(added)
+        self.health.start()
+        self.vllm_load.start()
+        return ReloadResult(True, stats.version, diff.summary())
+
+    def _sync_account_pools(self, dropped: list[PoolState]) -> None:
+        """Current pools, plus dropped ones while requests are in flight on them."""
+        keep = {
+            name: pool
+            for name, pool in self._account_pools.items()
+            if name not in self.registry.pools and any(i.in_flight for i in pool.instances)
+        }
+        keep.update({pool.name: pool for pool in dropped})
+        self._account_pools.clear()
+        self._account_pools.update(keep)
+        self._account_pools.update(self.registry.pools)
+
+    def _sync_admissions(self) -> None:
+        """Admission follows the pools. A surviving pool with the same admission settings
+        keeps its PoolAdmission (running count, queues and waiters intact). A changed one gets
+        a new PoolAdmission for new requests; the old one is retired: its running requests
+        and waiters finish through it (it keeps listening to the pool's capacity), and it is
+        dropped at a later reload once empty. Until then both count the pool's room, so the
+        pool may briefly take up to twice its slots (the instances' limits still hold in the
+        pick layer)."""
+        pools = self.registry.pools
+        for name, current in list(self.admissions.items()):
+            pool = pools.get(name)
+            if pool is None or current.pool is not pool or current.policy != pool.policy.admission:
+                del self.admissions[name]
+                self._retired_admissions.append(current)
+        for name, pool in pools.items():
+            if pool.policy.admission is not None and name not in self.admissions:
+                self.admissions[name] = PoolAdmission(pool, pool.policy.admission)
+        still: list[PoolAdmission] = []
+        for retired in self._retired_admissions:
+            if retired.running or len(retired.queues):
+                still.append(retired)
+            elif retired.dispatch in retired.pool.capacity_listeners:
+                retired.pool.capacity_listeners.remove(retired.dispatch)
+        self._retired_admissions = still
+
+    def _refresh_models(self) -> None:
+        """`GET /v1/models` lists the reloaded pools' models."""
+        body = json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
+                    for model, pool in self.registry.by_model.items()
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+        if hasattr(self.data_app, "_models_body"):
+            self.data_app._models_body = body
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the policy is loaded and every pool has an instance that takes traffic:
-        healthy and not isolated (a sidecar's pod leaves its Service while its vLLM is out)."""
+        healthy and not isolated (a sidecar's pod leaves its Service while its vLLM is out),
+        and the process is not draining."""
+        if self.draining:
+            return False, {"ready": False, "draining": True}
         pools = {
             name: any(i.breaker.state == ADMITTING for i in pool.routable)
             for name, pool in self.registry.pools.items()
@@ -166,6 +338,7 @@ class Gateway:
         return {
             "pools": pools,
             "shared_state": self.decisions.status(),
+            "policy": self.reloads.state(),
         }
 
 

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 from gateway.admin import admin_token
 from gateway.app import Gateway
 from gateway.config import Policy, split_host_port
+from gateway.drain import Drain
 
 log = logging.getLogger("gateway")
 
@@ -62,9 +63,15 @@ def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # httptools, not h11: h11 lets a Content-Length + Transfer-Encoding request smuggle a second
     # request through, httptools rejects it. No server/date headers of our own, no access log
     # on this path, and no rewriting of the client address from X-Forwarded-For (ours to decide).
+    # Its protocol hardened (header/body deadlines, header/URI caps, a connection cap) with
+    # the data plane's `limits` (the admin plane: the defaults).
+    from gateway.config.models import LimitsPolicy
+    from gateway.ingress.protocol import HardenedProtocol
+
+    limits = getattr(app, "limits", None) or LimitsPolicy()
     return uvicorn.Config(
         app,
-        http="httptools",
+        http=HardenedProtocol.configured(limits),
         ws="none",
         lifespan="off",
         server_header=False,
@@ -95,7 +102,7 @@ def _address(sock: socket.socket) -> str:
 
 
 async def serve(policy: Policy) -> None:
-    """Serve until SIGTERM or SIGINT."""
+    """Serve until SIGTERM or SIGINT, then drain (gateway.drain) and return."""
     admin_host, _ = split_host_port(policy.admin.listen)
     if not _is_loopback(admin_host) and admin_token(policy.admin.token_env) is None:
         raise SystemExit(
@@ -117,13 +124,20 @@ async def serve(policy: Policy) -> None:
         for server in servers:
             server.should_exit = True
 
+    def set_draining(on: bool) -> None:
+        gateway.draining = on
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
     tasks = [
         asyncio.create_task(servers[0].serve(sockets=[data_sock])),
         asyncio.create_task(servers[1].serve(sockets=[admin_sock])),
     ]
+    # SIGTERM drains the data plane (the admin plane closes last); a second one, or SIGINT,
+    # ends the drain at once.
+    drain = Drain(policy.drain, servers[0], tasks[0], servers[1], set_draining)
+    loop.add_signal_handler(signal.SIGTERM, drain.signal)
+    loop.add_signal_handler(signal.SIGINT, drain.interrupt)
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload_in_background, "SIGHUP")
     try:
         for _ in range(1000):  # bounded: uvicorn's startup is quick on pre-bound sockets
             if all(server.started for server in servers) or any(t.done() for t in tasks):
@@ -136,5 +150,5 @@ async def serve(policy: Policy) -> None:
     finally:
         stop()
         await gateway.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.ledger import JsonlWriter, read_records
 from loadtests.loadgen import ClassSummary, Target, WorkloadSpec, per_class_summary, run_load
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, gateway_process, python_module
 
 MAX_RUNNING = 8
 KV_TOKENS = 4000
@@ -98,7 +98,7 @@ pools:
 """
     path = Path(tempfile.mkdtemp(prefix="bench-admission-")) / "policy.yaml"
     path.write_text(policy)
-    with ManagedProcess(python_module("gateway", "run", "--policy", str(path))) as proc:
+    with gateway_process(path) as proc:
         yield proc
 
 

@@ -20,7 +20,7 @@ import aiohttp
 import httpx
 
 from loadtests.chaos.cluster import free_port
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, gateway_process, python_module
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -51,7 +51,7 @@ def fake(name: str, port: int = 0) -> ManagedProcess:
 def gateway(policy: str) -> ManagedProcess:
     path = Path(tempfile.mkdtemp(prefix="bench-breakers-")) / "policy.yaml"
     path.write_text(policy)
-    return ManagedProcess(python_module("gateway", "run", "--policy", str(path)))
+    return gateway_process(path)
 
 
 def health_check_cost(instances: int = 50, seconds: float = 20.0) -> dict[str, float]:

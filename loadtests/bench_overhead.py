@@ -47,7 +47,7 @@ from loadtests.bench.report import render, table, write_json
 from loadtests.bench.results import Throughput
 from loadtests.bench.servers import gateway_policy, start_fake_backend, start_gateway, url_of
 from loadtests.fake_vllm.responses import fixed_chat_body
-from loadtests.procs import ManagedProcess, ProcessFailed, python_module
+from loadtests.procs import ManagedProcess, ProcessFailed, gateway_process, python_module
 
 CHAT_PATH = "/v1/chat/completions"
 FIXED_MODEL = "bench-model"
@@ -435,7 +435,7 @@ def start_traced_gateway(
     policy = directory / "gateway-policy-traced.yaml"
     telemetry = f"telemetry: {{tracing: true, service_name: {TRACED_SERVICE}}}\n"
     policy.write_text(gateway_policy(pools) + telemetry)
-    gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy)), env=env)
+    gateway = gateway_process(policy, env)
     try:
         pin_process(gateway.pid, cpu)
     except BaseException:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 READY_RE = re.compile(r"\bREADY\b(?P<fields>.*)$")
 FIELD_RE = re.compile(r"(\w+)=(\S+)")
@@ -52,8 +53,10 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 20.0,
         cwd: str | None = None,
+        stop_signal: int = signal.SIGTERM,
     ) -> None:
         self.argv = list(argv)
+        self.stop_signal = stop_signal
         self.lines: deque[str] = deque(maxlen=2000)
         self.ready: dict[str, str] = {}
         self._ready_event = threading.Event()
@@ -103,10 +106,11 @@ class ManagedProcess:
             os.kill(self.proc.pid, sig)
 
     def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; returns the exit code."""
+        """`stop_signal` (SIGTERM), then SIGKILL if it has not exited within `timeout_s`; returns
+        the exit code."""
         if self.proc.poll() is None:
             self.signal(signal.SIGCONT)  # a frozen child cannot handle SIGTERM
-            self.signal(signal.SIGTERM)
+            self.signal(self.stop_signal)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -120,6 +124,18 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def gateway_process(
+    policy_path: str | Path, env: dict[str, str] | None = None, *extra: str
+) -> ManagedProcess:
+    """`gateway run` on a policy file. Stopped by SIGINT, the gateway's quick stop: a test or
+    benchmark has nobody to drain for (SIGTERM would wait out `drain.delay`)."""
+    return ManagedProcess(
+        python_module("gateway", "run", "--policy", str(policy_path), *extra),
+        env=env,
+        stop_signal=signal.SIGINT,
+    )
 
 
 def python_module(module: str, *args: str) -> list[str]:

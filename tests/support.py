@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, gateway_process, python_module
 
 
 @dataclass
@@ -123,7 +123,7 @@ def start_gateway(
     policy_path: Path, policy_text: str, env: dict[str, str] | None = None
 ) -> Gateway:
     policy_path.write_text(policy_text)
-    proc = ManagedProcess(python_module("gateway", "run", "--policy", str(policy_path)), env=env)
+    proc = gateway_process(policy_path, env)
     return Gateway(proc)
 
 

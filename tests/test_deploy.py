@@ -297,6 +297,9 @@ def _prestop_seconds(container: Manifest) -> int:
 def test_graceful_shutdown_fits_the_grace_period() -> None:
     gateway_shutdown = SHUTDOWN_DELAY_S + DRAIN_DEADLINE_S
     for name, workload, gateway in _gateway_workloads():
+        # The numbers below are the policy's own drain settings.
+        drain = _policy_of(name, workload, gateway).drain
+        assert (drain.delay, drain.timeout) == (SHUTDOWN_DELAY_S, DRAIN_DEADLINE_S), name
         pod = workload["spec"]["template"]["spec"]
         grace = pod["terminationGracePeriodSeconds"]
         assert grace == 60

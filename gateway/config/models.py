@@ -120,8 +120,33 @@ class AdminPolicy(Strict):
     token_env: Annotated[str, Field(min_length=1)] = "GATEWAY_ADMIN_TOKEN"
 
 
+def _check_cidr(value: object) -> str:
+    import ipaddress
+
+    if not isinstance(value, str):
+        raise ValueError(f"invalid network {value!r}: expected an address or CIDR, e.g. 10.0.0.0/8")
+    try:
+        return str(ipaddress.ip_network(value.strip(), strict=True))
+    except ValueError as exc:
+        raise ValueError(f"invalid network {value!r}: {exc}") from None
+
+
+Cidr = Annotated[str, BeforeValidator(_check_cidr)]
+
+
 class LimitsPolicy(Strict):
     max_request_bytes: Size = Field(default=8 * 1024 * 1024, gt=0)
+    # Slowloris / slow bodies: the request line and headers must arrive within header_timeout
+    # of the connection (or of the request's first byte on a kept-alive one), the whole body
+    # within body_timeout of the headers; else 408 and the connection is closed.
+    header_timeout: Duration = Field(default=10.0, gt=0)
+    body_timeout: Duration = Field(default=60.0, gt=0)
+    max_header_bytes: Size = Field(default=64 * 1024, ge=1024)  # 431 above
+    max_headers: int = Field(default=100, ge=8)  # 431 above
+    max_uri_bytes: Size = Field(default=8 * 1024, ge=256)  # 414 above
+    max_connections: int = Field(default=10000, ge=1)  # a fast 503 above
+    # Peers whose X-Forwarded-For is believed (default: nobody's, the peer replaces it).
+    trusted_proxies: tuple[Cidr, ...] = ()
 
 
 class SharedPolicy(Strict):
@@ -143,6 +168,16 @@ class TelemetryPolicy(Strict):
     # One line per proxied request. Off by default, as in Envoy, Linkerd or Traefik: at
     # thousands of requests per second a line each costs a few percent of the throughput.
     access_log: bool = False
+
+
+class DrainPolicy(Strict):
+    """Graceful shutdown on SIGTERM (see README, "Graceful shutdown")."""
+
+    # SIGTERM to closing the listeners: /readyz answers 503 while requests are still served,
+    # so the endpoints controller takes the pod out of its Services first.
+    delay: Duration = Field(default=5.0, ge=0)
+    # From the listeners' closing: in-flight requests and streams may finish until then.
+    timeout: Duration = Field(default=30.0, ge=0)
 
 
 class InstancePolicy(Strict):
@@ -303,4 +338,5 @@ class Policy(Strict):
     limits: LimitsPolicy = LimitsPolicy()
     shared: SharedPolicy | None = None
     telemetry: TelemetryPolicy = TelemetryPolicy()
+    drain: DrainPolicy = DrainPolicy()
     pools: dict[Name, PoolPolicy] = Field(min_length=1)

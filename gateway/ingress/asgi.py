@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import Message, Scope
 
+from gateway.config.models import LimitsPolicy
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -28,6 +29,7 @@ from gateway.errors import (
     NotFound,
 )
 from gateway.ingress.body import ClientGone, Receive, RequestFacts, read_body, read_facts
+from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
@@ -101,7 +103,12 @@ class DataPlane:
         max_request_bytes: int,
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         tracing: Tracing | None = None,
+        limits: LimitsPolicy | None = None,
     ) -> None:
+        # The connection-level limits (deadlines, header caps...) are the HTTP protocol's,
+        # which finds them here (`server._uvicorn_config`); trusted_proxies is ours.
+        self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
+        self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
         self._tracer = tracing.tracer if tracing is not None else None
         self._access = access_log()
@@ -160,16 +167,23 @@ class DataPlane:
         error: GatewayError,
         started: float,
         model: str | None,
+        client_address: str | None = None,
     ) -> None:
         """Answer a request the gateway refuses before routing it (400, 404, 413...)."""
         await send_error(send, error)
-        self._rejected(scope, path, error.status, started, model)
+        self._rejected(scope, path, error.status, started, model, client_address)
 
     def _rejected(
-        self, scope: Scope, path: str, status: int, started: float, model: str | None
+        self,
+        scope: Scope,
+        path: str,
+        status: int,
+        started: float,
+        model: str | None,
+        client_address: str | None = None,
     ) -> None:
         if self._access is not None:
-            client = scope.get("client")
+            client = (client_address,) if client_address else scope.get("client")
             fields = {
                 "method": "POST",
                 "path": path,
@@ -190,8 +204,8 @@ class DataPlane:
         pool: str,
         call: Call,
         ttfb_s: float | None,
+        client: str | None,
     ) -> None:
-        client = scope.get("client")
         fields: dict[str, object] = {
             "method": "POST",
             "path": path,
@@ -203,7 +217,7 @@ class DataPlane:
             "streamed": facts.stream,
             "duration_s": self._loop.time() - started,
             "ttfb_s": ttfb_s,
-            "client": client[0] if client else None,
+            "client": client,
         }
         if self._tracer is not None:
             span_context = trace.get_current_span().get_span_context()
@@ -255,23 +269,24 @@ class DataPlane:
         client = scope.get("client")
         try:
             headers = split_request_headers(
-                scope["headers"], client[0] if client else None, scope["scheme"]
+                scope["headers"], client[0] if client else None, scope["scheme"], self._trusted
             )
             body = await read_body(receive, self._limit, headers.content_length)
             facts = read_facts(body)
         except ClientGone:
-            self._rejected(scope, path, CLIENT_CLOSED, started, None)
+            self._rejected(scope, path, CLIENT_CLOSED, started, None, headers.client)
             return
         except ValueError as exc:
             await self._reject(scope, send, path, InvalidRequest(str(exc)), started, None)
             return
         except GatewayError as error:
-            await self._reject(scope, send, path, error, started, None)
+            await self._reject(scope, send, path, error, started, None, headers.client)
             return
+        address = headers.client
         pool = self._by_model.get(facts.model)
         if pool is None:
             unknown = ModelNotFound(f"the model {facts.model!r} does not exist")
-            await self._reject(scope, send, path, unknown, started, facts.model)
+            await self._reject(scope, send, path, unknown, started, facts.model, address)
             return
         budget_s = pool.policy.timeouts.ceiling
         client_budget = headers.gateway.get(b"x-gateway-timeout")
@@ -280,12 +295,13 @@ class DataPlane:
                 budget_s = min(budget_s, _positive_seconds(client_budget))
             except ValueError:
                 bad = InvalidRequest("x-gateway-timeout must be a positive number of seconds")
-                await self._reject(scope, send, path, bad, started, facts.model)
+                await self._reject(scope, send, path, bad, started, facts.model, address)
                 return
         try:
             priority = parse_priority(headers.gateway.get(b"x-gateway-priority"))
         except ValueError as exc:
-            await self._reject(scope, send, path, InvalidRequest(str(exc)), started, facts.model)
+            bad = InvalidRequest(str(exc))
+            await self._reject(scope, send, path, bad, started, facts.model, address)
             return
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
@@ -337,7 +353,9 @@ class DataPlane:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
             if self._access is not None:
-                self._log_access(scope, path, status, started, facts, pool.name, call, ttfb_s)
+                self._log_access(
+                    scope, path, status, started, facts, pool.name, call, ttfb_s, address
+                )
             if self._tracer is not None:
                 span = trace.get_current_span()
                 span.set_attributes(

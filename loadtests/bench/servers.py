@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loadtests.bench.cpu import pin_process
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, gateway_process, python_module
 
 
 def start_fake_backend(name: str, model: str, *extra: str) -> ManagedProcess:
@@ -34,7 +34,7 @@ def start_gateway(
     """`gateway run` on free ports, then moved with all its threads to `cpu`."""
     policy = directory / "gateway-policy.yaml"
     policy.write_text(gateway_policy(pools))
-    gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy)))
+    gateway = gateway_process(policy)
     try:
         pin_process(gateway.pid, cpu)
     except BaseException:

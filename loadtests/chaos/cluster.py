@@ -25,7 +25,7 @@ import httpx
 import yaml
 
 from loadtests.chaos.scenario import Scenario
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, gateway_process, python_module
 from loadtests.redis_server import RedisServer
 
 REDIS_KEY_PREFIX = "chaos"
@@ -118,7 +118,7 @@ class Cluster:
     def start_gateway(self) -> str:
         policy_path = self.workdir / "gateway-policy.yaml"
         policy_path.write_text(yaml.safe_dump(self.gateway_policy(), sort_keys=False))
-        self.gateway = ManagedProcess(python_module("gateway", "run", "--policy", str(policy_path)))
+        self.gateway = gateway_process(policy_path)
         return f"http://{self.gateway.ready['data']}"
 
     def gateway_policy(self) -> dict[str, Any]:
