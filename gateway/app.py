@@ -339,6 +339,7 @@ class Gateway:
             "pools": pools,
             "shared_state": self.decisions.status(),
             "policy": self.reloads.state(),
+            "draining": self.draining,
         }
 
 

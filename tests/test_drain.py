@@ -205,6 +205,8 @@ def test_a_second_signal_ends_the_drain_at_once(
             futures = start_streams(pool, gw, max_tokens=2000)
             gw.proc.signal(signal.SIGTERM)
             assert wait_until(lambda: ready_status(gw) == 503, timeout_s=2)
+            # Operators watching the admin plane see it too.
+            assert httpx.get(f"{gw.admin_url}/admin/state", timeout=2).json()["draining"] is True
             hurried = time.monotonic()
             gw.proc.signal(signal.SIGINT)
             results = [f.result(timeout=10) for f in futures]
