@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -206,7 +205,7 @@ class Gateway:
         self._sync_account_pools(dropped)
         self._sync_admissions()
         self.decisions.follow(self.registry)
-        self._refresh_models()
+        self.data_app.refresh_models()  # /v1/models lists the reloaded pools' models
         stats.version += 1
         stats.loaded_at = time.time()
         fields: dict[str, Any] = {"source": source, "version": stats.version}
@@ -259,21 +258,6 @@ class Gateway:
             elif retired.dispatch in retired.pool.capacity_listeners:
                 retired.pool.capacity_listeners.remove(retired.dispatch)
         self._retired_admissions = still
-
-    def _refresh_models(self) -> None:
-        """`GET /v1/models` lists the reloaded pools' models."""
-        body = json.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
-                    for model, pool in self.registry.by_model.items()
-                ],
-            },
-            separators=(",", ":"),
-        ).encode()
-        if hasattr(self.data_app, "_models_body"):
-            self.data_app._models_body = body
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when the policy is loaded and every pool has an instance that takes traffic:

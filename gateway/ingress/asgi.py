@@ -116,12 +116,17 @@ class DataPlane:
         self._limit = max_request_bytes
         self._readiness = readiness
         self._loop = asyncio.get_running_loop()
+        self._models_body = b""
+        self.refresh_models()
+
+    def refresh_models(self) -> None:
+        """Encode `GET /v1/models` once per policy (again after a reload), not per request."""
         self._models_body = json.dumps(
             {
                 "object": "list",
                 "data": [
                     {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
-                    for model, pool in registry.by_model.items()
+                    for model, pool in self._by_model.items()
                 ],
             },
             separators=(",", ":"),
