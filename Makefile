@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-propagation bench-admission loadtest system-deps clean
+.PHONY: install test lint demo bench bench-propagation bench-admission bench-operations loadtest system-deps clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench-propagation: install system-deps
 # admission control: p99 per priority class and OOMs.
 bench-admission: install
 	$(BIN)/python -m loadtests.bench_admission $(BENCH_ARGS)
+
+# Policy reloads and a SIGTERM drain while traffic flows: requests failed (must be 0).
+bench-operations: install
+	$(BIN)/python -m loadtests.bench_operations $(BENCH_ARGS)
 
 # A chaos scenario, direct vs through the gateway; report in loadtests/out/<scenario>-<time>/.
 SCENARIO ?= chaos-mix

@@ -192,3 +192,31 @@ def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -
     assert without["queue_wait_p99_s"] == {}
     assert set(with_admission["queue_wait_p99_s"]) == {"interactive", "standard", "batch"}
     assert "| with admission | 300 % | interactive |" in done.stdout
+
+
+def test_the_operations_benchmark_loses_no_request_to_reloads_or_a_drain() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtests.bench_operations",
+            "--rate",
+            "20",
+            "--reloads",
+            "2",
+            "--interval-s",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    reloads, drain = report["reloads"], report["drain"]
+    assert reloads["requests"] > 0 and reloads["failed"] == {}
+    assert reloads["reloads"] == {"api": 1, "SIGHUP": 1}
+    assert drain["in_flight_at_sigterm"] > 0 and drain["failed"] == {}
+    assert drain["exit_code"] == 0
