@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -53,6 +54,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="per-token time x (1 + this x running / max-running) as a request starts",
+    )
+    parser.add_argument(
+        "--record-credentials",
+        action="store_true",
+        default=os.environ.get("FAKE_VLLM_RECORD_CREDENTIALS", "") not in ("", "0"),
+        help="log the exact x-api-key and authorization of /v1/messages requests "
+        "(also FAKE_VLLM_RECORD_CREDENTIALS=1); by default only presence and a short hash",
     )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
@@ -108,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_running=args.max_running,
         kv_tokens=args.kv_tokens,
         batch_slowdown=args.batch_slowdown,
+        record_credentials=args.record_credentials,
     )
     sock = bind_listener(args.host, args.port)
     server_config = uvicorn.Config(

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from . import responses as r
+from .anthropic import MESSAGES, handle_messages
 from .asgi import (
     JSON,
     DisconnectGuard,
@@ -72,6 +73,7 @@ class FakeVllm:
             ("POST", CHAT): self._chat,
             ("POST", COMPLETIONS): self._completions,
             ("POST", EMBEDDINGS): self._embeddings,
+            ("POST", MESSAGES): self._messages,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -225,6 +227,10 @@ class FakeVllm:
             await send(body_message(writer.usage(prompt_tokens, n), more=True))
         await send(body_message(r.DONE, more=False))
         return "ok"
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The Anthropic Messages API (anthropic.py)."""
+        await handle_messages(self, scope, receive, send)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         record, body = await self._receive_logged(scope, receive)

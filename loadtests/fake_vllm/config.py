@@ -15,6 +15,9 @@ RATE_LIMIT = "rate_limit"
 HANG = "hang"
 STALL = "stall"
 DIE = "die"
+# Anthropic Messages API only (POST /v1/messages): vLLM has no such answers.
+OVERLOADED = "overloaded"
+STREAM_ERROR = "stream_error"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class FakeConfig:
     kv_tokens: int = 0
     # Per-token time grows by this fraction of the batch's fullness as a request starts.
     batch_slowdown: float = 0.0
+    # Log the exact `x-api-key` and `authorization` of Anthropic requests (`credentials` field);
+    # off, the log shows only whether they were present and a short hash of the key.
+    record_credentials: bool = False
 
     @property
     def engine_enabled(self) -> bool:
@@ -61,6 +67,10 @@ class Faults:
     die_after: int = 3
     rate_limit_rate: float = 0.0
     retry_after: int = 1
+    # Anthropic requests only: a 529 overloaded_error before any token, and a stream that sends
+    # an `event: error` (overloaded_error) after `stall_after` deltas and ends.
+    overloaded_rate: float = 0.0
+    stream_error_rate: float = 0.0
     slow_factor: float = 1.0
     unhealthy: bool = False
     ttft: float | None = None
@@ -77,13 +87,16 @@ class Faults:
             or self.stall_rate > 0
             or self.die_rate > 0
             or self.rate_limit_rate > 0
+            or self.overloaded_rate > 0
+            or self.stream_error_rate > 0
         )
 
-    def draw(self, rng: random.Random, stream: bool) -> str | None:
+    def draw(self, rng: random.Random, stream: bool, anthropic: bool = False) -> str | None:
         """The one fault to inject into a request, or None.
 
         Checked in a fixed order so a seeded generator gives the same sequence on every run;
-        a rate of 0 consumes no randomness.
+        a rate of 0 consumes no randomness. The Anthropic-only faults come last and are drawn
+        only for Anthropic requests (`anthropic`), so they never disturb the OpenAI routes.
         """
         if not self.any_random:
             return None
@@ -94,6 +107,8 @@ class Faults:
             (HANG, self.hang_rate),
             (DIE, self.die_rate),
             (STALL, self.stall_rate if stream else 0.0),
+            (OVERLOADED, self.overloaded_rate if anthropic else 0.0),
+            (STREAM_ERROR, self.stream_error_rate if anthropic and stream else 0.0),
         ):
             if rate > 0 and rng.random() < rate:
                 return name
@@ -123,7 +138,16 @@ class Faults:
         return Faults(**current)
 
 
-_RATES = {"error_rate", "oom_rate", "hang_rate", "stall_rate", "die_rate", "rate_limit_rate"}
+_RATES = {
+    "error_rate",
+    "oom_rate",
+    "hang_rate",
+    "stall_rate",
+    "die_rate",
+    "rate_limit_rate",
+    "overloaded_rate",
+    "stream_error_rate",
+}
 _COUNTS = {"stall_after", "die_after", "retry_after"}
 _OPTIONAL_SECONDS = {"ttft", "per_token"}
 

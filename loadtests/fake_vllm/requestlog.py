@@ -15,6 +15,7 @@ class RequestRecord:
     __slots__ = (
         "body_sha256",
         "ended",
+        "extra",
         "fault",
         "headers",
         "id",
@@ -48,6 +49,8 @@ class RequestRecord:
         self.fault: str | None = None
         # Lets a test prove a proxy forwarded the body byte for byte.
         self.body_sha256: str | None = None
+        # Route-specific fields shown beside the common ones (the Anthropic route's credentials).
+        self.extra: dict[str, Any] | None = None
         self.started = time.time()
         self.ended: float | None = None
         self.outcome = IN_PROGRESS
@@ -55,7 +58,7 @@ class RequestRecord:
         self.live = True
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        result: dict[str, Any] = {
             "id": self.id,
             "method": self.method,
             "path": self.path,
@@ -70,6 +73,9 @@ class RequestRecord:
             "fault": self.fault,
             "body_sha256": self.body_sha256,
         }
+        if self.extra is not None:
+            result.update(self.extra)
+        return result
 
 
 def header_dict(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
