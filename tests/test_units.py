@@ -170,7 +170,7 @@ def test_minimal_policy_retry_and_breaker_defaults() -> None:
     ]
     assert retries.budget.ratio == 0.2
     assert retries.budget.min_per_second == 5.0
-    assert retries.on == ("connect_failure", "reset", "timeout", 429, 500, 502, 503, 504)
+    assert retries.on == ("connect_failure", "reset", "timeout", 429, 500, 502, 503, 504, 529)
 
     breaker = pool.breaker
     assert breaker.consecutive_timeouts == 3

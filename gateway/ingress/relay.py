@@ -8,13 +8,13 @@ from typing import Any
 
 from gateway.drain import STREAMS, shutting_down
 from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError
+from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
 from gateway.upstream.response import UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
-_SSE_DONE = b"data: [DONE]\n\n"
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
@@ -41,7 +41,9 @@ async def send_json(
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: GatewayError, attempts: int = 0) -> None:
+async def send_error(
+    send: Send, error: GatewayError, attempts: int = 0, dialect: Dialect = OPENAI
+) -> None:
     extra: list[tuple[bytes, bytes]] = []
     if error.retry_after_s is not None:
         extra.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
@@ -52,12 +54,13 @@ async def send_error(send: Send, error: GatewayError, attempts: int = 0) -> None
     if error.status == 413:
         # The rest of the body was never read: the connection cannot be reused.
         extra.append((b"connection", b"close"))
-    await send_json(send, error.status, error.body(), tuple(extra))
+    await send_json(send, error.status, dialect.body(error), tuple(extra))
 
 
-def sse_error_event(error: GatewayError) -> bytes:
-    """An SSE event carrying an error, then the end-of-stream marker OpenAI clients expect."""
-    return b"data: " + error.body() + b"\n\n" + _SSE_DONE
+def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI) -> bytes:
+    """The end of a stream the gateway has to break: an error event in the client's protocol
+    (for OpenAI clients followed by `[DONE]`)."""
+    return dialect.stream_ending(error)
 
 
 def _event_boundary(data: bytes) -> int:
@@ -68,14 +71,20 @@ def _event_boundary(data: bytes) -> int:
 
 
 async def relay(
-    send: Send, response: UpstreamResponse, attempts: int, idle_s: float, end_at: float
+    send: Send,
+    response: UpstreamResponse,
+    attempts: int,
+    idle_s: float,
+    end_at: float,
+    dialect: Dialect = OPENAI,
 ) -> None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
 
-    A stream that breaks after the commit point ends, for SSE, with an error event and
-    `[DONE]` (never a silent truncation): incomplete events are held back until their end
-    arrives, so the error event never lands inside half an event. Any other body is aborted
-    (ResponseAborted) so the client sees an incomplete response, not a short one that looks whole.
+    A stream that breaks after the commit point ends, for SSE, with an error event (and
+    `[DONE]` for OpenAI clients: `dialect`), never a silent truncation: incomplete events are
+    held back until their end arrives, so the error event never lands inside half an event.
+    Any other body is aborted (ResponseAborted) so the client sees an incomplete response, not
+    a short one that looks whole.
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain).
     """
@@ -109,7 +118,7 @@ async def relay(
         if error is None:
             ok = True
         elif response.is_sse:
-            await send({"type": "http.response.body", "body": sse_error_event(error)})
+            await send({"type": "http.response.body", "body": sse_error_event(error, dialect)})
         else:
             assert isinstance(error, UpstreamError)
             raise ResponseAborted(error)

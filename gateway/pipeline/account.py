@@ -21,14 +21,23 @@ from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
 _USAGE_KEY = b'"completion_tokens":'
+# Anthropic's Messages API counts them as `usage.output_tokens` (streams: in `message_delta`).
+_ANTHROPIC_USAGE_KEY = b'"output_tokens":'
+# How Anthropic ends a stream that failed: an `error` event, after which nothing comes.
+_STREAM_ERROR_EVENT = b"event: error"
 
 
 def completion_tokens(data: bytes) -> int | None:
-    """`usage.completion_tokens` from the end of a JSON body or stream, without parsing it."""
-    at = data.rfind(_USAGE_KEY)
+    """The output tokens from the end of a JSON body or stream, without parsing it: OpenAI's
+    `usage.completion_tokens`, else Anthropic's `usage.output_tokens` (the last one given)."""
+    key = _USAGE_KEY
+    at = data.rfind(key)
     if at < 0:
-        return None
-    digits = data[at + len(_USAGE_KEY) : at + len(_USAGE_KEY) + 12].lstrip()
+        key = _ANTHROPIC_USAGE_KEY
+        at = data.rfind(key)
+        if at < 0:
+            return None
+    digits = data[at + len(key) : at + len(key) + 12].lstrip()
     end = 0
     while end < len(digits) and 48 <= digits[end] <= 57:
         end += 1
@@ -40,6 +49,9 @@ OnTransition = Callable[[str, Transition], None]
 
 
 _OVERLOAD = frozenset(("timeout", "oom"))
+# Statuses that say "too busy": 529 is Anthropic's overloaded_error.
+_BUSY = frozenset((429, 503, 529))
+_STREAM_ERROR = Outcome.from_error("protocol")
 
 
 def _record(
@@ -59,8 +71,8 @@ def _record(
         # A stream's time to first token is what grows when vLLM queues. A whole answer's
         # latency also grows as a fuller batch decodes each token more slowly, which is vLLM
         # trading latency for throughput as designed, not overload: it teaches nothing.
-        # Timeouts, OOMs, 429 and 503 say it is overloaded, streamed or not.
-        if outcome.kind in _OVERLOAD or outcome.status in (429, 503):
+        # Timeouts, OOMs, 429, 503 and 529 say it is overloaded, streamed or not.
+        if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
             limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
         elif outcome.kind == "ok" and first_byte_s is not None:
             limiter.record(now, first_byte_s, instance.in_flight)
@@ -99,6 +111,10 @@ class Account:
         instance = response.instance
         _end(instance, response.tokens)
         outcome = error.outcome if error is not None else response.outcome
+        if outcome.kind == "ok" and _STREAM_ERROR_EVENT in response.tail:
+            # The backend reported a failure inside the stream (Anthropic's `error` event):
+            # passed through to the client as it came, counted against the instance.
+            outcome = _STREAM_ERROR
         now = self._clock()
         probe = response.probe
         _record(

@@ -1,0 +1,63 @@
+"""How the gateway's own errors look to a client, in the protocol of the route it called.
+
+OpenAI-compatible routes get `{"error": {"message", "type", "code"}}`, and a stream that breaks
+ends with that as a `data:` event and `data: [DONE]`. The Anthropic Messages route gets
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, and a broken stream ends
+with an `event: error` (Anthropic streams have no `[DONE]`), so each protocol's SDK raises its
+own error type instead of choking on a foreign one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+from gateway.errors import GatewayError
+
+_SSE_DONE: Final = b"data: [DONE]\n\n"
+
+# Anthropic's error types, by the status the gateway answers with.
+_ANTHROPIC_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class Dialect:
+    """OpenAI's: the gateway's native error shape."""
+
+    name = "openai"
+
+    def body(self, error: GatewayError) -> bytes:
+        return error.body()
+
+    def stream_ending(self, error: GatewayError) -> bytes:
+        """The last bytes of a stream the gateway has to end: an error event, then the end."""
+        return b"data: " + error.body() + b"\n\n" + _SSE_DONE
+
+
+class AnthropicDialect(Dialect):
+    name = "anthropic"
+
+    def body(self, error: GatewayError) -> bytes:
+        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        payload = {"type": "error", "error": {"type": kind, "message": error.message}}
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+    def stream_ending(self, error: GatewayError) -> bytes:
+        return b"event: error\ndata: " + self.body(error) + b"\n\n"
+
+
+OPENAI: Final = Dialect()
+ANTHROPIC: Final = AnthropicDialect()
+MESSAGES_PATH: Final = "/v1/messages"
+# Routes not listed speak OpenAI's dialect.
+BY_PATH: Final[dict[str, Dialect]] = {MESSAGES_PATH: ANTHROPIC}

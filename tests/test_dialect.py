@@ -1,0 +1,65 @@
+"""Errors in the client's protocol, and usage read from either protocol's answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import InvalidRequest, NoInstanceAvailable, Shed, UpstreamTimeout
+from gateway.ingress.dialect import ANTHROPIC, BY_PATH, OPENAI
+from gateway.pipeline.account import completion_tokens
+
+
+def test_openai_errors_keep_the_native_shape_and_end_streams_with_done() -> None:
+    error = Shed("too busy", retry_after_s=2)
+    assert json.loads(OPENAI.body(error)) == {
+        "error": {"message": "too busy", "type": "rate_limit_error", "code": "shed"}
+    }
+    ending = OPENAI.stream_ending(error)
+    assert ending.startswith(b"data: {") and ending.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (InvalidRequest("bad"), "invalid_request_error"),
+        (Shed("busy"), "rate_limit_error"),
+        (NoInstanceAvailable("none"), "overloaded_error"),
+        (UpstreamTimeout("slow", phase="first_byte"), "timeout_error"),
+    ],
+)
+def test_anthropic_errors_use_anthropic_types(error: Exception, kind: str) -> None:
+    assert isinstance(error, InvalidRequest | Shed | NoInstanceAvailable | UpstreamTimeout)
+    body = json.loads(ANTHROPIC.body(error))
+    assert body == {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def test_an_anthropic_stream_ends_with_an_error_event_and_no_done() -> None:
+    ending = ANTHROPIC.stream_ending(UpstreamTimeout("slow", phase="idle"))
+    event, data = ending.decode().strip().split("\n")
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: "))["error"]["type"] == "timeout_error"
+    assert b"[DONE]" not in ending
+
+
+def test_only_the_messages_route_speaks_anthropic() -> None:
+    assert BY_PATH == {"/v1/messages": ANTHROPIC}
+
+
+@pytest.mark.parametrize(
+    ("data", "tokens"),
+    [
+        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17,"total_tokens":20}}', 17),
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', 42),
+        # A stream: message_start says 1, the final message_delta the real count.
+        (
+            b'event: message_start\ndata: {"usage":{"input_tokens":3,"output_tokens":1}}\n\n'
+            b'event: message_delta\ndata: {"usage":{"output_tokens":250}}\n\n',
+            250,
+        ),
+        (b'{"choices":[]}', None),
+    ],
+)
+def test_completion_tokens_from_either_protocol(data: bytes, tokens: int | None) -> None:
+    assert completion_tokens(data) == tokens
