@@ -305,6 +305,12 @@ class Gateway:
             requests, retries = pool.budget.counts(now)
             pools[name] = {
                 "models": list(pool.policy.models),
+                # Where the pool's upstream credential comes from, never its value.
+                "credentials": (
+                    {"header": creds.header, "source": creds.source}
+                    if (creds := pool.policy.credentials) is not None
+                    else None
+                ),
                 "failure_rate": rate,
                 "tier": {
                     "index": tier.index,

@@ -6,9 +6,12 @@ Kubernetes ConfigMap update swaps the mounted file's `..data` symlink). The new 
 first; an invalid one, or one that changes a setting only a restart can apply, is refused and
 the old policy keeps serving. `Gateway.reload` applies the rest in one synchronous step.
 
-Only `pools` can change at run time. The rest is read once at startup (listening sockets, the
-admin token, the Redis session, tracing and log setup, the data plane's limits), so a change
-there refuses the whole reload with the dotted keys listed.
+Only `pools` and `auth` (client API keys: rotated without a restart) can change at run time;
+a pool's `credentials` and `tls` are pool settings, and the secret and CA files they name are
+read again by every reload (a rotated Secret with an unchanged policy is a changed pool). The
+rest is read once at startup (listening sockets, the admin token, the Redis session, tracing
+and log setup, the data plane's limits), so a change there refuses the whole reload with the
+dotted keys listed.
 """
 
 from __future__ import annotations
@@ -58,11 +61,13 @@ class PolicyDiff:
     pools_changed: list[str] = field(default_factory=list)  # settings other than instances
     instances_added: list[str] = field(default_factory=list)
     instances_removed: list[str] = field(default_factory=list)
+    auth_changed: bool = False  # the client API keys (or the `auth` section) changed
 
     @property
     def empty(self) -> bool:
         return not (
-            self.pools_added
+            self.auth_changed
+            or self.pools_added
             or self.pools_removed
             or self.pools_changed
             or self.instances_added
@@ -76,6 +81,7 @@ class PolicyDiff:
             "pools_changed": self.pools_changed,
             "instances_added": self.instances_added,
             "instances_removed": self.instances_removed,
+            "auth": ["api_keys"] if self.auth_changed else [],
         }
 
 
@@ -89,10 +95,10 @@ def _leaves(value: Any, prefix: str) -> dict[str, Any]:
 
 
 def restart_only_changes(old: Policy, new: Policy) -> list[str]:
-    """Dotted keys outside `pools` whose value differs (a whole section added or removed is
-    named by the section)."""
-    before = old.model_dump(exclude={"pools"})
-    after = new.model_dump(exclude={"pools"})
+    """Dotted keys outside `pools` and `auth` whose value differs (a whole section added or
+    removed is named by the section)."""
+    before = old.model_dump(exclude={"pools", "auth"})
+    after = new.model_dump(exclude={"pools", "auth"})
     changed: list[str] = []
     for section in before.keys() | after.keys():
         a, b = before.get(section), after.get(section)
@@ -108,7 +114,10 @@ def restart_only_changes(old: Policy, new: Policy) -> list[str]:
 
 def diff_policies(old: Policy, new: Policy) -> PolicyDiff:
     """Compare two valid policies (pure: no state, no I/O)."""
-    diff = PolicyDiff(restart_required=restart_only_changes(old, new))
+    # Policies compare their secrets too (private attributes): a rotated key is a change.
+    diff = PolicyDiff(
+        restart_required=restart_only_changes(old, new), auth_changed=old.auth != new.auth
+    )
     for name in sorted(old.pools.keys() - new.pools.keys()):
         diff.pools_removed.append(name)
         diff.instances_removed.extend(f"{name}/{i.name}" for i in old.pools[name].instances)

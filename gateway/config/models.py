@@ -10,8 +10,17 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    model_validator,
+)
 
+from gateway.config import secrets
 from gateway.config.units import Duration, Size
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -244,6 +253,7 @@ class RetriesPolicy(Strict):
         502,
         503,
         504,
+        529,  # Anthropic's overloaded_error
     )
 
 
@@ -322,6 +332,106 @@ class AdmissionPolicy(Strict):
     vllm_signals: VllmSignalsPolicy | None = None
 
 
+# Headers a credential may not be sent in: the connection's own, what the gateway computes,
+# and the gateway's own prefix.
+_RESERVED_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-type",
+        "expect",
+        "traceparent",
+        "tracestate",
+    }
+)
+_TOKEN_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+def _check_header_name(value: str) -> str:
+    name = value.strip().lower()
+    if not _TOKEN_RE.match(name):
+        raise ValueError(f"invalid header name {value!r}")
+    if name in _RESERVED_HEADERS or name.startswith(("x-gateway-", "x-forwarded-")):
+        raise ValueError(f"the header {name!r} cannot carry a credential")
+    return name
+
+
+HeaderName = Annotated[str, AfterValidator(_check_header_name)]
+FilePath = Annotated[str, Field(min_length=1)]
+
+
+class TlsPolicy(Strict):
+    """How a pool's https:// instances are verified (absent: system CAs, verification on)."""
+
+    ca_file: FilePath | None = None  # PEM bundle of the CAs to trust (default: the system's)
+    verify: bool = True  # false: no certificate check at all (logged as a warning)
+    # The bundle's text, read at validation (again on each reload: a rotated CA is a change).
+    _ca_pem: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _read_ca(self) -> TlsPolicy:
+        if self.ca_file is not None:
+            self._ca_pem = secrets.ca_bundle(self.ca_file)
+        return self
+
+    @property
+    def ca_pem(self) -> str | None:
+        return self._ca_pem
+
+
+class CredentialsPolicy(Strict):
+    """The credential the gateway sends upstream in place of whatever the client sent."""
+
+    header: HeaderName = "authorization"  # `authorization` sends `Bearer <value>`
+    from_env: Annotated[str, Field(min_length=1)] | None = None
+    from_file: FilePath | None = None
+    # The value, read at validation (again on each reload); never dumped nor shown.
+    _value: str = PrivateAttr(default="")
+
+    @model_validator(mode="after")
+    def _read_value(self) -> CredentialsPolicy:
+        if (self.from_env is None) == (self.from_file is None):
+            raise ValueError("give exactly one of from_env or from_file")
+        self._value = secrets.secret_value(self.from_env, self.from_file)
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the value comes from, safe to show: `env:NAME` or `file:PATH`."""
+        return f"env:{self.from_env}" if self.from_env is not None else f"file:{self.from_file}"
+
+    def header_value(self) -> str:
+        return f"Bearer {self._value}" if self.header == "authorization" else self._value
+
+
+class AuthPolicy(Strict):
+    """Client authentication on the data plane: the API keys clients must present."""
+
+    api_keys_env: Annotated[str, Field(min_length=1)] | None = None
+    api_keys_file: FilePath | None = None
+    _keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _read_keys(self) -> AuthPolicy:
+        if (self.api_keys_env is None) == (self.api_keys_file is None):
+            raise ValueError("give exactly one of api_keys_env or api_keys_file")
+        self._keys = secrets.api_keys(self.api_keys_env, self.api_keys_file)
+        return self
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+
 class PoolPolicy(Strict):
     models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(min_length=1)
     instances: tuple[InstancePolicy, ...] = Field(min_length=1)
@@ -330,6 +440,8 @@ class PoolPolicy(Strict):
     retries: RetriesPolicy = RetriesPolicy()
     breaker: BreakerPolicy = BreakerPolicy()
     admission: AdmissionPolicy | None = None
+    tls: TlsPolicy | None = None
+    credentials: CredentialsPolicy | None = None
 
 
 class Policy(Strict):
@@ -340,3 +452,4 @@ class Policy(Strict):
     telemetry: TelemetryPolicy = TelemetryPolicy()
     drain: DrainPolicy = DrainPolicy()
     pools: dict[Name, PoolPolicy] = Field(min_length=1)
+    auth: AuthPolicy | None = None  # absent: clients are not authenticated

@@ -28,7 +28,10 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
 )
+from gateway.ingress.auth import OPEN_PATHS, send_unauthorized
 from gateway.ingress.body import ClientGone, Receive, RequestFacts, read_body, read_facts
+from gateway.ingress.dialect import BY_PATH as DIALECTS
+from gateway.ingress.dialect import OPENAI
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
@@ -110,6 +113,7 @@ class DataPlane:
         self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
         self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
+        self._auth = registry.auth  # client API keys (policy `auth`); swapped on reload
         self._tracer = tracing.tracer if tracing is not None else None
         self._access = access_log()
         self._handler = handler
@@ -137,9 +141,14 @@ class DataPlane:
             return  # no websockets; lifespan is handled by the process, not the app
         path = scope["path"]
         method = scope["method"]
+        auth = self._auth
+        if auth.enabled and path not in OPEN_PATHS and not auth.allows(scope["headers"]):
+            await send_unauthorized(send, path)
+            return
         if path in PROXY_ROUTES:
             if method != "POST":
-                await send_error(send, MethodNotAllowed(f"{path} accepts POST only", allow="POST"))
+                not_post = MethodNotAllowed(f"{path} accepts POST only", allow="POST")
+                await send_error(send, not_post, dialect=DIALECTS.get(path, OPENAI))
                 return
             if self._tracer is None:
                 await self._proxy(scope, receive, send, path)
@@ -175,7 +184,7 @@ class DataPlane:
         client_address: str | None = None,
     ) -> None:
         """Answer a request the gateway refuses before routing it (400, 404, 413...)."""
-        await send_error(send, error)
+        await send_error(send, error, dialect=DIALECTS.get(path, OPENAI))
         self._rejected(scope, path, error.status, started, model, client_address)
 
     def _rejected(
@@ -322,6 +331,7 @@ class DataPlane:
             task=task,
             priority=priority,
         )
+        dialect = DIALECTS.get(path, OPENAI)
         watch = _DisconnectWatch(self._loop, task, receive)
         stats = pool.stats
         status = CLIENT_CLOSED
@@ -331,7 +341,7 @@ class DataPlane:
                 response = await self._handler(call)
             except GatewayError as error:
                 status = error.status
-                await send_error(send, error, call.attempts)
+                await send_error(send, error, call.attempts, dialect)
                 return
             status = response.status
             ttfb_s = self._loop.time() - started
@@ -340,7 +350,7 @@ class DataPlane:
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
-            await relay(send, response, call.attempts, idle_s, call.deadline)
+            await relay(send, response, call.attempts, idle_s, call.deadline, dialect)
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.
             fields = {

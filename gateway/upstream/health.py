@@ -63,6 +63,8 @@ class HealthChecker:
                 instance.base_url + policy.path,
                 timeout=self._timeouts[pool.name],
                 allow_redirects=False,
+                ssl=pool.ssl,  # the pool's TLS settings and credential, as its requests
+                headers=pool.credential_headers,
             ) as response:
                 await response.read()
                 passed = response.status == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -18,8 +19,14 @@ from gateway.core.health import HealthState
 from gateway.core.histogram import Histogram
 from gateway.core.latency import LatencyState
 from gateway.core.tiers import TierTable
+from gateway.ingress.auth import ClientAuth
 from gateway.ingress.routes import PROXY_ROUTES
 from gateway.upstream.stats import InstanceStats, PoolStats
+from gateway.upstream.tls import client_ssl
+
+# Client headers that carry API keys: never forwarded when the gateway authenticates clients
+# itself or sends a credential of its own (a client's key must not reach a backend).
+CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 
 
 class InstanceState:
@@ -96,6 +103,7 @@ class PoolState:
         "breakers",
         "budget",
         "capacity_listeners",
+        "credential_headers",
         "failure",
         "instances",
         "name",
@@ -104,13 +112,28 @@ class PoolState:
         "retry_on",
         "rng",
         "routable",
+        "ssl",
         "stats",
+        "strip_headers",
         "tiers",
     )
 
-    def __init__(self, name: str, policy: PoolPolicy, rng: random.Random, now: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: PoolPolicy,
+        rng: random.Random,
+        now: float,
+        client_auth: bool = False,
+    ) -> None:
         self.name = name
         self.policy = policy
+        # Upstream TLS and credentials, computed once (again on reload), used per attempt, by
+        # the health checks and by the vLLM scrapes alike.
+        self.ssl: ssl.SSLContext | bool = client_ssl(policy.tls, name)
+        self.credential_headers: tuple[tuple[str, str], ...] = ()
+        self.strip_headers: frozenset[str] = frozenset()
+        self.set_upstream_headers(client_auth)
         self.breakers = PoolBreakers(policy.breaker, [inst.name for inst in policy.instances])
         self.instances = [
             _new_instance(name, inst, policy, self.breakers[inst.name], now)
@@ -127,6 +150,18 @@ class PoolState:
         # Told when the pool may take more work than before (admission lets waiters through).
         self.capacity_listeners: list[Callable[[], None]] = []
         self.refresh_routable()
+
+    def set_upstream_headers(self, client_auth: bool) -> None:
+        """The credential header the pool sends, and the client headers dropped for it: with a
+        credential, its header and the clients' keys; with client authentication on, the keys
+        clients gave the gateway. Neither: the client's headers pass as they are."""
+        credentials = self.policy.credentials
+        if credentials is not None:
+            self.credential_headers = ((credentials.header, credentials.header_value()),)
+            self.strip_headers = CLIENT_KEY_HEADERS | {credentials.header}
+        else:
+            self.credential_headers = ()
+            self.strip_headers = CLIENT_KEY_HEADERS if client_auth else frozenset()
 
     def reconfigure(self, policy: PoolPolicy, now: float) -> list[InstanceState]:
         """Take a reloaded policy in place (one synchronous step: nothing runs in between).
@@ -184,6 +219,8 @@ class PoolState:
             instances.append(inst)
         retries, was_retries = policy.retries, previous.retries
         # The swap: plain assignments, no await in between.
+        if policy.tls != previous.tls:  # same settings: same context, pooled connections kept
+            self.ssl = client_ssl(policy.tls, self.name)
         self.policy = policy
         self.breakers = breakers
         self.instances = instances
@@ -240,8 +277,11 @@ class Registry:
 
     def __init__(self, policy: Policy, now: float, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
+        # Client authentication: long-lived like the dicts, its keys swapped on reload.
+        self.auth = ClientAuth(policy.auth)
         self.pools = {
-            name: PoolState(name, pool, self.rng, now) for name, pool in policy.pools.items()
+            name: PoolState(name, pool, self.rng, now, self.auth.enabled)
+            for name, pool in policy.pools.items()
         }
         self.by_model = {
             model: self.pools[name] for name, pool in policy.pools.items() for model in pool.models
@@ -254,13 +294,16 @@ class Registry:
         (to health-check) and the dropped pools."""
         added: list[InstanceState] = []
         pools: dict[str, PoolState] = {}
+        self.auth.update(policy.auth)
+        client_auth = self.auth.enabled
         for name, pool_policy in policy.pools.items():
             pool = self.pools.get(name)
             if pool is None:
-                pool = PoolState(name, pool_policy, self.rng, now)
+                pool = PoolState(name, pool_policy, self.rng, now, client_auth)
                 added.extend(pool.instances)
             elif pool.policy != pool_policy:
                 added.extend(pool.reconfigure(pool_policy, now))
+            pool.set_upstream_headers(client_auth)  # a rotated credential, auth turned on/off
             pools[name] = pool
         dropped = [pool for name, pool in self.pools.items() if name not in pools]
         self.pools.clear()

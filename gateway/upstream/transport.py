@@ -4,9 +4,13 @@ aiohttp rather than httpx on this path: measured here, a pure-ASGI proxy with ai
 ~7,000 req/s per core against ~300-500 with httpx, whose pool also added seconds of
 time-to-first-byte at a few hundred concurrent streams.
 
-Timeouts: aiohttp enforces only `connect` (DNS, TCP and TLS of a new connection). Every later
-phase is a `Deadline` of the process-wide `Watchdog`, moved forward as the attempt progresses:
-no timer per request or per chunk.
+Timeouts: aiohttp enforces only `connect` (DNS, TCP and the TLS handshake of a new connection).
+Every later phase is a `Deadline` of the process-wide `Watchdog`, moved forward as the attempt
+progresses: no timer per request or per chunk.
+
+Per pool, precomputed by the registry: the TLS context of its https:// instances (`ssl=`, one
+object per pool so connections are pooled per host), and its credential header, which replaces
+the clients' own keys (`strip_headers`).
 """
 
 from __future__ import annotations
@@ -75,15 +79,22 @@ class Transport:
         deadline = self._watchdog.arm(
             call.task, min(started_at + wait_s, call.deadline), "first_byte"
         )
+        pool = call.pool
+        sent = call.headers
+        if pool.strip_headers:  # the pool's credential in place of the client's keys
+            strip = pool.strip_headers
+            sent = [h for h in sent if h[0] not in strip]
+            sent += pool.credential_headers
         raw: aiohttp.ClientResponse | None = None
         try:
             raw = await self._session.request(
                 "POST",
                 url,
                 data=call.body,
-                headers=call.headers,
+                headers=sent,
                 timeout=self._connect_timeout(call),
                 allow_redirects=False,
+                ssl=pool.ssl,
             )
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")

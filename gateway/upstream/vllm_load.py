@@ -56,13 +56,17 @@ class VllmLoadScraper:
         self, pool: PoolState, policy: VllmSignalsPolicy, limit: aiohttp.ClientTimeout
     ) -> None:
         freed = await asyncio.gather(
-            *(self._scrape(inst, policy, limit) for inst in pool.instances)
+            *(self._scrape(pool, inst, policy, limit) for inst in pool.instances)
         )
         if any(freed):
             pool.capacity_changed()
 
     async def _scrape(
-        self, instance: InstanceState, policy: VllmSignalsPolicy, limit: aiohttp.ClientTimeout
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        policy: VllmSignalsPolicy,
+        limit: aiohttp.ClientTimeout,
     ) -> bool:
         """Refresh one instance's signals; True when it just stopped being saturated."""
         self.scrapes += 1
@@ -70,7 +74,11 @@ class VllmLoadScraper:
         usage: float | None = None
         try:
             async with self._session.get(
-                instance.base_url + policy.path, timeout=limit, allow_redirects=False
+                instance.base_url + policy.path,
+                timeout=limit,
+                allow_redirects=False,
+                ssl=pool.ssl,  # the pool's TLS settings and credential, as its requests
+                headers=pool.credential_headers,
             ) as response:
                 if response.status == 200:
                     page = await response.content.read(MAX_PAGE_BYTES)
