@@ -235,3 +235,47 @@ def test_chaos_mix_smoke_run(tmp_path: Path) -> None:
         assert section in report
     charts = sorted(p.name for p in (run_dir / "charts").glob("*.png"))
     assert {"latency_compare.png", "share_gateway.png", "latency_direct.png"} <= set(charts)
+
+
+def test_anthropic_pool_declares_its_models() -> None:
+    scenario = load_scenario("anthropic-mix")
+    assert scenario.anthropic_models() == ("claude-sonnet-4",)
+    assert {p.protocol for p in scenario.pools.values()} == {"openai", "anthropic"}
+    knobs = {key for step in scenario.faults for key in step.set}
+    assert {"overloaded_rate", "stream_error_rate"} <= knobs
+    with pytest.raises(ValidationError, match="protocol"):
+        Scenario.model_validate(
+            {"name": "x", "pools": {"chat": {"models": ["m"], "protocol": "grpc"}}}
+        )
+
+
+def test_anthropic_mix_short_run(tmp_path: Path) -> None:
+    """Both pools side by side, the Anthropic one called with /v1/messages in both modes."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "loadtests.chaos", "anthropic-mix"),
+            *("--requests", "600", "--out", str(run_dir)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for mode in ("direct", "gateway"):
+        records = list(read_records(run_dir / mode / "ledger.jsonl"))
+        assert sorted(r.seq for r in records) == list(range(600))
+        kinds = {r.model: set() for r in records}
+        for r in records:
+            kinds[r.model].add(r.kind)
+        assert kinds["claude-sonnet-4"] == {"messages"}
+        assert kinds["llama-3.1-8b"] <= {"chat", "completions"}
+        assert any(r.ok for r in records if r.model == "claude-sonnet-4"), mode
+        meta = json.loads((run_dir / mode / "meta.json").read_text())
+        assert not meta["timeline_errors"]
+    report = (run_dir / "report.md").read_text()
+    section = report.split("## Per model", 1)[1].split("\n## ", 1)[0]
+    assert "`llama-3.1-8b`" in section
+    assert "`claude-sonnet-4` (Messages API)" in section

@@ -35,7 +35,7 @@ from loadtests.loadgen import (
 )
 from loadtests.loadgen.arrivals import mean_rate
 from loadtests.loadgen.cli import main as cli_main
-from loadtests.loadgen.sse import SseScanner
+from loadtests.loadgen.sse import AnthropicSseScanner, SseScanner
 from tests.support import Backend, closed_port, start_backend
 
 MODELS = ["m1", "m2"]
@@ -551,3 +551,139 @@ def test_cli_refuses_bad_steps_and_mixes(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             cli_main(["--url", "http://127.0.0.1:1", "--model", "m", flag, value])
     assert "rate step" in capsys.readouterr().err
+
+
+# --- Anthropic Messages API traffic -----------------------------------------------------------
+
+
+def test_messages_kind_for_anthropic_models_leaves_other_models_alone() -> None:
+    spec = WorkloadSpec(models=["m1", "m2"], seed=5, anthropic_models=("m2",))
+    first = list(itertools.islice(plans(spec), 200))
+    assert first == list(itertools.islice(plans(spec), 200))
+    plain = list(itertools.islice(plans(WorkloadSpec(models=["m1", "m2"], seed=5)), 200))
+    for plan, before in zip(first, plain, strict=True):
+        # The same draws: every field but kind, path and body is unchanged.
+        assert (plan.seq, plan.model, plan.stream, plan.prompt_tokens, plan.max_tokens) == (
+            before.seq,
+            before.model,
+            before.stream,
+            before.prompt_tokens,
+            before.max_tokens,
+        )
+        if plan.model == "m1":
+            assert plan == before
+            continue
+        assert (plan.kind, plan.path) == ("messages", "/v1/messages")
+        body = json.loads(plan.body)
+        assert set(body) == {"model", "max_tokens", "messages", "stream"}
+        assert body["model"] == "m2" and body["max_tokens"] == plan.max_tokens
+        assert body["stream"] is plan.stream
+        [message] = body["messages"]
+        assert message["role"] == "user"
+        assert len(message["content"].split()) == plan.prompt_tokens
+    streams = [p.stream for p in first if p.model == "m2"]
+    assert any(streams) and not all(streams)
+    with pytest.raises(ValueError, match="anthropic models"):
+        WorkloadSpec(models=["m1"], anthropic_models=("m9",))
+
+
+def test_anthropic_scanner_needs_message_stop_and_no_error_event() -> None:
+    stream = (
+        b'event: message_start\ndata: {"type":"message_start","message":{}}\n\n'
+        b'event: ping\ndata: {"type":"ping"}\n\n'
+        b'event: content_block_delta\r\ndata: {"type":"content_block_delta"}\r\n\r\n'
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    )
+    for size in (1, 3, len(stream)):
+        scanner = AnthropicSseScanner()
+        for i in range(0, len(stream), size):
+            scanner.feed(stream[i : i + size])
+        scanner.finish()
+        assert (scanner.events, scanner.done, scanner.error_event) == (4, True, False), size
+
+    broken = AnthropicSseScanner()
+    broken.feed(stream[: stream.index(b"event: ping")])  # message_start only
+    broken.feed(
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
+        b'"message":"CUDA out of memory."}}\n\n'
+    )
+    broken.finish()
+    assert (broken.done, broken.error_event, broken.oom) == (False, True, True)
+
+
+def anthropic_spec(**overrides: Any) -> WorkloadSpec:
+    return small(anthropic_models=("m2",), **overrides)
+
+
+async def test_anthropic_model_runs_ok_streamed_and_not(tmp_path: Path, fake: Backend) -> None:
+    stats, records = await run(
+        tmp_path, anthropic_spec(), to(fake), rate=200, requests=60, arrival="fixed"
+    )
+    assert_one_record_each(stats, records)
+    assert stats.ok == 60
+    messages = [r for r in records if r.model == "m2"]
+    assert {r.kind for r in messages} == {"messages"}
+    assert {r.kind for r in records if r.model == "m1"} <= {"chat", "completions"}
+    assert {r.stream for r in messages} == {True, False}
+    for record in messages:
+        assert record.status == 200 and record.proper and record.ok, record
+        assert not record.error_event and not record.oom and record.error is None
+        assert record.ttfb is not None and record.bytes > 0
+        if record.stream:
+            # message_start, content_block_start, ping, a delta per 4 tokens, then
+            # content_block_stop, message_delta and message_stop.
+            assert record.chunks == math.ceil(record.max_tokens / 4) + 6, record
+        else:
+            assert record.chunks == 0
+    log = fake.requests(wait_for=60)
+    paths = {r["path"] for r in log if r["model"] == "m2"}
+    assert paths == {"/v1/messages"}
+
+
+async def test_anthropic_stream_error_events_are_not_proper(tmp_path: Path, fake: Backend) -> None:
+    fake.set_faults(stream_error_rate=1, stall_after=2)
+    stats, records = await run(
+        tmp_path,
+        WorkloadSpec(
+            models=["m2"],
+            anthropic_models=("m2",),
+            stream_share=1.0,
+            prompt_tokens=(16, 64),
+            max_tokens=(8, 32),
+        ),
+        {"m2": [Target(fake.name, fake.url)]},
+        rate=200,
+        requests=20,
+    )
+    assert_one_record_each(stats, records)
+    assert stats.ok == 0
+    for record in records:
+        assert record.kind == "messages" and record.stream and record.status == 200
+        assert record.error_event and not record.proper and not record.ok, record
+        assert record.error is None and not record.oom
+
+
+async def test_anthropic_oom_and_overloaded_answers(tmp_path: Path, fake: Backend) -> None:
+    spec = WorkloadSpec(models=["m2"], anthropic_models=("m2",), max_tokens=(8, 32))
+    targets = {"m2": [Target(fake.name, fake.url)]}
+    fake.set_faults(oom_rate=1)
+    _, records = await run(tmp_path, spec, targets, rate=200, requests=10)
+    assert all(r.status == 500 and r.oom and not r.proper for r in records)
+    fake.reset()
+    fake.set_faults(overloaded_rate=1)
+    _, records = await run(tmp_path, spec, targets, rate=200, requests=10)
+    assert all(r.status == 529 and not r.oom and not r.proper for r in records)
+
+
+def test_cli_anthropic_model(
+    tmp_path: Path, fake: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ledger.jsonl"
+    argv = ["--url", f"a={fake.url}", "--model", "m1", "--anthropic-model", "m2"]
+    argv += ["--rate", "200", "--requests", "20", "--prompt-tokens", "16:32"]
+    argv += ["--max-tokens", "8:16", "--progress-every", "0", "--out", str(out)]
+    assert cli_main(argv) == 0
+    assert "ok          20/20" in capsys.readouterr().out
+    records = list(read_records(out))
+    assert {r.kind for r in records if r.model == "m2"} == {"messages"}
+    assert {r.model for r in records} == {"m1", "m2"}

@@ -54,6 +54,7 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
             prompt_tokens=workload.prompt_tokens,
             max_tokens=workload.max_tokens,
             seed=scenario.seed,
+            anthropic_models=scenario.anthropic_models(),
         )
         progress = Progress()
         progress.start_clock()

@@ -124,9 +124,15 @@ class BackendSpec(_Strict):
     tokens_per_event: Annotated[int, Field(ge=1)] = 32
 
 
+Protocol = Literal["openai", "anthropic"]
+
+
 class PoolSpec(_Strict):
     models: list[str] = Field(min_length=1)
     instances: Annotated[int, Field(ge=1, le=32)] = 3
+    # How clients call the pool's models: OpenAI's chat/completions routes, or Anthropic's
+    # Messages API (`POST /v1/messages`), in both modes; the fake backends speak both.
+    protocol: Protocol = "openai"
 
 
 class ScenarioWorkload(_Strict):
@@ -172,6 +178,15 @@ class Scenario(_Strict):
 
     def models(self) -> list[str]:
         return [model for spec in self.pools.values() for model in spec.models]
+
+    def anthropic_models(self) -> tuple[str, ...]:
+        """The models of `protocol: anthropic` pools, sent with the Messages API."""
+        return tuple(
+            model
+            for spec in self.pools.values()
+            if spec.protocol == "anthropic"
+            for model in spec.models
+        )
 
     def planned_s(self, requests: int, rate: float) -> float:
         return requests / rate

@@ -7,6 +7,9 @@ attempt count of each record come from the gateway's x-gateway-* headers.
 `--rate-steps 0:100,20:300` (start seconds:rate) replaces `--rate` with a step schedule;
 `--priority-mix interactive=0.2,standard=0.3,batch=0.5` sends x-gateway-priority headers in
 those shares and adds a per-class table to the closing summary.
+
+`--anthropic-model NAME` (repeatable) sends that model's requests with Anthropic's Messages API
+(`POST /v1/messages`, streamed or not per --stream-share); it joins the --model list if absent.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ def priority_mix(text: str) -> tuple[tuple[str, float], ...]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtests.loadgen", description=__doc__)
     parser.add_argument("--url", action="append", required=True, help="[NAME=]URL, repeatable")
-    parser.add_argument("--model", action="append", required=True, help="repeatable")
+    parser.add_argument("--model", action="append", default=[], help="repeatable")
+    parser.add_argument(
+        "--anthropic-model",
+        action="append",
+        default=[],
+        help="repeatable: a model sent with the Anthropic Messages API (/v1/messages)",
+    )
     parser.add_argument("--gateway", action="store_true", help="the URL is a gateway")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second")
     parser.add_argument(
@@ -79,7 +88,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds; 0: quiet")
     parser.add_argument("--out", type=Path, default=Path("ledger.jsonl"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.model and not args.anthropic_model:
+        parser.error("give at least one --model or --anthropic-model")
+    return args
+
+
+def models_of(args: argparse.Namespace) -> list[str]:
+    """--model in order, then any --anthropic-model not already among them."""
+    models = list(args.model)
+    models.extend(m for m in dict.fromkeys(args.anthropic_model) if m not in models)
+    return models
 
 
 def targets_of(urls: list[str], gateway: bool) -> list[Target]:
@@ -166,13 +185,14 @@ async def _report_progress(progress: Progress, every: float) -> None:
 async def run(args: argparse.Namespace) -> tuple[LoadStats, Summary]:
     targets = targets_of(args.url, args.gateway)
     spec = WorkloadSpec(
-        models=list(args.model),
+        models=models_of(args),
         chat_share=args.chat_share,
         stream_share=args.stream_share,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         seed=args.seed,
         priorities=args.priority_mix,
+        anthropic_models=tuple(dict.fromkeys(args.anthropic_model)),
     )
     summary = Summary()
     progress = Progress()

@@ -4,6 +4,10 @@ One shared aiohttp session: no connection limit (a pool limit would queue reques
 client and turn an open loop back into a closed one), no automatic decompression, no proxy
 settings from the environment. Bodies are read as they arrive: streams through an incremental
 SSE scanner, plain responses kept (bounded) to check their JSON.
+
+Anthropic Messages requests (kind "messages") carry `anthropic-version`; their streams are read
+by the Anthropic scanner (proper: ends with `message_stop`, no `event: error`) and a plain answer
+is proper when it is a `{"type": "message", ...}` object.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import aiohttp
 from yarl import URL
 
 from loadtests.ledger import Record
-from loadtests.loadgen.sse import SseScanner
+from loadtests.loadgen.sse import AnthropicSseScanner, SseScanner
 from loadtests.loadgen.workload import PRIORITIES, RequestPlan
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -31,6 +35,10 @@ _JSON = {"Content-Type": "application/json"}
 _HEADERS: dict[str | None, dict[str, str]] = {
     None: _JSON,
     **{name: {**_JSON, "x-gateway-priority": name} for name in PRIORITIES},
+}
+ANTHROPIC_VERSION = "2023-06-01"
+_ANTHROPIC_HEADERS: dict[str | None, dict[str, str]] = {
+    key: {**value, "anthropic-version": ANTHROPIC_VERSION} for key, value in _HEADERS.items()
 }
 
 
@@ -100,9 +108,12 @@ async def send(
     a cancelled request's record still holds what was seen so far (status, ttfb, bytes, ...).
     Times are from the moment of sending, not from the scheduled time (add `record.lag` for that).
     """
-    base = _HEADERS.get(plan.priority)
+    messages = plan.kind == "messages"
+    base = (_ANTHROPIC_HEADERS if messages else _HEADERS).get(plan.priority)
     if base is None:  # a hand-made plan with a class the workload would refuse: send it as is
         base = {**_JSON, "x-gateway-priority": str(plan.priority)}
+        if messages:
+            base["anthropic-version"] = ANTHROPIC_VERSION
     headers = base.copy()
     headers["x-loadgen-seq"] = str(plan.seq)
     scanner: SseScanner | None = None
@@ -125,7 +136,7 @@ async def send(
             kept: list[bytes] = []
             kept_size = 0
             if plan.stream and status == 200:
-                scanner = SseScanner()
+                scanner = AnthropicSseScanner() if messages else SseScanner()
             async for chunk in response.content.iter_any():
                 if not nbytes:
                     record.ttfb = round(time.perf_counter() - started, 6)
@@ -141,7 +152,8 @@ async def send(
                 record.oom = scanner.oom or oom_header
             else:
                 body = b"".join(kept)
-                record.proper = status == 200 and kept_size < MAX_KEPT_BODY and _proper(body)
+                whole = kept_size < MAX_KEPT_BODY
+                record.proper = status == 200 and whole and _proper(body, messages)
                 record.oom = oom_header or (status == 500 and b"out of memory" in body.lower())
                 record.shed = status == 429 and _error_code(body) == SHED_CODE
     except Exception as exc:  # any failure, ours included, ends in the record, never lost
@@ -167,9 +179,13 @@ def _error_code(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-def _proper(body: bytes) -> bool:
+def _proper(body: bytes, messages: bool = False) -> bool:
     try:
         value = json.loads(body)
     except ValueError:
         return False
-    return isinstance(value, dict) and ("choices" in value or "data" in value)
+    if not isinstance(value, dict):
+        return False
+    if messages:
+        return value.get("type") == "message"
+    return "choices" in value or "data" in value

@@ -2,6 +2,9 @@
 
 Only what the ledger needs is kept: the number of `data:` events, whether the last one was
 `[DONE]`, and whether one carried an error object (and mentioned running out of memory).
+
+`AnthropicSseScanner` reads a Messages API stream (`event: NAME` + `data: JSON`): there `done`
+means the last event so far was `message_stop`, and an error is an `event: error`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,37 @@ class SseScanner:
         self.events += 1
         self.done = payload == DONE
         if payload[:1] == b"{" and payload[1:].lstrip().startswith(b'"error"'):
+            self.error_event = True
+            if b"out of memory" in payload.lower():
+                self.oom = True
+
+
+MESSAGE_STOP = b"message_stop"
+ERROR = b"error"
+
+
+class AnthropicSseScanner(SseScanner):
+    """The same counts for an Anthropic Messages stream: `events` counts every event with data
+    (message_start, ping, deltas, ..., as `events` counts every `data:` event of an OpenAI
+    stream), `done` is "the last one was `message_stop`", `error_event` "an `event: error`
+    came" (by its name, or a `"type":"error"` payload without one)."""
+
+    __slots__ = ()
+
+    def _event(self, event: bytes) -> None:
+        name = b""
+        lines = []
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                lines.append(line[5:])
+            elif line.startswith(b"event:"):
+                name = line[6:].strip()
+        if not lines:
+            return  # a comment, or an event without data
+        payload = b"\n".join(lines).strip()
+        self.events += 1
+        self.done = name == MESSAGE_STOP
+        if name == ERROR or (not name and b'"type":"error"' in payload):
             self.error_event = True
             if b"out of memory" in payload.lower():
                 self.oom = True

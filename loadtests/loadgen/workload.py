@@ -9,6 +9,10 @@ serialised, which keeps 200+ requests/s with 16 KB prompts cheap.
 An optional priority mix tags each plan with the gateway's admission class (interactive,
 standard, batch). It is drawn from its own seeded generator, so adding a mix leaves every other
 field of the sequence exactly as it was without one.
+
+Models named in `anthropic_models` are sent with Anthropic's Messages API (kind "messages",
+`POST /v1/messages`), streamed or not as drawn; the draws are the same as for any other model,
+so a spec without such models gives exactly the sequence it gave before they existed.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["chat", "completions"]
+Kind = Literal["chat", "completions", "messages"]
 
-PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[str, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",  # Anthropic's Messages API
+}
 # The gateway's admission classes (x-gateway-priority), most urgent first.
 PRIORITIES: tuple[str, ...] = ("interactive", "standard", "batch")
 
@@ -44,7 +52,7 @@ class RequestPlan:
     stream: bool
     prompt_tokens: int
     max_tokens: int
-    path: str  # "/v1/chat/completions" or "/v1/completions"
+    path: str  # PATHS[kind]
     body: bytes  # the JSON request body
     priority: str | None = None  # x-gateway-priority; None: no header
 
@@ -59,12 +67,18 @@ class WorkloadSpec:
     seed: int = 1
     # (class, share) pairs; shares are normalised to sum to 1. Empty: no priority header.
     priorities: tuple[tuple[str, float], ...] = ()
+    # Models sent with Anthropic's Messages API (kind "messages"); each must be in `models`.
+    anthropic_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: the normalised mix replaces the given one in place.
         object.__setattr__(self, "priorities", normalise_priorities(self.priorities))
+        object.__setattr__(self, "anthropic_models", tuple(self.anthropic_models))
         if not self.models:
             raise ValueError("a workload needs at least one model")
+        unknown = [m for m in self.anthropic_models if m not in self.models]
+        if unknown:
+            raise ValueError(f"anthropic models not among the models: {', '.join(unknown)}")
         for name in ("chat_share", "stream_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1")
@@ -130,6 +144,7 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
     rng = random.Random(spec.seed)
     prompt = PromptText(spec.prompt_tokens[1], spec.seed)
     model_json = [json.dumps(m).encode() for m in spec.models]
+    anthropic = [m in spec.anthropic_models for m in spec.models]
     p_low, p_high = spec.prompt_tokens
     m_low, m_high = spec.max_tokens
     # A separate generator: the main one's draws, hence every other field, stay unchanged.
@@ -145,8 +160,15 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
         n_prompt = rng.randint(p_low, p_high)
         n_max = rng.randint(m_low, m_high)
         start = rng.randint(0, prompt.max_words)
-        kind: Kind = "chat" if chat else "completions"
-        body = build_body(model_json[index], chat, stream, prompt.words(start, n_prompt), n_max)
+        kind: Kind
+        if anthropic[index]:
+            kind = "messages"
+            body = build_messages_body(
+                model_json[index], stream, prompt.words(start, n_prompt), n_max
+            )
+        else:
+            kind = "chat" if chat else "completions"
+            body = build_body(model_json[index], chat, stream, prompt.words(start, n_prompt), n_max)
         priority = classes[bisect_right(bounds, priority_rng.random())] if classes else None
         yield RequestPlan(
             seq, spec.models[index], kind, stream, n_prompt, n_max, PATHS[kind], body, priority
@@ -182,3 +204,15 @@ def build_body(
         middle = b'","max_tokens":'
     tail = _STREAM_TAIL if stream else _PLAIN_TAIL
     return b"".join((head, prompt, middle, b"%d" % max_tokens, tail))
+
+
+def build_messages_body(model_json: bytes, stream: bool, prompt: bytes, max_tokens: int) -> bytes:
+    """An Anthropic Messages API body: one user message; `prompt` needs no escaping."""
+    return b"".join(
+        (
+            b'{"model":%b,"max_tokens":%d,"messages":[{"role":"user","content":"'
+            % (model_json, max_tokens),
+            prompt,
+            b'"}],"stream":true}' if stream else b'"}],"stream":false}',
+        )
+    )

@@ -266,6 +266,19 @@ def _ordered_instances(modes: Sequence[ModeData], names: set[str]) -> list[str]:
     return ordered
 
 
+def _anthropic_models(run: Run) -> set[str]:
+    """Models of the scenario's `protocol: anthropic` pools (sent with the Messages API)."""
+    pools = run.scenario.get("pools")
+    if not isinstance(pools, dict):
+        return set()
+    return {
+        str(model)
+        for pool in pools.values()
+        if isinstance(pool, dict) and pool.get("protocol") == "anthropic"
+        for model in pool.get("models") or ()
+    }
+
+
 def model_section(run: Run) -> list[str]:
     modes = list(run.modes.values())
     models: list[str] = []
@@ -275,11 +288,13 @@ def model_section(run: Run) -> list[str]:
     lines = ["## Per model", ""]
     if not models:
         return [*lines, "No records.", ""]
+    anthropic = _anthropic_models(run)
     rows = []
     for model in models:
+        label = f"`{model}` (Messages API)" if model in anthropic else f"`{model}`"
         for mode in modes:
             if model not in mode.models:
-                rows.append([f"`{model}`", mode.name, "0", NA, NA, NA, NA, NA])
+                rows.append([label, mode.name, "0", NA, NA, NA, NA, NA])
                 continue
             s = summarize(mode, mode.model == mode.models.index(model))
             colds = cold_starts(mode)
@@ -290,7 +305,7 @@ def model_section(run: Run) -> list[str]:
             ]
             rows.append(
                 [
-                    f"`{model}`",
+                    label,
                     mode.name,
                     count(s.requests),
                     pct(s.failure_rate),
