@@ -6,6 +6,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.core.breaker import Transition
@@ -35,21 +36,32 @@ class DecisionStore(Protocol):
     async def close(self) -> None: ...
 
 
-def log_transition(pool: str, transition: Transition) -> None:
-    log.warning(
-        "breaker transition",
-        extra={
-            "fields": {
-                "pool": pool,
-                "instance": transition.instance,
-                "from": transition.state_from,
-                "to": transition.to,
-                "reason": transition.reason,
-                "until_s": transition.until,
-                "suppressed": transition.suppressed,
-            }
-        },
-    )
+# A trip the isolation cap refuses repeats on every failure while the cap holds (hundreds a
+# second under load): one line per instance per interval, with how many were not logged.
+SUPPRESSED_LOG_INTERVAL_S = 10.0
+_suppressed: dict[tuple[str, str], tuple[float, int]] = {}  # last logged at, not logged since
+
+
+def log_transition(pool: str, transition: Transition, now: float | None = None) -> None:
+    fields: dict[str, object] = {
+        "pool": pool,
+        "instance": transition.instance,
+        "from": transition.state_from,
+        "to": transition.to,
+        "reason": transition.reason,
+        "until_s": transition.until,
+        "suppressed": transition.suppressed,
+    }
+    if transition.suppressed:
+        now = time.monotonic() if now is None else now
+        key = (pool, transition.instance)
+        last, skipped = _suppressed.get(key, (-SUPPRESSED_LOG_INTERVAL_S, 0))
+        if now - last < SUPPRESSED_LOG_INTERVAL_S:
+            _suppressed[key] = (last, skipped + 1)
+            return
+        _suppressed[key] = (now, 0)
+        fields["repeats_not_logged"] = skipped
+    log.warning("breaker transition", extra={"fields": fields})
 
 
 def replica_id() -> str:
