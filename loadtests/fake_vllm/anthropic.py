@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 from typing import TYPE_CHECKING, Any
 
 from . import responses as r
@@ -39,6 +38,7 @@ from .asgi import (
     respond,
     start_message,
 )
+from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, OVERLOADED, RATE_LIMIT, STALL, STREAM_ERROR, Faults
 from .engine import EngineOOM
 from .requestlog import RequestRecord
@@ -65,13 +65,6 @@ _ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-
-
-class InvalidRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def error_type(status: int) -> str:
@@ -171,49 +164,37 @@ def log_credentials(record: RequestRecord, record_exact: bool) -> None:
 # --- request validation ----------------------------------------------------------------------
 
 
-def _parse(body: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except ValueError as exc:
-        raise InvalidRequest(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest(400, "the JSON body must be an object")
-    return value
-
-
 def _max_tokens(request: dict[str, Any]) -> int:
     value = request.get("max_tokens")
     if value is None:
-        raise InvalidRequest(400, "max_tokens: Field required")
+        raise BadRequest(400, "max_tokens: Field required")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise InvalidRequest(
-            400, f"max_tokens: must be an integer between 1 and {MAX_TOKENS_LIMIT}"
-        )
+        raise BadRequest(400, f"max_tokens: must be an integer between 1 and {MAX_TOKENS_LIMIT}")
     return value
 
 
 def _check_blocks(where: str, blocks: Any) -> None:
     if not isinstance(blocks, list):
-        raise InvalidRequest(400, f"{where}: Input should be a valid string or list")
+        raise BadRequest(400, f"{where}: Input should be a valid string or list")
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise InvalidRequest(400, f"{where}.{i}: each block needs a string 'type'")
+            raise BadRequest(400, f"{where}.{i}: each block needs a string 'type'")
         if block["type"] == "text" and not isinstance(block.get("text"), str):
-            raise InvalidRequest(400, f"{where}.{i}.text: Field required")
+            raise BadRequest(400, f"{where}.{i}.text: Field required")
 
 
 def _input_tokens(request: dict[str, Any]) -> int:
     """Validate `messages` and `system`; their rough token count (whitespace-separated words)."""
     messages = request.get("messages")
     if messages is None:
-        raise InvalidRequest(400, "messages: Field required")
+        raise BadRequest(400, "messages: Field required")
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest(400, "messages: must be a non-empty list")
+        raise BadRequest(400, "messages: must be a non-empty list")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequest(400, f"messages.{i}: Input should be an object")
+            raise BadRequest(400, f"messages.{i}: Input should be an object")
         if message.get("role") not in ROLES:
-            raise InvalidRequest(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
+            raise BadRequest(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
         content = message.get("content")
         if not isinstance(content, str):
             _check_blocks(f"messages.{i}.content", content)
@@ -226,12 +207,12 @@ def _input_tokens(request: dict[str, Any]) -> int:
 def _model(request: dict[str, Any], record: RequestRecord, models: dict[str, int]) -> str:
     model = request.get("model")
     if model is None:
-        raise InvalidRequest(400, "model: Field required")
+        raise BadRequest(400, "model: Field required")
     if not isinstance(model, str):
-        raise InvalidRequest(400, "model: Input should be a valid string")
+        raise BadRequest(400, "model: Input should be a valid string")
     record.model = model
     if model not in models:
-        raise InvalidRequest(404, f"model: {model}")
+        raise BadRequest(404, f"model: {model}")
     return model
 
 
@@ -251,16 +232,16 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
     rid = app._next_rid()
     ids: Headers = [(b"request-id", f"req_{rid}".encode())]
     try:
-        request = _parse(body)
+        request = parse_object(body)
         model = _model(request, record, app.running)
         stream = request.get("stream", False)
         if not isinstance(stream, bool):
-            raise InvalidRequest(400, "stream: Input should be a valid boolean")
+            raise BadRequest(400, "stream: Input should be a valid boolean")
         record.stream = stream
         n = _max_tokens(request)
         record.max_tokens = n
         input_tokens = _input_tokens(request)
-    except InvalidRequest as exc:
+    except BadRequest as exc:
         await respond(send, exc.status, error_body(exc.status, exc.message), extra=ids)
         app.log.finish(record, "error")
         return

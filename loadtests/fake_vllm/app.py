@@ -29,6 +29,7 @@ from .asgi import (
     respond,
     start_message,
 )
+from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
 from .engine import Engine, EngineOOM
 from .requestlog import RequestLog, RequestRecord
@@ -40,13 +41,6 @@ COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 SSE = b"text/event-stream; charset=utf-8"
 MAX_TOKENS_LIMIT = 1_000_000
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class FakeVllm:
@@ -115,7 +109,7 @@ class FakeVllm:
         if body is None:
             return
         try:
-            request = _parse(body)
+            request = parse_object(body)
             model = self._model(request, record)
             stream = request.get("stream", False)
             if not isinstance(stream, bool):
@@ -237,7 +231,7 @@ class FakeVllm:
         if body is None:
             return
         try:
-            request = _parse(body)
+            request = parse_object(body)
             model = self._model(request, record)
             inputs = _embedding_inputs(request.get("input"))
         except BadRequest as exc:
@@ -372,7 +366,7 @@ class FakeVllm:
         if body is None:
             return
         try:
-            patch = _parse(body)
+            patch = parse_object(body)
             self.faults = self.faults.merged(patch)
         except BadRequest as exc:
             await respond(send, exc.status, r.error_body(exc.status, exc.message))
@@ -440,16 +434,6 @@ async def _die_midway(send: Send, full: bytes) -> str:
     await send(start_message(200, JSON, len(full), []))
     await send(body_message(full[: len(full) // 2], more=True))
     return "died"
-
-
-def _parse(body: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(value, dict):
-        raise BadRequest(400, "the JSON body must be an object")
-    return value
 
 
 def _max_tokens(request: dict[str, Any]) -> int:

@@ -17,6 +17,8 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
+from .waiters import CountWaiters
+
 # A slot's life: QUEUED -> RUNNING -> DONE, or QUEUED -> FAILED (no room in the KV cache), or
 # QUEUED -> DONE when its request leaves before it ran.
 QUEUED = "queued"
@@ -60,7 +62,7 @@ class Engine:
         self.ooms = 0  # cumulative; the only counter `reset` clears
         self._queue: deque[Slot] = deque()
         # (waiting count to reach, future to resolve), for `wait_waiting`.
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiters = CountWaiters()
 
     @property
     def waiting(self) -> int:
@@ -123,19 +125,7 @@ class Engine:
 
     async def wait_waiting(self, count: int, timeout_s: float) -> bool:
         """Wait until at least `count` requests are queued; False if `timeout_s` passed first."""
-        if self.waiting >= count:
-            return True
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (count, future)
-        self._waiters.append(entry)
-        try:
-            await asyncio.wait_for(future, timeout_s)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
+        return await self._waiters.wait(count, self.waiting, timeout_s)
 
     def _has_room(self) -> bool:
         return self.max_running <= 0 or self.running < self.max_running
@@ -161,6 +151,4 @@ class Engine:
             self._start(slot)
 
     def _wake(self) -> None:
-        for count, future in self._waiters:
-            if self.waiting >= count and not future.done():
-                future.set_result(None)
+        self._waiters.wake(self.waiting)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
+
+from .waiters import CountWaiters
 
 IN_PROGRESS = "in_progress"
 
@@ -95,7 +96,7 @@ class RequestLog:
         self._next_id = 1
         self._ended = 0
         # (count to reach, future to resolve): woken by `finish`, so waiting costs no polling.
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiters = CountWaiters()
 
     def start(
         self, method: str, path: str, query: str, raw_headers: Iterable[tuple[bytes, bytes]]
@@ -134,21 +135,7 @@ class RequestLog:
 
     async def wait_ended(self, count: int, timeout_s: float) -> bool:
         """Wait until `count` logged requests have ended; False if `timeout_s` passed first."""
-        if self._ended >= count:
-            return True
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (count, future)
-        self._waiters.append(entry)
-        try:
-            await asyncio.wait_for(future, timeout_s)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
+        return await self._waiters.wait(count, self._ended, timeout_s)
 
     def _wake(self) -> None:
-        for count, future in self._waiters:
-            if self._ended >= count and not future.done():
-                future.set_result(None)
+        self._waiters.wake(self._ended)
