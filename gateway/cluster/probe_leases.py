@@ -18,10 +18,9 @@ import math
 
 from redis.asyncio import Redis
 
-from gateway.core.breaker import ISOLATED, PROBING, BreakerState
+from gateway.cluster.store import Key, instance_keys
+from gateway.core.breaker import ISOLATED, PROBING
 from gateway.upstream.registry import Registry
-
-Key = tuple[str, str]  # (pool, instance)
 
 RELEASE_IF_OURS = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -52,12 +51,7 @@ class ProbeLeases:
         self._timeout_s = timeout_s
         self._clock = asyncio.get_running_loop().time
         self._pools = registry.pools
-        self._breakers: dict[Key, BreakerState] = {}
-        self._keys: dict[Key, str] = {}
-        for pool in registry.pools.values():
-            for inst in pool.instances:
-                self._breakers[(pool.name, inst.name)] = inst.breaker
-                self._keys[(pool.name, inst.name)] = f"{prefix}:probe:{pool.name}:{inst.name}"
+        self._breakers, self._keys = instance_keys(registry, prefix, "probe")
         self._held: dict[Key, float] = {}  # leases we hold: when they lapse (monotonic)
         self._renewed: dict[Key, float] = {}
         self._pool_attempts: dict[str, int] = {}
@@ -68,16 +62,11 @@ class ProbeLeases:
 
     def follow(self, registry: Registry, connected: bool) -> None:
         """A reloaded policy's instances: leases on dropped ones lapse by themselves."""
-        prefix = self._prefix
-        breakers: dict[Key, BreakerState] = {}
-        keys: dict[Key, str] = {}
-        for pool in registry.pools.values():
-            for inst in pool.instances:
-                key = (pool.name, inst.name)
-                breakers[key] = inst.breaker
-                keys[key] = f"{prefix}:probe:{pool.name}:{inst.name}"
-                if key not in self._breakers and connected:
-                    inst.breaker.lease_until = 0.0  # new here: coordinate as the others do
+        breakers, keys = instance_keys(registry, self._prefix, "probe")
+        if connected:
+            for key, breaker in breakers.items():
+                if key not in self._breakers:
+                    breaker.lease_until = 0.0  # new here: coordinate as the others do
         self._breakers, self._keys = breakers, keys
         for table in (self._held, self._renewed):
             for key in [key for key in table if key not in breakers]:

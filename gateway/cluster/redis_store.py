@@ -42,9 +42,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.cluster.probe_leases import RELEASE_IF_OURS, ProbeLeases
-from gateway.cluster.store import log_transition
+from gateway.cluster.store import Key, instance_keys, log_transition
 from gateway.config.models import SharedPolicy
-from gateway.core.breaker import ADMITTING, ISOLATED, BreakerState, Transition
+from gateway.core.breaker import ADMITTING, ISOLATED, Transition
 from gateway.core.decision import (
     Decision,
     MalformedDecision,
@@ -58,7 +58,6 @@ from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.shared")
 
-Key = tuple[str, str]  # (pool, instance)
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
@@ -104,13 +103,7 @@ class RedisDecisions:
         self._wall = wall
         self._clock = asyncio.get_running_loop().time
         self._pools = registry.pools
-        self._breakers: dict[Key, BreakerState] = {}
-        self._decision_keys: dict[Key, str] = {}
-        for pool in registry.pools.values():
-            for inst in pool.instances:
-                key = (pool.name, inst.name)
-                self._breakers[key] = inst.breaker
-                self._decision_keys[key] = f"{policy.key_prefix}:decision:{pool.name}:{inst.name}"
+        self._breakers, self._decision_keys = instance_keys(registry, policy.key_prefix, "decision")
         self._marks: dict[Key, Marks] = {key: Marks() for key in self._breakers}
         self._own: dict[Key, bytes] = {}  # our isolations in force, encoded, to renew
         self._outbox: dict[Key, Decision] = {}  # our transitions not yet written
@@ -204,14 +197,7 @@ class RedisDecisions:
         """The pools and instances of a reloaded policy (a synchronous step): instances kept
         keep their marks and our isolations of them; new ones start with none (and need the
         probe lease while connected); dropped ones are forgotten (their keys expire)."""
-        prefix = self._policy.key_prefix
-        breakers: dict[Key, BreakerState] = {}
-        keys: dict[Key, str] = {}
-        for pool in registry.pools.values():
-            for inst in pool.instances:
-                key = (pool.name, inst.name)
-                breakers[key] = inst.breaker
-                keys[key] = f"{prefix}:decision:{pool.name}:{inst.name}"
+        breakers, keys = instance_keys(registry, self._policy.key_prefix, "decision")
         self._breakers, self._decision_keys = breakers, keys
         self._marks = {key: self._marks.get(key) or Marks() for key in breakers}
         for table in (self._own, self._outbox, self._retract, self._heard):

@@ -9,12 +9,29 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.core.breaker import Transition
+from gateway.core.breaker import BreakerState, Transition
+from gateway.upstream.registry import Registry
 
 if TYPE_CHECKING:
     from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.breaker")
+
+Key = tuple[str, str]  # (pool, instance)
+
+
+def instance_keys(
+    registry: Registry, prefix: str, kind: str
+) -> tuple[dict[Key, BreakerState], dict[Key, str]]:
+    """Every instance's breaker and its Redis key `{prefix}:{kind}:{pool}:{instance}`."""
+    breakers: dict[Key, BreakerState] = {}
+    keys: dict[Key, str] = {}
+    for pool in registry.pools.values():
+        for inst in pool.instances:
+            key = (pool.name, inst.name)
+            breakers[key] = inst.breaker
+            keys[key] = f"{prefix}:{kind}:{pool.name}:{inst.name}"
+    return breakers, keys
 
 
 class DecisionStore(Protocol):
