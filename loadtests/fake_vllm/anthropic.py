@@ -41,6 +41,7 @@ from .asgi import (
 from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, OVERLOADED, RATE_LIMIT, STALL, STREAM_ERROR, Faults
 from .engine import EngineOOM
+from .pacing import Pacer, cut_point, pause
 from .requestlog import RequestRecord
 
 if TYPE_CHECKING:
@@ -219,11 +220,6 @@ def _model(request: dict[str, Any], record: RequestRecord, models: dict[str, int
 # --- the handler -----------------------------------------------------------------------------
 
 
-async def _sleep(seconds: float) -> None:
-    if seconds > 0:
-        await asyncio.sleep(seconds)
-
-
 async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: Send) -> None:
     record, body = await app._receive_logged(scope, receive)
     if body is None:
@@ -264,11 +260,11 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
         full = message_body(mid, model_json, n, input_tokens)
         if fault == DIE:
             # Promise the whole body, send half, then let uvicorn drop the connection.
-            await _sleep(ttft + per_token * min(faults.die_after, n))
+            await pause(ttft + per_token * min(faults.die_after, n))
             await send(start_message(200, JSON, len(full), ids))
             await send(body_message(full[: len(full) // 2], more=True))
             return "died"
-        await _sleep(ttft + per_token * n)
+        await pause(ttft + per_token * n)
         await respond(send, 200, full, extra=ids)
         return "ok"
 
@@ -301,28 +297,23 @@ async def _stream(
     faults: Faults,
 ) -> str:
     await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache"), *ids]))
-    cut = -1
-    if fault == DIE:
-        cut = min(faults.die_after, n)
-    elif fault in (STALL, STREAM_ERROR):
-        cut = min(faults.stall_after, n)
+    stop_after = faults.stall_after if fault in (STALL, STREAM_ERROR) else None
+    cut = cut_point(n, faults.die_after if fault == DIE else stop_after)
     # As on the OpenAI streams: `step` tokens an event, each event leaving when its last token
     # is due, and a cut falling on an event boundary so exactly `cut` tokens are delivered.
     step = faults.tokens_per_event_n(app.config)
     end_at = n if cut < 0 else cut
-    loop = asyncio.get_running_loop()
-    first = loop.time() + ttft
-    await _sleep(ttft)
+    pacer = Pacer(ttft, per_token)
+    await pacer.first_token()
     await send(body_message(writer.start(input_tokens), more=True))
     start = 0
     while start < end_at:
         end = min(start + step, end_at)
-        if per_token > 0:
-            await _sleep(first + per_token * end - loop.time())
+        await pacer.token(end)
         await send(body_message(writer.delta(start, end), more=True))
         start = end
-    if 0 <= cut < n and per_token > 0:
-        await _sleep(first + per_token * (cut + 1) - loop.time())
+    if 0 <= cut < n:
+        await pacer.token(cut + 1)
     if fault == DIE:
         return "died"  # returning mid-body makes uvicorn close the connection
     if fault == STALL:

@@ -32,6 +32,7 @@ from .asgi import (
 from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
 from .engine import Engine, EngineOOM
+from .pacing import Pacer, cut_point, pause
 from .requestlog import RequestLog, RequestRecord
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -150,9 +151,9 @@ class FakeVllm:
             build = r.chat_body if chat else r.completion_body
             full = build(rid, self._model_json[model], n, prompt_tokens)
             if fault == DIE:
-                await _sleep(ttft + per_token * min(faults.die_after, n))
+                await pause(ttft + per_token * min(faults.die_after, n))
                 return await _die_midway(send, full)
-            await _sleep(ttft + per_token * n)
+            await pause(ttft + per_token * n)
             await respond(send, 200, full)
             return "ok"
 
@@ -188,30 +189,25 @@ class FakeVllm:
         # Headers go out as the request starts running, as from vLLM (a Starlette
         # StreamingResponse); tokens follow.
         await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache")]))
-        cut = -1
-        if fault == DIE:
-            cut = min(faults.die_after, n)
-        elif fault == STALL:
-            cut = min(faults.stall_after, n)
+        cut = cut_point(
+            n, faults.die_after if fault == DIE else faults.stall_after if fault == STALL else None
+        )
         # Tokens go out in events of `step` (vLLM's stream interval); an event leaves when its
         # last token is due. A cut (die/stall) is an event boundary, so exactly `cut` tokens
         # are delivered whatever the step.
         step = faults.tokens_per_event_n(self.config)
         end_at = n if cut < 0 else cut
-        loop = asyncio.get_running_loop()
-        first = loop.time() + ttft
-        await _sleep(ttft)
+        pacer = Pacer(ttft, per_token)
+        await pacer.first_token()
         start = 0
         while start < end_at:
             end = min(start + step, end_at)
-            if per_token > 0:
-                # Scheduled from the first token's time so sleep overshoot does not accumulate.
-                await _sleep(first + per_token * end - loop.time())
+            await pacer.token(end)
             await send(body_message(writer.tokens(start, end, end == n), more=True))
             start = end
-        if 0 <= cut < n and per_token > 0:
+        if 0 <= cut < n:
             # Fail when the next token would have been due, as the one-token loop always did.
-            await _sleep(first + per_token * (cut + 1) - loop.time())
+            await pacer.token(cut + 1)
         if fault == DIE:
             return "died"  # returning mid-body makes uvicorn close the connection
         if fault == STALL:
@@ -245,7 +241,7 @@ class FakeVllm:
         async def run() -> str:
             if fault is not None and fault != DIE:
                 return await self._fault_reply(send, fault, faults)
-            await _sleep(faults.ttft_s(self.config))
+            await pause(faults.ttft_s(self.config))
             full = r.embeddings_body(model, inputs)
             if fault == DIE:
                 return await _die_midway(send, full)
@@ -422,11 +418,6 @@ class FakeVllm:
         if wait_for is not None:
             await self.log.wait_ended(wait_for, timeout_s)
         await respond(send, 200, r.dumps(self.log.snapshot()))
-
-
-async def _sleep(seconds: float) -> None:
-    if seconds > 0:
-        await asyncio.sleep(seconds)
 
 
 async def _die_midway(send: Send, full: bytes) -> str:
