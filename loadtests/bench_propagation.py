@@ -33,6 +33,7 @@ import random
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -253,17 +254,26 @@ async def wait_connected(admin: Admin, replicas: Sequence[Replica]) -> None:
 
 
 async def converge(
-    admin: Admin, replicas: Sequence[Replica], instance: str, want: str, timeout_s: float
+    admin: Admin,
+    replicas: Sequence[Replica],
+    instance: str,
+    want: str,
+    timeout_s: float,
+    after: float = -math.inf,
 ) -> dict[str, float]:
-    """Poll the replicas until each shows `instance` in state `want`: each one's `state_since`
-    (epoch seconds), by replica name. A replica missing from the result never got there."""
+    """Poll the replicas until each shows `instance` in state `want` since `after` (epoch
+    seconds) or later: each one's `state_since`, by replica name. A state older than `after`
+    predates the change being measured and is not counted as following it. A replica missing
+    from the result never got there."""
     since: dict[str, float] = {}
 
     async def everyone_there() -> bool:
         pending = [replica for replica in replicas if replica.name not in since]
         views = await asyncio.gather(*(admin.instance(r, instance) for r in pending))
         for replica, view in zip(pending, views, strict=True):
-            if view is not None and view["state"] == want and view["state_since"] is not None:
+            if view is None or view["state"] != want or view["state_since"] is None:
+                continue
+            if float(view["state_since"]) >= after:
                 since[replica.name] = float(view["state_since"])
         return len(since) == len(replicas)
 
@@ -324,11 +334,13 @@ async def one_round(
     replica is back to ADMITTING (the next round needs that)."""
     names = [replica.name for replica in replicas]
     await asyncio.sleep(rng.uniform(*PAUSE_S))
+    issued = time.time()
     await admin.operate(origin, instance, "isolate")
-    isolated = await converge(admin, replicas, instance, ISOLATED, settings.timeout_s)
+    isolated = await converge(admin, replicas, instance, ISOLATED, settings.timeout_s, issued)
     await asyncio.sleep(rng.uniform(*PAUSE_S))
+    issued = time.time()
     await admin.operate(origin, instance, "restore")
-    restored = await converge(admin, replicas, instance, ADMITTING, settings.timeout_s)
+    restored = await converge(admin, replicas, instance, ADMITTING, settings.timeout_s, issued)
     # A replica that never isolated it has nothing to restore: its "since" predates the round.
     followed = [name for name in names if name in isolated]
     record = {

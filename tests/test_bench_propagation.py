@@ -1,7 +1,8 @@
 """The propagation benchmark runs end to end, small, in both modes, and records every figure.
 
 Behaviour only: both modes are measured, no round times out, and every delay is a sane number
-(not negative, below a loose bound); nothing about how fast propagation must be.
+(not negative: no replica follows a change before it is made; within the round's own timeout);
+nothing about how fast propagation must be, which depends on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import pytest
 from loadtests.bench_propagation import main
 
 TTL_S = 1.0
-BOUND_MS = {"pubsub": 1000.0, "backstop": 2000.0}  # loose: the figures, not their speed
 
 
 def delays_ms(result: dict[str, Any], change: str) -> list[float]:
@@ -37,6 +37,7 @@ def test_small_run_in_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data: dict[str, Any] = json.loads(out.read_text())
 
     assert set(data["modes"]) == {"pubsub", "backstop"}
+    round_timeout_ms = data["meta"]["round_timeout_s"] * 1000.0  # a complete round is within it
     for mode, result in data["modes"].items():
         assert result["pubsub"] == (mode == "pubsub")
         assert result["rounds_run"] == 3
@@ -48,7 +49,8 @@ def test_small_run_in_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert summary["each_replica"]["count"] == 3 * 2  # the origin is not counted
             values = delays_ms(result, change)
             assert values
-            assert all(0.0 <= value < BOUND_MS[mode] for value in values), (mode, change, values)
+            insane = [value for value in values if not 0.0 <= value <= round_timeout_ms]
+            assert not insane, (mode, change, insane, result["rounds"])
         assert f"| {mode} | isolate | 3 | 0 |" in report
         assert f"| {mode} | restore | 3 | 0 |" in report
     assert "Targets:" in report
