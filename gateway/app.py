@@ -235,22 +235,32 @@ class Gateway:
         self._account_pools.update(self.registry.pools)
 
     def _sync_admissions(self) -> None:
-        """Admission follows the pools. A surviving pool with the same admission settings
-        keeps its PoolAdmission (running count, queues and waiters intact). A changed one gets
-        a new PoolAdmission for new requests; the old one is retired: its running requests
-        and waiters finish through it (it keeps listening to the pool's capacity), and it is
-        dropped at a later reload once empty. Until then both count the pool's room, so the
-        pool may briefly take up to twice its slots (the instances' limits still hold in the
-        pick layer)."""
+        """Admission follows the pools. A pool that keeps an admission section keeps its
+        PoolAdmission, reconfigured in place (running count, queues and waiters intact), so
+        its slots are never counted twice. A pool that loses its section, or is dropped,
+        retires its PoolAdmission: the requests it runs and holds finish through it (it keeps
+        listening to the pool's capacity) and it is forgotten at a later reload once empty;
+        should the pool get a section back meanwhile, that same PoolAdmission serves again."""
         pools = self.registry.pools
         for name, current in list(self.admissions.items()):
             pool = pools.get(name)
-            if pool is None or current.pool is not pool or current.policy != pool.policy.admission:
+            if pool is None or current.pool is not pool or pool.policy.admission is None:
                 del self.admissions[name]
                 self._retired_admissions.append(current)
         for name, pool in pools.items():
-            if pool.policy.admission is not None and name not in self.admissions:
-                self.admissions[name] = PoolAdmission(pool, pool.policy.admission)
+            policy = pool.policy.admission
+            if policy is None:
+                continue
+            kept = self.admissions.get(name)
+            if kept is None:
+                kept = next((r for r in self._retired_admissions if r.pool is pool), None)
+                if kept is None:
+                    self.admissions[name] = PoolAdmission(pool, policy)
+                    continue
+                self._retired_admissions.remove(kept)
+                self.admissions[name] = kept
+            if kept.policy != policy:
+                kept.reconfigure(policy)
         still: list[PoolAdmission] = []
         for retired in self._retired_admissions:
             if retired.running or len(retired.queues):

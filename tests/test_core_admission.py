@@ -162,3 +162,26 @@ def test_entries_past_their_queue_timeout_expire() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         AdmissionQueues({**BASE, "batch": 0.0}, dict.fromkeys(CLASSES, 1), TIMEOUT, 10)
+
+
+def test_reconfigure_keeps_the_waiting_entries_and_bounds_new_arrivals() -> None:
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 3), dict.fromkeys(CLASSES, 10.0), 100
+    )
+    for i in range(3):
+        assert q.offer(i, "batch", 0.0).queued
+    q.reconfigure(
+        {"interactive": 4.0, "standard": 2.0, "batch": 8.0},
+        dict.fromkeys(CLASSES, 1),
+        dict.fromkeys(CLASSES, 1.0),
+        100,
+    )
+    assert q.length("batch") == 3  # nobody is dropped by a lower bound
+    assert not q.offer(3, "batch", 0.5).queued  # which holds for new arrivals
+    assert q.weights(0.5)["batch"] == pytest.approx(8.0)
+    assert q.next_expiry() == pytest.approx(10.0)  # they keep the deadline they were given
+    assert q.offer(0, "standard", 0.5).queued
+    assert [entry.item for entry in q.expire(1.5)] == [0]  # the new timeout: 0.5 + 1.0
+    assert [entry.item for entry in (q.pop(2.0), q.pop(2.0), q.pop(2.0))] == [0, 1, 2]
+    with pytest.raises(ValueError, match="batch"):
+        q.reconfigure(BASE, dict.fromkeys(CLASSES, 1), {**TIMEOUT, "batch": 0.0}, 100)

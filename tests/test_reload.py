@@ -25,6 +25,7 @@ from tests.support import (
     start_gateway,
     stop_backends,
 )
+from tests.test_admission import max_concurrency
 
 # -- the pure diff ---------------------------------------------------------------------------
 
@@ -318,3 +319,50 @@ def test_file_change_reloads_without_a_signal(
     models = httpx.get(f"{gateway.url}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["m"]
     assert admin_state(gateway)["policy"]["reloads"] == {"ok": 1, "error": 0}
+
+
+def admission_policy(backends: dict[str, Backend], batch_weight: float) -> str:
+    return policy_text(
+        backends,
+        ["k"],
+        "    admission:\n"
+        "      concurrency: {mode: fixed, limit: 2}\n"
+        f"      batch: {{weight: {batch_weight}}}\n",
+    )
+
+
+def test_reload_of_admission_settings_keeps_the_pools_slots(
+    backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    """Changed admission settings apply in place: the requests running before the reload
+    still hold their slots, so a request arriving after it waits instead of taking a slot
+    that is not free (the pool is never counted twice)."""
+    for backend in backends.values():
+        backend.reset()
+    path = tmp_path / "policy.yaml"
+    gw = start_gateway(path, admission_policy(backends, 1.0))
+    try:
+
+        def admission() -> dict[str, Any]:
+            found: dict[str, Any] = admin_state(gw)["pools"]["chat"]["admission"]
+            return found
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            streams = [pool.submit(stream_once, gw.url) for _ in range(2)]  # ~1.5 s each
+            assert wait_until(lambda: admission()["running"] == 2, timeout_s=5)
+            write_quietly(path, admission_policy(backends, 3.0))
+            assert reload(gw).status_code == 200
+            late = pool.submit(
+                lambda: httpx.post(f"{gw.url}/v1/chat/completions", json=chat(), timeout=20)
+            )
+            assert wait_until(lambda: sum(admission()["queued"].values()) == 1, timeout_s=5)
+            assert admission()["running"] == 2  # still the two streams: the late one waits
+            assert [s.result(timeout=20) for s in streams] == [("k", True)] * 2
+            assert late.result(timeout=20).status_code == 200
+        state = admission()
+        assert state["running"] == 0
+        assert state["weights"]["batch"] == pytest.approx(3.0)  # the new settings serve
+        done = [r for r in backends["k"].requests() if r["path"] == "/v1/chat/completions"]
+        assert len(done) == 3 and max_concurrency(done) == 2
+    finally:
+        gw.stop()

@@ -127,6 +127,21 @@ class AdmissionQueues(Generic[T]):
         window_s: int = 10,
         peak_half_life_s: float = 300.0,
     ) -> None:
+        self.reconfigure(base_weights, max_queue, queue_timeout_s, max_total)
+        self._queues: dict[Priority, deque[Entry[T]]] = {name: deque() for name in CLASSES}
+        self._pass: dict[Priority, float] = dict.fromkeys(CLASSES, 0.0)
+        self._rates = {name: ArrivalRate(window_s, peak_half_life_s) for name in CLASSES}
+        self.shed: dict[Priority, int] = dict.fromkeys(CLASSES, 0)
+
+    def reconfigure(
+        self,
+        base_weights: Mapping[Priority, float],
+        max_queue: Mapping[Priority, int],
+        queue_timeout_s: Mapping[Priority, float],
+        max_total: int,
+    ) -> None:
+        """New settings (a policy reload). Waiting entries keep their place and the deadline
+        they were given; a bound lowered below what waits applies to new arrivals only."""
         for name in CLASSES:
             if base_weights[name] <= 0 or max_queue[name] < 0 or queue_timeout_s[name] <= 0:
                 raise ValueError(f"class {name}: weight and timeout > 0, max_queue >= 0")
@@ -134,10 +149,6 @@ class AdmissionQueues(Generic[T]):
         self._max_queue = dict(max_queue)
         self._timeout = dict(queue_timeout_s)
         self._max_total = max_total
-        self._queues: dict[Priority, deque[Entry[T]]] = {name: deque() for name in CLASSES}
-        self._pass: dict[Priority, float] = dict.fromkeys(CLASSES, 0.0)
-        self._rates = {name: ArrivalRate(window_s, peak_half_life_s) for name in CLASSES}
-        self.shed: dict[Priority, int] = dict.fromkeys(CLASSES, 0)
 
     # -- introspection -------------------------------------------------------------------
 

@@ -51,19 +51,20 @@ class PoolAdmission:
     def __init__(self, pool: PoolState, policy: AdmissionPolicy) -> None:
         self.pool = pool
         self.policy = policy
-        classes = {name: getattr(policy, name) for name in CLASSES}
-        self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(
-            {name: c.weight for name, c in classes.items()},
-            {name: c.max_queue for name, c in classes.items()},
-            {name: c.queue_timeout for name, c in classes.items()},
-            policy.max_queued,
-        )
+        self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(*_queue_settings(policy))
         self.running = 0
         self.completions = ArrivalRate(window_s=10)
         self.waits = {name: Histogram(QUEUE_WAIT_BUCKETS_S) for name in CLASSES}
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         pool.capacity_listeners.append(self.dispatch)
+
+    def reconfigure(self, policy: AdmissionPolicy) -> None:
+        """A reloaded pool's new admission settings, in place: the running count, the queues
+        and their waiters carry over, so the pool's slots are never counted twice."""
+        self.policy = policy
+        self.queues.reconfigure(*_queue_settings(policy))
+        self.dispatch()  # the new weights or bounds may let someone through
 
     def state(self, now: float) -> dict[str, Any]:
         """The operator's view, in /admin/state."""
@@ -194,6 +195,20 @@ class PoolAdmission:
         """When to come back: about the time the queues in front take to drain."""
         rate = self.completions.qps(self._loop.time())
         return max(1.0, len(self.queues) / rate) if rate > 0 else 1.0
+
+
+def _queue_settings(
+    policy: AdmissionPolicy,
+) -> tuple[dict[Priority, float], dict[Priority, int], dict[Priority, float], int]:
+    """The queues' settings from the policy: weights, bounds and timeouts by class, and the
+    bound on the total."""
+    classes = {name: getattr(policy, name) for name in CLASSES}
+    return (
+        {name: c.weight for name, c in classes.items()},
+        {name: c.max_queue for name, c in classes.items()},
+        {name: c.queue_timeout for name, c in classes.items()},
+        policy.max_queued,
+    )
 
 
 def unreserve(instance: InstanceState | None, tokens: int) -> None:
