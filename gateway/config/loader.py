@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gateway.config.checks import Loc, cross_field_errors
-from gateway.config.models import Policy
+from gateway.config.models import BASE_DIR, Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +49,19 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyError([Problem(name, 0, "(file)", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError:
         raise PolicyError([Problem(name, 0, "(file)", "cannot read: not UTF-8 text")]) from None
-    return parse_policy(text, name)
+    return parse_policy(text, name, Path(path).absolute().parent)
 
 
-def parse_policy(text: str, filename: str = "<policy>") -> Policy:
-    """Validate policy text; raises PolicyError listing every problem."""
+def parse_policy(text: str, filename: str = "<policy>", base_dir: Path | None = None) -> Policy:
+    """Validate policy text; raises PolicyError listing every problem. Relative file paths in
+    it (CA bundles, secrets) are taken from `base_dir`, the policy file's folder when it was
+    read from one."""
     data, lines, problems = _compose(text, filename)
     if problems:
         raise PolicyError(problems)
+    context = {BASE_DIR: str(base_dir)} if base_dir is not None else None
     try:
-        policy = Policy.model_validate(data)
+        policy = Policy.model_validate(data, context=context)
     except ValidationError as exc:
         errors = _without_consequences(exc.errors())
         raise PolicyError(

@@ -6,8 +6,9 @@ Checks that relate several fields (duplicate names, tier order, floor vs ceiling
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -17,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    ValidationInfo,
     model_validator,
 )
 
@@ -366,7 +368,20 @@ def _check_header_name(value: str) -> str:
 
 
 HeaderName = Annotated[str, AfterValidator(_check_header_name)]
-FilePath = Annotated[str, Field(min_length=1)]
+# The policy loader passes the policy file's folder as `base_dir` in the validation context.
+BASE_DIR: Final = "base_dir"
+
+
+def _resolve_path(value: str, info: ValidationInfo) -> str:
+    """A relative path names a file next to the policy file (as nginx's includes do), not
+    one in whatever folder the gateway was started from."""
+    base = info.context.get(BASE_DIR) if isinstance(info.context, dict) else None
+    if base is None or os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(base, value))
+
+
+FilePath = Annotated[str, Field(min_length=1), AfterValidator(_resolve_path)]
 
 
 class TlsPolicy(Strict):
