@@ -7,9 +7,10 @@
 3. In-flight requests and streams may finish for `drain.timeout`, counted from step 2.
 4. At that deadline every SSE stream still open ends with an SSE error event (`shutting_down`)
    and `data: [DONE]`, never a silent cut. A request still without an answer a moment later
-   gets a 503 `shutting_down` (Retry-After: 1) and is cancelled (its upstream request closed, so
-   vLLM aborts it); a non-streamed body already under way is cut (the connection closes, so
-   the client sees an incomplete response, as for a backend that dies mid-body).
+   gets a 503 `shutting_down` (Retry-After: 1; in its route's error shape) and is cancelled
+   (its upstream request closed, so vLLM aborts it); a non-streamed body already under way is
+   cut (the connection closes, so the client sees an incomplete response, as for a backend
+   that dies mid-body).
 5. The admin plane, which kept serving, closes; background tasks stop (`Gateway.close`); exit 0.
 
 A second SIGTERM during the drain skips to step 4 at once. SIGINT (Ctrl-C) is the quick stop,
@@ -27,6 +28,8 @@ import uvicorn
 
 from gateway.config.models import DrainPolicy
 from gateway.errors import GatewayError
+from gateway.ingress.dialect import BY_PATH as DIALECTS
+from gateway.ingress.dialect import OPENAI, Dialect
 
 log = logging.getLogger("gateway")
 
@@ -90,19 +93,38 @@ class OpenStreams:
 STREAMS = OpenStreams()
 
 
-async def _answer_unanswered(connections: Any) -> None:
-    """Answer 503 `shutting_down` on every connection whose request has no response yet."""
+def _late_answer(dialect: Dialect) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The 503 `shutting_down` in a route's dialect: its headers and body."""
     error = shutting_down()
-    body = error.body()
+    body = dialect.body(error)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", b"1"),
+        error.header,
     ]
+    return headers, body
+
+
+def _path(cycle: Any) -> str | None:
+    scope = getattr(cycle, "scope", None)
+    path = scope.get("path") if isinstance(scope, dict) else None
+    return path if isinstance(path, str) else None
+
+
+async def _answer_unanswered(connections: Any) -> None:
+    """Answer 503 `shutting_down` on every connection whose request has no response yet, in the
+    error shape of the route it called (OpenAI's when the route is unknown)."""
+    answers: dict[Dialect, tuple[list[tuple[bytes, bytes]], bytes]] = {}
     for connection in list(connections):
         cycle = getattr(connection, "cycle", None)  # uvicorn's request-response cycle
         if cycle is None or cycle.response_started or cycle.response_complete:
             continue
+        dialect = DIALECTS.get(_path(cycle) or "", OPENAI)
+        answer = answers.get(dialect)
+        if answer is None:
+            answer = answers[dialect] = _late_answer(dialect)
+        headers, body = answer
         try:
             await cycle.send({"type": "http.response.start", "status": 503, "headers": headers})
             await cycle.send({"type": "http.response.body", "body": body})

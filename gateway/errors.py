@@ -2,18 +2,26 @@
 client's exceptions into it.
 
 Each error knows its HTTP status and renders as OpenAI-style JSON:
-`{"error": {"message": ..., "type": ..., "code": ...}}`.
+`{"error": {"message": ..., "type": ..., "code": ...}}`. Its code also goes out as the
+`x-gateway-error` response header, in every route's dialect: it is what tells the gateway's own
+answer from a backend's (an Anthropic-shaped body has no code).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import ClassVar
+from typing import Any, ClassVar, Final
 
 import aiohttp
 
 from gateway.core.outcome import Outcome, Phase
+
+ERROR_HEADER: Final = b"x-gateway-error"
+
+
+def error_header(code: str) -> tuple[bytes, bytes]:
+    return (ERROR_HEADER, code.encode())
 
 
 class GatewayError(Exception):
@@ -22,6 +30,12 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "gateway_error"
     code: ClassVar[str] = "internal_error"
+    # `x-gateway-error: <code>`, encoded once per class rather than per answer.
+    header: ClassVar[tuple[bytes, bytes]] = error_header(code)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.header = error_header(cls.code)
 
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)

@@ -46,7 +46,7 @@ class Record:
     lag: float = 0.0  # how late the generator sent it after its scheduled time
     # Added later, so defaulted: older ledger lines without them still parse.
     priority: str | None = None  # the x-gateway-priority class sent; None: no header
-    shed: bool = False  # a 429 whose JSON error code is "shed" (gateway admission control)
+    shed: bool = False  # a 429 marked `x-gateway-error: shed` (gateway admission control)
 
     @property
     def ok(self) -> bool:

@@ -19,6 +19,7 @@ from tests.support import (
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}  # same body, either API
 LIMIT = 2  # per instance: two instances, four slots
 
 
@@ -45,12 +46,12 @@ def gateway(backends: dict[str, Backend], tmp_path: Path) -> Iterator[Gateway]:
 
 
 async def send(
-    client: httpx.AsyncClient, gateway: Gateway, priority: str, delay_s: float
+    client: httpx.AsyncClient, gateway: Gateway, priority: str, delay_s: float, api: str = "chat"
 ) -> tuple[str, int, float, httpx.Response]:
     await asyncio.sleep(delay_s)
     started = time.monotonic()
     response = await client.post(
-        f"{gateway.url}/v1/chat/completions", json=BODY, headers={"x-gateway-priority": priority}
+        f"{gateway.url}{ROUTES[api]}", json=BODY, headers={"x-gateway-priority": priority}
     )
     return priority, response.status_code, time.monotonic() - started, response
 
@@ -82,7 +83,9 @@ async def test_a_burst_sheds_backlog_first_and_answers_everyone(
     assert shed, "the burst was larger than slots plus queues: some batch requests are shed"
     for response in shed:
         assert response.json()["error"]["code"] == "shed"
+        assert response.headers["x-gateway-error"] == "shed"
         assert int(response.headers["retry-after"]) >= 1
+    assert all("x-gateway-error" not in r.headers for _, s, _, r in results if s == 200)
     # Interactive requests went ahead of the waiting batch ones.
     waits = {
         p: sorted(t for q, s, t, _ in results if q == p and s == 200)
@@ -101,6 +104,26 @@ async def test_a_burst_sheds_backlog_first_and_answers_everyone(
         assert max_concurrency(done) <= LIMIT
 
 
+async def test_a_shed_on_the_messages_route_is_marked_though_its_body_has_no_code(
+    gateway: Gateway,
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        # 4 slots and 6 batch places in the queue: of 14 batch requests, some are shed.
+        burst = [send(client, gateway, "batch", 0.0, api="messages") for _ in range(14)]
+        results = await asyncio.wait_for(asyncio.gather(*burst), 30)
+    assert {s for _, s, _, _ in results} == {200, 429}
+    for _, status, _, response in results:
+        if status == 200:
+            assert response.json()["type"] == "message"
+            assert "x-gateway-error" not in response.headers
+            continue
+        # Anthropic's shape, which has no code: the header is what says "shed".
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+        assert response.headers["x-gateway-error"] == "shed"
+        assert int(response.headers["retry-after"]) >= 1
+
+
 def test_an_unknown_priority_is_a_bad_request(gateway: Gateway) -> None:
     response = httpx.post(
         f"{gateway.url}/v1/chat/completions",
@@ -110,3 +133,4 @@ def test_an_unknown_priority_is_a_bad_request(gateway: Gateway) -> None:
     )
     assert response.status_code == 400
     assert "x-gateway-priority" in response.json()["error"]["message"]
+    assert response.headers["x-gateway-error"] == "invalid_request"

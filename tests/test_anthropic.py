@@ -129,6 +129,30 @@ def test_the_gateways_own_errors_are_in_anthropics_shape(gateway: Gateway) -> No
         "type": "error",
         "error": {"type": "not_found_error", "message": "the model 'no-such-model' does not exist"},
     }
+    # The shape has no code: the header carries it.
+    assert raised.value.response.headers["x-gateway-error"] == "model_not_found"
     response = httpx.post(f"{gateway.url}/v1/messages", content=b"{not json", timeout=5)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.headers["x-gateway-error"] == "invalid_request"
+
+
+def test_a_backends_own_error_is_not_marked_as_the_gateways(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    for backend in backends.values():
+        backend.set_faults(error_rate=1.0, error_status=500)
+    try:
+        response = httpx.post(
+            f"{gateway.url}/v1/messages",
+            json={"model": MODEL, "max_tokens": 4, "messages": PROMPT},
+            timeout=10,
+        )
+    finally:
+        for backend in backends.values():
+            backend.set_faults()
+    # Retried, then the last backend's answer relayed as it came.
+    assert response.status_code == 500
+    assert int(response.headers["x-gateway-attempts"]) > 1
+    assert response.json()["error"] == {"type": "api_error", "message": "injected error"}
+    assert "x-gateway-error" not in response.headers

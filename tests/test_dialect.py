@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from gateway.errors import InvalidRequest, NoInstanceAvailable, Shed, UpstreamTimeout
+from gateway.drain import ShuttingDown
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoInstanceAvailable,
+    Shed,
+    UpstreamTimeout,
+)
 from gateway.ingress.dialect import ANTHROPIC, BY_PATH, OPENAI
 from gateway.pipeline.account import completion_tokens
 
@@ -41,6 +49,13 @@ def test_an_anthropic_stream_ends_with_an_error_event_and_no_done() -> None:
     assert event == "event: error"
     assert json.loads(data.removeprefix("data: "))["error"]["type"] == "timeout_error"
     assert b"[DONE]" not in ending
+
+
+@pytest.mark.parametrize(
+    "kind", [GatewayError, InvalidRequest, ModelNotFound, Shed, UpstreamTimeout, ShuttingDown]
+)
+def test_every_error_class_carries_its_own_code_as_a_header(kind: type[GatewayError]) -> None:
+    assert kind.header == (b"x-gateway-error", kind.code.encode())
 
 
 def test_only_the_messages_route_speaks_anthropic() -> None:

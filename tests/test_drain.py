@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from gateway.drain import _answer_unanswered
 from loadtests.procs import wait_until
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 
@@ -154,24 +156,21 @@ def test_streams_longer_than_the_deadline_end_with_an_error_event(
     tmp_path: Path, backends: dict[str, Backend]
 ) -> None:
     gw = drain_gateway(tmp_path, backends, delay="300ms", timeout="1s")
+    # Not streamed, 2000 tokens: still without an answer at the deadline, on either API.
+    whole_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
     try:
-        with ThreadPoolExecutor(STREAMS + 1) as pool:
+        with ThreadPoolExecutor(STREAMS + 2) as pool:
             futures = start_streams(pool, gw, max_tokens=2000)  # 20 s each
-            whole = pool.submit(
-                httpx.post,
-                f"{gw.url}/v1/chat/completions",
-                json={
-                    "model": "m",
-                    "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 2000,
-                },
-                timeout=30,
-            )  # not streamed, 2000 tokens: still without an answer at the deadline
-            assert wait_until(lambda: in_flight(gw) > STREAMS)
+            whole, whole_messages = (
+                pool.submit(httpx.post, f"{gw.url}{path}", json=whole_body, timeout=30)
+                for path in ("/v1/chat/completions", "/v1/messages")
+            )
+            assert wait_until(lambda: in_flight(gw) > STREAMS + 1)
             signalled = time.monotonic()
             gw.proc.signal(signal.SIGTERM)
             results = [f.result(timeout=10) for f in futures]
             unanswered = whole.result(timeout=10)
+            unanswered_messages = whole_messages.result(timeout=10)
             code = wait_exit(gw, 5)
             exited = time.monotonic()
         for stream in results:
@@ -187,6 +186,15 @@ def test_streams_longer_than_the_deadline_end_with_an_error_event(
             assert 1.2 <= stream.ended_at - signalled < 3.0
         assert unanswered.status_code == 503
         assert unanswered.json()["error"]["code"] == "shutting_down"
+        assert unanswered.headers["x-gateway-error"] == "shutting_down"
+        assert unanswered.headers["retry-after"] == "1"
+        # The Messages route's late answer is in Anthropic's shape, marked the same way.
+        assert unanswered_messages.status_code == 503
+        assert unanswered_messages.json() == {
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": "the gateway is shutting down"},
+        }
+        assert unanswered_messages.headers["x-gateway-error"] == "shutting_down"
         assert code == 0
         assert exited - signalled < 1.3 + 3.0
         assert_drain_logged(gw)
@@ -242,3 +250,50 @@ def test_sigint_is_the_quick_stop(tmp_path: Path, backends: dict[str, Backend]) 
         assert exited - interrupted < 3.0
     finally:
         gw.stop()
+
+
+@dataclass
+class FakeCycle:
+    """uvicorn's request-response cycle, as far as the drain's late answer uses it."""
+
+    scope: dict[str, Any] | None
+    response_started: bool = False
+    response_complete: bool = False
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+@dataclass
+class FakeConnection:
+    cycle: FakeCycle | None
+
+
+def late_answer(cycle: FakeCycle) -> tuple[int, dict[bytes, bytes], Any]:
+    start, body = cycle.sent
+    headers = dict(start["headers"])
+    assert headers[b"content-length"] == str(len(body["body"])).encode()
+    return start["status"], headers, json.loads(body["body"])
+
+
+async def test_the_late_answer_speaks_each_routes_dialect() -> None:
+    messages = FakeCycle({"type": "http", "path": "/v1/messages"})
+    chat = FakeCycle({"type": "http", "path": "/v1/chat/completions"})
+    no_scope = FakeCycle(None)
+    answered = FakeCycle({"type": "http", "path": "/v1/messages"}, response_started=True)
+    cycles = (messages, chat, no_scope, answered, None)
+    await _answer_unanswered([FakeConnection(c) for c in cycles])
+
+    status, headers, body = late_answer(messages)
+    assert status == 503 and headers[b"x-gateway-error"] == b"shutting_down"
+    assert body == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the gateway is shutting down"},
+    }
+    for cycle in (chat, no_scope):  # OpenAI's shape, also when the route is unknown
+        status, headers, body = late_answer(cycle)
+        assert status == 503 and headers[b"retry-after"] == b"1"
+        assert headers[b"x-gateway-error"] == b"shutting_down"
+        assert body["error"]["code"] == "shutting_down"
+    assert answered.sent == []  # its response had started: not the drain's to answer

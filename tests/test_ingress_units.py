@@ -60,6 +60,8 @@ def test_response_headers_drop_hop_by_hop_and_lowercase() -> None:
         (b"Transfer-Encoding", b"chunked"),
         (b"Keep-Alive", b"timeout=5"),
         (b"X-Request-Id", b"abc"),
+        # An upstream (another gateway, say) cannot pass its error off as this gateway's.
+        (b"X-Gateway-Error", b"shed"),
     ]
     assert response_headers(raw, drop_length=False) == [
         (b"content-type", b"text/event-stream"),

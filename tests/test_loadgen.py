@@ -35,6 +35,7 @@ from loadtests.loadgen import (
 )
 from loadtests.loadgen.arrivals import mean_rate
 from loadtests.loadgen.cli import main as cli_main
+from loadtests.loadgen.client import is_shed
 from loadtests.loadgen.sse import AnthropicSseScanner, SseScanner
 from tests.support import Backend, closed_port, start_backend
 
@@ -443,11 +444,19 @@ def test_rate_steps_parsing_and_checks() -> None:
     assert mean_rate(((0.0, 100.0), (20.0, 300.0)), 10.0) == pytest.approx(100.0)
 
 
+def rate_limited(messages: bool, message: str, code: str) -> dict[str, Any]:
+    """A 429's body in the route's shape: Anthropic's has no code."""
+    if messages:
+        return {"type": "error", "error": {"type": "rate_limit_error", "message": message}}
+    return {"error": {"message": message, "type": "rate_limit_error", "code": code}}
+
+
 @contextlib.asynccontextmanager
 async def tiny_gateway() -> AsyncIterator[tuple[str, dict[int, str | None]]]:
-    """A loopback server answering like the gateway under load: batch is shed (429 + code shed),
-    standard seqs divisible by 4 get a 429 that is not a shed, the rest succeed. It notes the
-    x-gateway-priority header it received per x-loadgen-seq."""
+    """A loopback server answering like the gateway under load: batch is shed (429 marked
+    `x-gateway-error: shed`), standard seqs divisible by 4 get a backend's 429 (unmarked), the
+    rest succeed; on /v1/messages in Anthropic's shapes. It notes the x-gateway-priority header
+    it received per x-loadgen-seq."""
     seen: dict[int, str | None] = {}
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -455,21 +464,27 @@ async def tiny_gateway() -> AsyncIterator[tuple[str, dict[int, str | None]]]:
         priority = request.headers.get("x-gateway-priority")
         seen[seq] = priority
         body = await request.json()
+        messages = request.path == "/v1/messages"
         if priority == "batch":
-            error = {"message": "shed", "type": "rate_limit_error", "code": "shed"}
-            return web.json_response({"error": error}, status=429, headers={"Retry-After": "1"})
+            shed = rate_limited(messages, "shed", "shed")
+            headers = {"Retry-After": "1", "x-gateway-error": "shed"}
+            return web.json_response(shed, status=429, headers=headers)
         if priority == "standard" and seq % 4 == 0:
-            return web.json_response({"error": {"code": "rate_limit_exceeded"}}, status=429)
+            refused = rate_limited(messages, "slow down", "rate_limit_exceeded")
+            return web.json_response(refused, status=429)
         if not body["stream"]:
-            return web.json_response({"choices": []})
+            return web.json_response({"type": "message"} if messages else {"choices": []})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await response.write(b'data: {"choices":[]}\n\ndata: [DONE]\n\n')
+        if messages:
+            await response.write(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+        else:
+            await response.write(b'data: {"choices":[]}\n\ndata: [DONE]\n\n')
         await response.write_eof()
         return response
 
     app = web.Application()
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
         app.router.add_post(path, handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -481,8 +496,12 @@ async def tiny_gateway() -> AsyncIterator[tuple[str, dict[int, str | None]]]:
         await runner.cleanup()
 
 
-async def test_priority_header_sent_and_shed_counted_per_class(tmp_path: Path) -> None:
-    spec = small(priorities=MIX)
+@pytest.mark.parametrize("anthropic", [False, True])
+async def test_priority_header_sent_and_shed_counted_per_class(
+    tmp_path: Path, anthropic: bool
+) -> None:
+    # With m2 on Anthropic's Messages API, whose error body has no code: the header counts.
+    spec = small(priorities=MIX, anthropic_models=("m2",) if anthropic else ())
     async with tiny_gateway() as (url, seen):
         gateway = [Target("gateway", url, gateway=True)]
         stats, records = await run(
@@ -491,6 +510,8 @@ async def test_priority_header_sent_and_shed_counted_per_class(tmp_path: Path) -
         assert_one_record_each(stats, records)
         plan_of = {p.seq: p for p in itertools.islice(plans(spec), 200)}
         assert seen == {seq: plan.priority for seq, plan in plan_of.items()}
+        if anthropic:
+            assert {r.kind for r in records if r.model == "m2"} == {"messages"}
         assert all(r.priority == plan_of[r.seq].priority for r in records)
 
         summary = per_class_summary(records)
@@ -520,6 +541,18 @@ async def test_priority_header_sent_and_shed_counted_per_class(tmp_path: Path) -
         seen.clear()
         await run(tmp_path, small(), dict.fromkeys(MODELS, gateway), rate=1000, requests=10)
         assert seen == dict.fromkeys(range(10))
+
+
+def test_a_shed_is_the_429_the_gateway_marks_as_one() -> None:
+    anthropic = json.dumps(rate_limited(True, "busy", "shed")).encode()
+    openai_shed = json.dumps(rate_limited(False, "busy", "shed")).encode()
+    openai_other = json.dumps(rate_limited(False, "busy", "rate_limit_exceeded")).encode()
+    assert is_shed("shed", anthropic) and is_shed("shed", openai_shed)
+    assert not is_shed(None, anthropic)  # a backend's 429 on the Messages route
+    assert not is_shed(None, openai_other) and not is_shed(None, b"not json")
+    # The header, when there, decides; the body's code only without it (an older gateway).
+    assert not is_shed("no_instance_available", openai_shed)
+    assert is_shed(None, openai_shed)
 
 
 def test_cli_rate_steps_and_priority_mix(

@@ -85,6 +85,8 @@ def assert_error(response: httpx.Response, status: int, code: str) -> None:
     error = response.json()["error"]
     assert error["code"] == code
     assert error["message"] and error["type"]
+    # The gateway's own answer says so in a header too, whatever the route's error shape.
+    assert response.headers["x-gateway-error"] == code
 
 
 # --- routing -----------------------------------------------------------------------------------
@@ -401,13 +403,17 @@ def test_hung_backend_is_504_after_the_first_byte_timeout(
     assert [r["outcome"] for r in records] == ["cancelled"] * 3  # each attempt was closed
 
 
+@pytest.mark.parametrize("status", [503, 429, 500])
 def test_backend_errors_pass_through_unchanged(
-    client: httpx.Client, backends: dict[str, Backend]
+    client: httpx.Client, backends: dict[str, Backend], status: int
 ) -> None:
-    backends["c"].set_faults(error_rate=1.0, error_status=503)
+    backends["c"].set_faults(error_rate=1.0, error_status=status)
     response = client.post("/v1/embeddings", json={"model": "embed-model", "input": "x"})
-    assert response.status_code == 503
+    assert response.status_code == status
     assert response.headers["x-gateway-instance"] == "c"
+    # The backend's answer, not the gateway's: not marked as the gateway's own error.
+    assert "x-gateway-error" not in response.headers
+    assert response.json()["error"]["message"] == "injected error"
     # A backend's 404 for a model it does not serve is the backend's answer, relayed as is.
     backends["c"].reset()
     response = client.post("/v1/embeddings", json={"model": "embed-model", "input": "x"})

@@ -44,7 +44,9 @@ async def send_json(
 async def send_error(
     send: Send, error: GatewayError, attempts: int = 0, dialect: Dialect = OPENAI
 ) -> None:
-    extra: list[tuple[bytes, bytes]] = []
+    """The gateway's own error answer, marked `x-gateway-error: <code>` whatever the dialect:
+    a backend's error relayed by `relay` never carries it."""
+    extra: list[tuple[bytes, bytes]] = [error.header]
     if error.retry_after_s is not None:
         extra.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
     if attempts:

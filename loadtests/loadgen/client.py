@@ -28,6 +28,9 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_KEPT_BODY = 4 << 20  # a plain body is kept up to this size to parse it; longer is not proper
 ERROR_TEXT_MAX = 200
 SHED_CODE = "shed"  # the error code of the gateway's admission 429 (gateway/errors.py, Shed)
+# The gateway marks its own error answers with their code, on every route (an Anthropic-shaped
+# body has no code): that is what tells its shed from a backend's own 429.
+ERROR_HEADER = "x-gateway-error"
 
 # The constant headers, one dict per priority class, built once: a request copies its class's
 # dict and adds its sequence number.
@@ -155,7 +158,8 @@ async def send(
                 whole = kept_size < MAX_KEPT_BODY
                 record.proper = status == 200 and whole and _proper(body, messages)
                 record.oom = oom_header or (status == 500 and b"out of memory" in body.lower())
-                record.shed = status == 429 and _error_code(body) == SHED_CODE
+                if status == 429:
+                    record.shed = is_shed(response_headers.get(ERROR_HEADER), body)
     except Exception as exc:  # any failure, ours included, ends in the record, never lost
         record.error = describe(exc)
         record.proper = False
@@ -166,6 +170,15 @@ async def send(
             record.chunks = scanner.events
             record.error_event = scanner.error_event
             record.oom = record.oom or scanner.oom
+
+
+def is_shed(error_header: str | None, body: bytes) -> bool:
+    """Whether a 429 is the gateway's admission shed: its `x-gateway-error` header says so.
+    Without the header (a gateway from before it), the OpenAI-shaped body's code, which only
+    429s pay to parse."""
+    if error_header is not None:
+        return error_header == SHED_CODE
+    return _error_code(body) == SHED_CODE
 
 
 def _error_code(body: bytes) -> str | None:
