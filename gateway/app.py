@@ -340,6 +340,7 @@ class Gateway:
             "shared_state": self.decisions.status(),
             "policy": self.reloads.state(),
             "draining": self.draining,
+            "ingress": {"refusals": dict(self.data_app.refusals.counts)},
         }
 
 

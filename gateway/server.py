@@ -64,14 +64,19 @@ def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # request through, httptools rejects it. No server/date headers of our own, no access log
     # on this path, and no rewriting of the client address from X-Forwarded-For (ours to decide).
     # Its protocol hardened (header/body deadlines, header/URI caps, a connection cap) with
-    # the data plane's `limits` (the admin plane: the defaults).
+    # the data plane's `limits` and counting into its refusal counters (the admin plane: the
+    # defaults, and counters of its own that only its log lines show).
     from gateway.config.models import LimitsPolicy
     from gateway.ingress.protocol import HardenedProtocol
+    from gateway.ingress.refusals import IngressRefusals
 
     limits = getattr(app, "limits", None) or LimitsPolicy()
+    refusals = getattr(app, "refusals", None)
+    if refusals is None:
+        refusals = IngressRefusals("admin")
     return uvicorn.Config(
         app,
-        http=HardenedProtocol.configured(limits),
+        http=HardenedProtocol.configured(limits, refusals),
         ws="none",
         lifespan="off",
         server_header=False,

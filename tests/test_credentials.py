@@ -171,6 +171,7 @@ def test_client_authentication(setup: dict[str, Any]) -> None:
         response = chat(gw, "m-env", headers)
         assert response.status_code == 401, headers
         assert response.headers["www-authenticate"] == "Bearer"
+        assert response.headers["x-gateway-error"] == "invalid_api_key"
         error = response.json()["error"]
         assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     for headers in ({"authorization": f"bearer {CLIENT_KEYS[1]}"}, {"x-api-key": CLIENT_KEYS[0]}):
@@ -187,12 +188,16 @@ def test_secrets_never_leave_in_logs_spans_metrics_or_state(setup: dict[str, Any
     for model in ("m-env", "m-file", "m-plain"):
         assert chat(gw, model, {"authorization": f"Bearer {CLIENT_KEYS[0]}"}).status_code == 200
     assert chat(gw, "m-env", {"x-api-key": "wrong-key-canary"}).status_code == 401
+    assert chat(gw, "m-env", {}).status_code == 401  # no key at all
     assert chat(gw, "nope", {"x-api-key": CLIENT_KEYS[1]}).status_code == 404
     assert receiver.wait_for(lambda spans: sum(s.kind == "SERVER" for s in spans) >= 4)
     admin = {
         "metrics": httpx.get(f"{gw.admin_url}/metrics", timeout=5).text,
         "state": httpx.get(f"{gw.admin_url}/admin/state", timeout=5).text,
     }
+    # Both 401s counted, on /metrics and /admin/state alike.
+    assert 'gateway_ingress_refusals_total{reason="unauthorized"} 2.0' in admin["metrics"]
+    assert json.loads(admin["state"])["ingress"]["refusals"]["unauthorized"] == 2
     # The operator sees where each pool's credential comes from, not what it is.
     pools = json.loads(admin["state"])["pools"]
     assert {name: pool["credentials"] for name, pool in pools.items()} == {
@@ -209,6 +214,19 @@ def test_secrets_never_leave_in_logs_spans_metrics_or_state(setup: dict[str, Any
         **admin,
     }
     assert "access" in outputs["logs"] or "status=200" in outputs["logs"]
+    # The 401s have their access lines, like every request answered before routing.
+    lines = outputs["logs"].splitlines()
+    refused = [line for line in lines if "gateway.access" in line and "status=401" in line]
+    assert len(refused) == 2, refused
+    assert all("path=/v1/chat/completions" in line for line in refused)
+    assert all("client=127.0.0.1" in line for line in refused)
+    # Two within the summary interval: one WARNING line for them (the first), the rest counted.
+    summaries = [
+        line
+        for line in lines
+        if "requests refused by the ingress" in line and "reason=unauthorized" in line
+    ]
+    assert len(summaries) == 1 and "WARNING" in summaries[0], summaries
     for where, text in outputs.items():
         for secret in (ENV_SECRET, FILE_SECRET, *CLIENT_KEYS, "wrong-key-canary"):
             assert secret not in text, (where, secret)

@@ -2,7 +2,8 @@
 
 Slowloris and slow-body connections are closed (408) while normal traffic flows, oversized
 headers / URIs are refused (431 / 414), a connection cap answers a fast 503, and
-X-Forwarded-For is believed only from trusted proxies.
+X-Forwarded-For is believed only from trusted proxies. Each refusal is counted by reason
+(`/admin/state`'s `ingress.refusals`, `gateway_ingress_refusals_total`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
+from gateway.ingress.refusals import REASONS
 from loadtests.procs import wait_until
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 
@@ -55,6 +58,29 @@ def gateway(
 def clean_backends(backends: dict[str, Backend]) -> None:
     for backend in backends.values():
         backend.reset()
+
+
+def _refusals(gateway: Gateway) -> dict[str, int]:
+    state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+    refusals: dict[str, int] = state["ingress"]["refusals"]
+    return refusals
+
+
+class _Counted:
+    """The refusals counted while the block ran, by reason (the module's gateway is shared)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._before: dict[str, int] = {}
+        self.delta: dict[str, int] = {}
+
+    def __enter__(self) -> _Counted:
+        self._before = _refusals(self._gateway)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = _refusals(self._gateway)
+        self.delta = {r: n - self._before[r] for r, n in after.items() if n != self._before[r]}
 
 
 def _port(gateway: Gateway) -> int:
@@ -158,8 +184,13 @@ def _trickle(
 
 def test_slowloris_is_closed_with_408_while_normal_traffic_flows(gateway: Gateway) -> None:
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n" + b"x-slow: " + b"a" * 200
-    with _connect(gateway) as sock, httpx.Client(base_url=gateway.url, timeout=10) as client:
+    with (
+        _Counted(gateway) as counted,
+        _connect(gateway) as sock,
+        httpx.Client(base_url=gateway.url, timeout=10) as client,
+    ):
         elapsed, received, ok = _trickle(gateway, sock, head, 1, client)
+    assert counted.delta == {"header_timeout": 1}
     assert elapsed < HEADER_TIMEOUT_S + MARGIN_S
     assert _status(received) == 408
     assert _error_code(received) == "request_timeout"
@@ -168,19 +199,25 @@ def test_slowloris_is_closed_with_408_while_normal_traffic_flows(gateway: Gatewa
 
 def test_slow_body_is_closed_with_408_while_normal_traffic_flows(gateway: Gateway) -> None:
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000\r\n\r\n"
-    with _connect(gateway) as sock, httpx.Client(base_url=gateway.url, timeout=10) as client:
+    with (
+        _Counted(gateway) as counted,
+        _connect(gateway) as sock,
+        httpx.Client(base_url=gateway.url, timeout=10) as client,
+    ):
         sock.sendall(head)
         elapsed, received, ok = _trickle(gateway, sock, b"x" * 1000, 10, client)
+    assert counted.delta == {"body_timeout": 1}
     assert elapsed < BODY_TIMEOUT_S + MARGIN_S
     assert _status(received) == 408
     assert ok >= 4
 
 
 def test_a_silent_connection_is_closed_without_an_answer(gateway: Gateway) -> None:
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         started = time.monotonic()
         closed, received = _closed_within(sock, HEADER_TIMEOUT_S + MARGIN_S)
     assert closed and received == b""
+    assert counted.delta == {}  # nothing was refused: nobody asked
     assert time.monotonic() - started >= HEADER_TIMEOUT_S * 0.8
 
 
@@ -193,20 +230,22 @@ def test_an_idle_keep_alive_connection_outlives_the_header_timeout(gateway: Gate
 
 
 def test_a_header_too_large_gets_431(gateway: Gateway) -> None:
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         sock.sendall(_request(extra=b"x-big: " + b"a" * 5000 + b"\r\n"))
         response = _read_response(sock)
     assert _status(response) == 431
     assert _error_code(response) == "headers_too_large"
+    assert counted.delta == {"headers_too_large": 1}
     assert b"connection: close" in response
 
 
 def test_a_header_that_never_ends_gets_431(gateway: Gateway) -> None:
     """The parser buffers an unfinished header: the raw head is capped too."""
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nx-big: " + b"a" * 20_000)
         closed, response = _closed_within(sock, MARGIN_S)
     assert closed and _status(response) == 431
+    assert counted.delta == {"headers_too_large": 1}
 
 
 def test_pipelined_requests_are_served_and_capped_alike(gateway: Gateway) -> None:
@@ -215,33 +254,39 @@ def test_pipelined_requests_are_served_and_capped_alike(gateway: Gateway) -> Non
         assert [_status(_read_response(sock)) for _ in range(2)] == [200, 200]
         # A pipelined head over the cap (its start in the chunk that ended the previous
         # request): refused too; with responses still owed, the connection is just closed.
-        sock.sendall(_request() + _request(extra=b"x-big: " + b"a" * 5000 + b"\r\n"))
-        closed, received = _closed_within(sock, MARGIN_S)
+        with _Counted(gateway) as counted:
+            sock.sendall(_request() + _request(extra=b"x-big: " + b"a" * 5000 + b"\r\n"))
+            closed, received = _closed_within(sock, MARGIN_S)
     assert closed
     assert b"431" not in received
+    assert counted.delta == {"headers_too_large": 1}  # refused, if unanswered
 
 
 def test_too_many_headers_get_431(gateway: Gateway) -> None:
     extra = b"".join(b"x-h%d: 1\r\n" % i for i in range(30))
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         sock.sendall(_request(extra=extra))
         response = _read_response(sock)
     assert _status(response) == 431
+    assert counted.delta == {"too_many_headers": 1}
 
 
 def test_headers_within_the_caps_pass(gateway: Gateway) -> None:
     extra = b"".join(b"x-h%d: %s\r\n" % (i, b"a" * 150) for i in range(15))
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         sock.sendall(_request(path="/v1/chat/completions?" + "q" * 900, extra=extra))
         assert _status(_read_response(sock)) == 200
+    assert counted.delta == {}
 
 
 def test_a_long_uri_gets_414(gateway: Gateway) -> None:
-    with _connect(gateway) as sock:
+    with _Counted(gateway) as counted, _connect(gateway) as sock:
         sock.sendall(_request(path="/v1/chat/completions?" + "q" * 2000))
         response = _read_response(sock)
     assert _status(response) == 414
     assert _error_code(response) == "uri_too_long"
+    assert b"x-gateway-error: uri_too_long\r\n" in response  # the gateway's, not a backend's
+    assert counted.delta == {"uri_too_long": 1}
 
 
 def test_x_forwarded_for_from_an_untrusted_peer_is_replaced(
@@ -275,6 +320,16 @@ def test_connection_cap_answers_a_fast_503_and_recovers(
         assert _status(response) == 503
         assert _error_code(response) == "too_many_connections"
         assert b"retry-after: 1" in response
+        # Counted on /metrics too, every reason exported from the start (a fresh gateway).
+        metrics = httpx.get(f"{gw.admin_url}/metrics", timeout=5).text
+        (family,) = [
+            f
+            for f in text_string_to_metric_families(metrics)
+            if f.name == "gateway_ingress_refusals"
+        ]
+        counts = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+        assert counts == {reason: 1.0 if reason == "over_capacity" else 0.0 for reason in REASONS}
+        assert _refusals(gw) == {reason: int(n) for reason, n in counts.items()}
         for sock in held[:5]:
             sock.close()
         del held[:5]

@@ -6,10 +6,10 @@ import logging
 import os
 import secrets
 import socket
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.core.breaker import BreakerState, Transition
+from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import Registry
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class DecisionStore(Protocol):
 # A trip the isolation cap refuses repeats on every failure while the cap holds (hundreds a
 # second under load): one line per instance per interval, with how many were not logged.
 SUPPRESSED_LOG_INTERVAL_S = 10.0
-_suppressed: dict[tuple[str, str], tuple[float, int]] = {}  # last logged at, not logged since
+_suppressed = LogThrottle(SUPPRESSED_LOG_INTERVAL_S)  # by (pool, instance)
 
 
 def log_transition(pool: str, transition: Transition, now: float | None = None) -> None:
@@ -70,13 +70,9 @@ def log_transition(pool: str, transition: Transition, now: float | None = None) 
         "suppressed": transition.suppressed,
     }
     if transition.suppressed:
-        now = time.monotonic() if now is None else now
-        key = (pool, transition.instance)
-        last, skipped = _suppressed.get(key, (-SUPPRESSED_LOG_INTERVAL_S, 0))
-        if now - last < SUPPRESSED_LOG_INTERVAL_S:
-            _suppressed[key] = (last, skipped + 1)
+        skipped = _suppressed.admit((pool, transition.instance), now)
+        if skipped is None:
             return
-        _suppressed[key] = (now, 0)
         fields["repeats_not_logged"] = skipped
     log.warning("breaker transition", extra={"fields": fields})
 

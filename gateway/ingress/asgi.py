@@ -34,6 +34,7 @@ from gateway.ingress.dialect import BY_PATH as DIALECTS
 from gateway.ingress.dialect import OPENAI
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
+from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.admit import parse_priority
@@ -109,8 +110,10 @@ class DataPlane:
         limits: LimitsPolicy | None = None,
     ) -> None:
         # The connection-level limits (deadlines, header caps...) are the HTTP protocol's,
-        # which finds them here (`server._uvicorn_config`); trusted_proxies is ours.
+        # which finds them here (`server._uvicorn_config`); trusted_proxies is ours. So are
+        # the refusal counters it shares with us (401s), for /metrics and /admin/state.
         self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
+        self.refusals = IngressRefusals("data")
         self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
         self._auth = registry.auth  # client API keys (policy `auth`); swapped on reload
@@ -143,7 +146,7 @@ class DataPlane:
         method = scope["method"]
         auth = self._auth
         if auth.enabled and path not in OPEN_PATHS and not auth.allows(scope["headers"]):
-            await send_unauthorized(send, path)
+            await self._unauthorized(scope, send, path)
             return
         if path in PROXY_ROUTES:
             if method != "POST":
@@ -166,6 +169,26 @@ class DataPlane:
             await send_json(send, 200 if ready else 503, json.dumps(detail).encode())
         else:
             await send_error(send, NotFound(f"no route for {path}"))
+
+    async def _unauthorized(self, scope: Scope, send: Send, path: str) -> None:
+        """The 401: counted and access-logged like any refused request (never the key)."""
+        started = self._loop.time()
+        await send_unauthorized(send, path)
+        client = self._client_address(scope)
+        self.refusals.count(UNAUTHORIZED, client)
+        self._rejected(scope, path, 401, started, None, client)
+
+    def _client_address(self, scope: Scope) -> str | None:
+        """The client's address as the access log gives it: the peer, or from a trusted
+        proxy's X-Forwarded-For (as `split_request_headers` finds it, without the rest)."""
+        peer = scope.get("client")
+        host: str | None = peer[0] if peer else None
+        trusted = self._trusted
+        if host and trusted and host in trusted:
+            chain = [v for n, v in scope["headers"] if n == b"x-forwarded-for"]
+            if chain:
+                return trusted.client(b", ".join(chain).decode("latin-1"), host)
+        return host
 
     async def _get(self, method: str, send: Send, body: bytes) -> None:
         if method in ("GET", "HEAD"):
@@ -199,7 +222,7 @@ class DataPlane:
         if self._access is not None:
             client = (client_address,) if client_address else scope.get("client")
             fields = {
-                "method": "POST",
+                "method": scope["method"],
                 "path": path,
                 "status": status,
                 "model": model,  # a client's string: escaped by the formatter

@@ -44,6 +44,7 @@ def _headers(body: bytes) -> list[tuple[bytes, bytes]]:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"www-authenticate", b"Bearer"),
+        (b"x-gateway-error", b"invalid_api_key"),
     ]
 
 

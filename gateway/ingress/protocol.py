@@ -20,15 +20,15 @@ size. `HardenedProtocol` adds, per connection (`limits` in the policy):
 
 Every refusal is the gateway's JSON error with `connection: close`, written only when no
 response is under way on the connection (else the connection is just closed), and ends the
-connection. One lazily re-armed timer per connection keeps the hot path to a clock read per
-request: arming sets a deadline, the timer re-arms itself when it fires early.
+connection; it is counted by reason (`gateway.ingress.refusals`, only on that path). One
+lazily re-armed timer per connection keeps the hot path to a clock read per request: arming
+sets a deadline, the timer re-arms itself when it fires early.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 from typing import Any, ClassVar
 
@@ -36,8 +36,15 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config.models import LimitsPolicy
-
-log = logging.getLogger("gateway.ingress")
+from gateway.ingress.refusals import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    HEADERS_TOO_LARGE,
+    OVER_CAPACITY,
+    TOO_MANY_HEADERS,
+    URI_TOO_LONG,
+    IngressRefusals,
+)
 
 # What is being read on the connection.
 _NEW = 0  # nothing yet: the connection's first request
@@ -57,6 +64,7 @@ def _refusal(status: int, type_: str, code: str, message: str, extra: bytes = b"
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n",
+            b"x-gateway-error: %b\r\n" % code.encode(),
             extra,
             b"\r\n",
             body,
@@ -83,12 +91,15 @@ class HardenedProtocol(HttpToolsProtocol):
     uri_too_long_response: ClassVar[bytes]
     headers_too_large_response: ClassVar[bytes]
     over_capacity_response: ClassVar[bytes]
+    # The listener's counters: uvicorn builds a protocol per connection, they outlive them.
+    refusals: ClassVar[IngressRefusals]
 
     @classmethod
-    def configured(cls, limits: LimitsPolicy) -> type[HardenedProtocol]:
-        """A subclass carrying these limits, for `uvicorn.Config(http=...)`."""
+    def configured(cls, limits: LimitsPolicy, refusals: IngressRefusals) -> type[HardenedProtocol]:
+        """A subclass carrying these limits and counters, for `uvicorn.Config(http=...)`."""
         invalid = "invalid_request_error"
         attributes: dict[str, Any] = {
+            "refusals": refusals,
             "header_timeout": limits.header_timeout,
             "body_timeout": limits.body_timeout,
             "max_header_bytes": limits.max_header_bytes,
@@ -185,11 +196,10 @@ class HardenedProtocol(HttpToolsProtocol):
         elif phase <= _HEAD:
             self._head_received += len(data)
             if self._head_received > self.max_head_bytes and not self.transport.is_closing():
-                too_long = len(self.url) > self.max_uri_bytes
-                response = (
-                    self.uri_too_long_response if too_long else self.headers_too_large_response
-                )
-                self._close(response, head=True)
+                if len(self.url) > self.max_uri_bytes:
+                    self._close(self.uri_too_long_response, URI_TOO_LONG, head=True)
+                else:
+                    self._close(self.headers_too_large_response, HEADERS_TOO_LARGE, head=True)
 
     # --- parser callbacks -------------------------------------------------------------------
 
@@ -199,14 +209,14 @@ class HardenedProtocol(HttpToolsProtocol):
         headers = self.headers
         if self._head_received + self._chunk + self._carry > self.quick_head_bytes:
             if len(self.url) > self.max_uri_bytes:
-                self._refuse(self.uri_too_long_response)
+                self._refuse(self.uri_too_long_response, URI_TOO_LONG)
             if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
-                self._refuse(self.headers_too_large_response)
+                self._refuse(self.headers_too_large_response, HEADERS_TOO_LARGE)
         if len(headers) > self.max_headers:
-            self._refuse(self.headers_too_large_response)
+            self._refuse(self.headers_too_large_response, TOO_MANY_HEADERS)
         if self._over_capacity:
             if len(self.connections) > self.max_connections:
-                self._refuse(self.over_capacity_response)
+                self._refuse(self.over_capacity_response, OVER_CAPACITY)
             self._over_capacity = False  # others closed meanwhile: serve it
         HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
         self._phase = _HEADERS_DONE
@@ -247,33 +257,33 @@ class HardenedProtocol(HttpToolsProtocol):
                 # what came): not the client's slowness.
                 self._arm(self.body_timeout)
                 return
-            log.debug("request body timeout", extra={"fields": {"client": self._peer()}})
-            self._close(self.body_timeout_response, head=False)
+            self._close(self.body_timeout_response, BODY_TIMEOUT, head=False)
             return
         if cycle is not None and not cycle.response_complete:
             # Bytes of a next request behind a response still running: its turn comes later.
             self._arm(self.header_timeout)
             return
         if self._phase == _NEW and self._head_received == 0:
-            self.transport.close()  # never said a word: nobody to answer
+            # Never said a word: nobody to answer, and not counted (TCP probes do this).
+            self.transport.close()
             return
-        log.debug("request header timeout", extra={"fields": {"client": self._peer()}})
-        self._close(self.header_timeout_response, head=True)
+        self._close(self.header_timeout_response, HEADER_TIMEOUT, head=True)
 
     # --- refusals ---------------------------------------------------------------------------
 
-    def _refuse(self, response: bytes) -> None:
+    def _refuse(self, response: bytes, reason: str) -> None:
         """From a parser callback, while reading a head: answer, close, stop the parser."""
-        log.debug("request refused", extra={"fields": {"client": self._peer()}})
-        self._close(response, head=True)
+        self._close(response, reason, head=True)
         raise _Refused
 
-    def _close(self, response: bytes, *, head: bool) -> None:
-        """Answer with `response` when the connection's response slot is free, and close.
+    def _close(self, response: bytes, reason: str, *, head: bool) -> None:
+        """Count the refusal; answer with `response` when the connection's response slot is
+        free, and close.
 
         Reading a head, the slot is free when the previous request's response is complete;
         reading a body, when this request's response has not started.
         """
+        self.refusals.count(reason, self._peer())
         cycle = self.cycle
         free = (cycle is None or cycle.response_complete) if head else not cycle.response_started
         if cycle is not None and not cycle.response_complete:

@@ -15,6 +15,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, TextIO
 
 LogFormat = Literal["text", "json"]
@@ -81,6 +82,37 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
+
+
+class LogThrottle:
+    """At most one line per key per interval, with the count of the events held back between.
+
+    For events that can repeat hundreds of times a second (a breaker trip the isolation cap
+    refuses, connections an attacker gets refused): the first is logged at once, the rest of
+    the interval only counted, and the next line after it carries that count. Keys must come
+    from a bounded set (pools and instances, fixed reasons): one entry per key is kept.
+    """
+
+    __slots__ = ("_clock", "_interval_s", "_keys")
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._keys: dict[Hashable, tuple[float, int]] = {}  # last logged at, held back since
+
+    def admit(self, key: Hashable, now: float | None = None) -> int | None:
+        """None: hold this event back (it is counted). Otherwise log it: the value is how many
+        events of `key` were held back since its previous line (0 for its first)."""
+        now = self._clock() if now is None else now
+        last = self._keys.get(key)
+        if last is not None and now - last[0] < self._interval_s:
+            self._keys[key] = (last[0], last[1] + 1)
+            return None
+        self._keys[key] = (now, 0)
+        return 0 if last is None else last[1]
+
+    def clear(self) -> None:
+        self._keys.clear()
 
 
 class AccessLog:

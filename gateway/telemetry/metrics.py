@@ -51,6 +51,18 @@ class GatewayCollector(Collector):
         yield from self._admission()
         yield from self._shared()
         yield from self._policy()
+        yield from self._ingress()
+
+    def _ingress(self) -> Iterator[Metric]:
+        refusals = CounterMetricFamily(
+            "gateway_ingress_refusals",
+            "Requests the data plane's ingress answered itself, by reason (slow or oversized "
+            "heads and bodies, over the connection cap, no valid client API key)",
+            labels=["reason"],
+        )
+        for reason, count in self._gateway.data_app.refusals.counts.items():
+            refusals.add_metric([reason], count)
+        yield refusals
 
     def _policy(self) -> Iterator[Metric]:
         stats = self._gateway.reloads
