@@ -45,7 +45,13 @@ from loadtests.bench.cpu import (
 from loadtests.bench.nginx import NginxServer, find_nginx, fixed_body_config, proxy_config
 from loadtests.bench.report import render, table, write_json
 from loadtests.bench.results import Throughput
-from loadtests.bench.servers import gateway_policy, start_fake_backend, start_gateway, url_of
+from loadtests.bench.servers import (
+    gateway_policy,
+    start_bare_proxy,
+    start_fake_backend,
+    start_gateway,
+    url_of,
+)
 from loadtests.fake_vllm.responses import fixed_chat_body
 from loadtests.procs import ManagedProcess, ProcessFailed, gateway_process, python_module
 
@@ -152,6 +158,8 @@ class Rig:
     gateway_pid: int
     stream_url: str
     pools: Mapping[str, tuple[str, str]]  # the gateway's: pool -> (model, upstream URL)
+    bare_url: str  # the bare ASGI + aiohttp proxy in front of the streaming backend
+    bare_pid: int
 
 
 def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placement) -> Rig:
@@ -188,6 +196,8 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
     pools = {"fixed": (FIXED_MODEL, upstream_url), "stream": (STREAM_MODEL, stream_url)}
     gateway = start_gateway(tmp, pools, placement.proxy_core)
     stack.callback(gateway.stop)
+    bare = start_bare_proxy(stream_url, placement.proxy_core)
+    stack.callback(bare.stop)
     return Rig(
         upstream_url=upstream_url,
         upstream_kind=upstream_kind,
@@ -196,6 +206,8 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         gateway_pid=gateway.pid,
         stream_url=stream_url,
         pools=pools,
+        bare_url=url_of(bare),
+        bare_pid=bare.pid,
     )
 
 
@@ -388,7 +400,18 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
             _cpu_per_chunk(sustained, idle_per_s)
         ),
     }
+    # The same long streams through the bare proxy on the same core: the floor of the stack.
+    bare = streams.run(
+        rig.bare_url + CHAT_PATH,
+        chat_body(STREAM_MODEL, stream=True, max_tokens=settings.sustained_tokens),
+        warm,
+        requests=settings.sustained_streams,
+        concurrency=settings.sustained_streams,
+        cpu_probe=lambda: cpu_times(rig.bare_pid),
+    )
+    bare_cpu = _cpu_per_chunk(bare, 0.0)
     per_chunk = _cpu_per_chunk(sustained, idle_per_s)["us_per_chunk"]
+    floor = bare_cpu["us_per_chunk"]
     return {
         "max_tokens": tokens,
         "per_token_s": STREAM_PER_TOKEN_S,
@@ -401,6 +424,8 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
             "idle_cpu_ms_per_s": idle_per_s * 1000.0,
             "phases": phases,
             "us_per_chunk": per_chunk,
+            "bare_proxy": bare_cpu,
+            "over_bare": None if per_chunk is None or not floor else per_chunk / floor,
             "target_us": CPU_PER_CHUNK_TARGET_US,
             "met": None if per_chunk is None else per_chunk <= CPU_PER_CHUNK_TARGET_US,
         },

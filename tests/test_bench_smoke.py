@@ -74,7 +74,8 @@ def check_common(data: dict[str, Any], report: str) -> None:
             assert_positive(run, "requests", "events", "wall_s")
             assert_positive(run["ttfb"], "count", "p50_ms", "p99_ms")
         assert {"added_ttfb_p50_ms", "added_ttfb_p99_ms"} <= set(streaming[phase])
-    assert_positive(streaming["cpu"], "us_per_chunk")
+    assert_positive(streaming["cpu"], "us_per_chunk", "over_bare")
+    assert_positive(streaming["cpu"]["bare_proxy"], "streams", "events", "http_chunks")
 
 
 def check_tracing(section: dict[str, Any], report: str) -> None:

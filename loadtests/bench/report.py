@@ -128,6 +128,7 @@ def _stream_rows(label: str, phase: Data) -> list[list[str]]:
 
 def _streaming(section: Data) -> list[str]:
     seq, conc, cpu = section["sequential"], section["concurrent"], section["cpu"]
+    bare = cpu["bare_proxy"]
     rows = _stream_rows("one at a time", seq) + _stream_rows(
         f"{conc['gateway']['concurrency']} concurrent", conc
     )
@@ -188,6 +189,10 @@ def _streaming(section: Data) -> list[str]:
         " as much; the sustained phase keeps the loop busy: the per-chunk cost proper)",
         f"  per relayed chunk (sustained phase): {_num(cpu['us_per_chunk'], 2)} us"
         f"   (target <= {cpu['target_us']:g} us: {_verdict(cpu['met'])})",
+        f"  the same streams through a bare ASGI + aiohttp proxy (no resilience), same core: "
+        f"{_num(bare['us_per_chunk'], 2)} us/chunk (user {_num(bare['user_us_per_chunk'], 2)},"
+        f" sys {_num(bare['system_us_per_chunk'], 2)}); gateway / bare: "
+        f"{_num(cpu['over_bare'], 2)}",
     ]
 
 

@@ -34,13 +34,23 @@ def start_gateway(
     """`gateway run` on free ports, then moved with all its threads to `cpu`."""
     policy = directory / "gateway-policy.yaml"
     policy.write_text(gateway_policy(pools))
-    gateway = gateway_process(policy)
+    return _pinned(gateway_process(policy), cpu)
+
+
+def _pinned(proc: ManagedProcess, cpu: int | None) -> ManagedProcess:
+    """`proc` moved with all its threads to `cpu` (stopped if that fails)."""
     try:
-        pin_process(gateway.pid, cpu)
+        pin_process(proc.pid, cpu)
     except BaseException:
-        gateway.stop()
+        proc.stop()
         raise
-    return gateway
+    return proc
+
+
+def start_bare_proxy(upstream_url: str, cpu: int | None) -> ManagedProcess:
+    """The bare ASGI + aiohttp streaming proxy (`loadtests.bench.bare_proxy`), on `cpu`."""
+    argv = python_module("loadtests.bench.bare_proxy", "--upstream", upstream_url)
+    return _pinned(ManagedProcess(argv), cpu)
 
 
 def url_of(proc: ManagedProcess, key: str = "port") -> str:

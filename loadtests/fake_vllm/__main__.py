@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import socket
 import sys
 from collections.abc import Sequence
-from types import FrameType
 
 import uvicorn
 
 from gateway.server import bind_listener
+from loadtests.serving import serve_announced
 
 from .app import build_app
 from .config import FakeConfig
@@ -73,21 +71,6 @@ class _IntendedAbort(logging.Filter):
         return record.msg != "ASGI callable returned without completing response."
 
 
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, name: str, port: int) -> None:
-        super().__init__(config)
-        self._announce = f"fake-vllm READY name={name} port={port}"
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            print(self._announce, flush=True)
-
-
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """uvicorn re-raises the stop signal after shutting down; by then there is nothing to do."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -133,10 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=1,
     )
     logging.getLogger("uvicorn.error").addFilter(_IntendedAbort())
-    # Exit with status 0 on SIGTERM/SIGINT rather than dying from the re-raised signal.
-    signal.signal(signal.SIGTERM, _ignore)
-    signal.signal(signal.SIGINT, _ignore)
-    _Server(server_config, args.name, sock.getsockname()[1]).run(sockets=[sock])
+    port = sock.getsockname()[1]
+    serve_announced(server_config, sock, f"fake-vllm READY name={args.name} port={port}")
     return 0
 
 
