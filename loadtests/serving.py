@@ -8,6 +8,7 @@ import socket
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 
 class _AnnouncingServer(uvicorn.Server):
@@ -23,6 +24,23 @@ class _AnnouncingServer(uvicorn.Server):
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     """uvicorn re-raises the stop signal after shutting down; by then there is nothing to do."""
+
+
+def rig_config(app: ASGIApp, log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn as the rig's servers run it: uvloop + httptools, no lifespan, no access log, no
+    server or date header, and a 1 s grace at stop (a hung request must not delay a stop)."""
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        log_level=log_level,
+        backlog=2048,
+        timeout_graceful_shutdown=1,
+    )
 
 
 def serve_announced(config: uvicorn.Config, sock: socket.socket, announce: str) -> None:

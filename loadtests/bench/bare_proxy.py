@@ -13,17 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
-import uvicorn
+from starlette.types import Receive, Scope, Send
 
 from gateway.server import bind_listener
-from loadtests.serving import serve_announced
-
-Scope = dict[str, Any]
-Receive = Any
-Send = Any
+from loadtests.serving import rig_config, serve_announced
 
 
 class BareProxy:
@@ -68,17 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     sock = bind_listener("127.0.0.1", args.port)
-    config = uvicorn.Config(
-        BareProxy(args.upstream),
-        loop="uvloop",
-        http="httptools",
-        lifespan="off",
-        access_log=False,
-        server_header=False,
-        date_header=False,
-        log_level="warning",
-        timeout_graceful_shutdown=1,
-    )
+    config = rig_config(BareProxy(args.upstream))
     serve_announced(config, sock, f"bare-proxy READY port={sock.getsockname()[1]}")
     return 0
 

@@ -8,10 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
 from gateway.server import bind_listener
-from loadtests.serving import serve_announced
+from loadtests.serving import rig_config, serve_announced
 
 from .app import build_app
 from .config import FakeConfig
@@ -102,19 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record_credentials=args.record_credentials,
     )
     sock = bind_listener(args.host, args.port)
-    server_config = uvicorn.Config(
-        build_app(config),
-        loop="uvloop",
-        http="httptools",
-        lifespan="off",
-        access_log=False,
-        server_header=False,
-        date_header=False,
-        log_level=args.log_level,
-        backlog=2048,
-        # Hung and stalled requests never finish by themselves: do not let them delay a stop.
-        timeout_graceful_shutdown=1,
-    )
+    server_config = rig_config(build_app(config), args.log_level)
     logging.getLogger("uvicorn.error").addFilter(_IntendedAbort())
     port = sock.getsockname()[1]
     serve_announced(server_config, sock, f"fake-vllm READY name={args.name} port={port}")
