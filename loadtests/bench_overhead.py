@@ -158,8 +158,11 @@ class Rig:
     gateway_pid: int
     stream_url: str
     pools: Mapping[str, tuple[str, str]]  # the gateway's: pool -> (model, upstream URL)
-    bare_url: str  # the bare ASGI + aiohttp proxy in front of the streaming backend
+    # Bare ASGI + aiohttp proxies (no resilience): in front of the streaming backend, and of
+    # the throughput runs' upstream.
+    bare_url: str
     bare_pid: int
+    bare_fixed_url: str
 
 
 def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placement) -> Rig:
@@ -198,6 +201,8 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
     stack.callback(gateway.stop)
     bare = start_bare_proxy(stream_url, placement.proxy_core)
     stack.callback(bare.stop)
+    bare_fixed = start_bare_proxy(upstream_url, placement.proxy_core)
+    stack.callback(bare_fixed.stop)
     return Rig(
         upstream_url=upstream_url,
         upstream_kind=upstream_kind,
@@ -208,6 +213,7 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         pools=pools,
         bare_url=url_of(bare),
         bare_pid=bare.pid,
+        bare_fixed_url=url_of(bare_fixed),
     )
 
 
@@ -273,7 +279,12 @@ def throughput_tool(settings: Settings, tmp: Path) -> ThroughputTool:
 def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
     tool = throughput_tool(settings, tmp)
     c = settings.connections
-    targets = {"direct": rig.upstream_url, "nginx": rig.proxy_url, "gateway": rig.gateway_url}
+    targets = {
+        "direct": rig.upstream_url,
+        "nginx": rig.proxy_url,
+        "bare": rig.bare_fixed_url,
+        "gateway": rig.gateway_url,
+    }
     runs: dict[str, Json | None] = {}
     for name, base in targets.items():
         runs[name] = None if base is None else tool.run(base, settings)
@@ -289,6 +300,8 @@ def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
         "ratios": {
             "gateway_vs_nginx": vs_nginx,
             "gateway_vs_direct": _ratio(runs["gateway"], runs["direct"]),
+            # What the resilience costs: the same stack (uvicorn, aiohttp) without any of it.
+            "gateway_vs_bare": _ratio(runs["gateway"], runs["bare"]),
         },
         "bar": {
             "gateway_vs_nginx_min": GATEWAY_VS_NGINX_MIN,

@@ -55,10 +55,10 @@ def check_common(data: dict[str, Any], report: str) -> None:
         assert heading in report
 
     throughput = data["throughput"]
-    for name in ("direct", "gateway"):
+    for name in ("direct", "bare", "gateway"):
         assert_positive(throughput["runs"][name], "rps", "p50_ms", "p99_ms", "requests")
-    assert set(throughput["ratios"]) == {"gateway_vs_nginx", "gateway_vs_direct"}
-    assert_positive(throughput["ratios"], "gateway_vs_direct")
+    assert set(throughput["ratios"]) == {"gateway_vs_nginx", "gateway_vs_direct", "gateway_vs_bare"}
+    assert_positive(throughput["ratios"], "gateway_vs_direct", "gateway_vs_bare")
 
     open_loop = data["open_loop"]
     for name in ("direct", "gateway"):

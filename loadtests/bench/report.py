@@ -44,7 +44,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
 
 def _throughput(section: Data) -> list[str]:
     runs = section["runs"]
-    names = {"direct": "direct", "nginx": "nginx proxy_pass", "gateway": "gateway"}
+    names = {
+        "direct": "direct",
+        "nginx": "nginx proxy_pass",
+        "bare": "bare ASGI + aiohttp",
+        "gateway": "gateway",
+    }
     rows = []
     for key, label in names.items():
         run = runs.get(key)
@@ -69,6 +74,8 @@ def _throughput(section: Data) -> list[str]:
         f"  gateway / nginx proxy_pass: {_num(ratios['gateway_vs_nginx'], 3)}"
         f"   (bar >= {bar['gateway_vs_nginx_min']:.2f}: {_verdict(bar['met'])})",
         f"  gateway / direct:           {_num(ratios['gateway_vs_direct'], 3)}",
+        f"  gateway / bare ASGI + aiohttp proxy (same stack, no resilience): "
+        f"{_num(ratios.get('gateway_vs_bare'), 3)}",
     ]
     if section.get("note"):
         out.append(f"  note: {section['note']}")
