@@ -29,7 +29,7 @@ from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
 from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies, policy_file
-from gateway.telemetry.logs import access_log
+from gateway.telemetry.logs import access_log, set_access_log
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
@@ -199,18 +199,23 @@ class Gateway:
             return ReloadResult(True, stats.version, diff.summary())
         # The swap: one synchronous step, so no request sees half of it. Requests in flight
         # keep the pool and instance objects they hold and finish on them.
-        now = asyncio.get_running_loop().time()
-        added, dropped = self.registry.apply(policy, now)
-        self.policy = policy
-        self._sync_account_pools(dropped)
-        self._sync_admissions()
-        self.decisions.follow(self.registry)
-        self.data_app.refresh_models()  # /v1/models lists the reloaded pools' models
+        self._apply_settings(policy)
+        added: list[InstanceState] = []
+        if diff.pools_or_auth:
+            now = asyncio.get_running_loop().time()
+            added, dropped = self.registry.apply(policy, now)
+            self._sync_account_pools(dropped)
+            self._sync_admissions()
+            self.decisions.follow(self.registry)
+            self.data_app.refresh_models()  # /v1/models lists the reloaded pools' models
+        self.policy = policy  # the drain reads its settings here when SIGTERM comes
         stats.version += 1
         stats.loaded_at = time.time()
         fields: dict[str, Any] = {"source": source, "version": stats.version}
         fields.update({k: ",".join(v) for k, v in diff.summary().items() if v})
         log.warning("policy reloaded", extra={"fields": fields})
+        if not diff.pools_or_auth:
+            return ReloadResult(True, stats.version, diff.summary())
         # The background work follows the new pools. New instances are checked at once and
         # take traffic only once healthy (as at startup).
         old_health, old_load = self.health, self.vllm_load
@@ -221,6 +226,15 @@ class Gateway:
         self.health.start()
         self.vllm_load.start()
         return ReloadResult(True, stats.version, diff.summary())
+
+    def _apply_settings(self, policy: Policy) -> None:
+        """The reloadable settings outside the pools (before `self.policy` is replaced): the
+        data plane's limits, and the access log turned on or off."""
+        if policy.limits != self.policy.limits:
+            self.data_app.set_limits(policy.limits)
+        enabled = policy.telemetry.access_log
+        if enabled != self.policy.telemetry.access_log:
+            self.data_app.set_access_log(set_access_log(enabled))
 
     def _sync_account_pools(self, dropped: list[PoolState]) -> None:
         """Current pools, plus dropped ones while requests are in flight on them."""

@@ -133,11 +133,12 @@ async def _answer_unanswered(connections: Any) -> None:
 
 
 class Drain:
-    """Runs the steps above once the first signal comes (see `signal`)."""
+    """Runs the steps above once the first signal comes (see `signal`), with the `drain`
+    settings `policy` gives then (a policy reload may change them until SIGTERM)."""
 
     def __init__(
         self,
-        policy: DrainPolicy,
+        policy: Callable[[], DrainPolicy],
         data: uvicorn.Server,
         data_task: asyncio.Task[None],
         admin: uvicorn.Server,
@@ -183,21 +184,22 @@ class Drain:
         state = self._data.server_state
         in_flight = len(state.tasks)
         answered = state.total_requests  # uvicorn counts a request when its response completes
+        policy = self._policy()  # read once: a reload during the drain does not change it
         self._set_draining(True)
         fields: dict[str, Any] = {
-            "delay_s": self._policy.delay,
-            "timeout_s": self._policy.timeout,
+            "delay_s": policy.delay,
+            "timeout_s": policy.timeout,
             "in_flight": in_flight,
             "streams": len(self._streams),
         }
         log.warning("drain started", extra={"fields": fields})
         ended = cut = 0
         try:
-            await self._wait(self._policy.delay, self._data_task)
+            await self._wait(policy.delay, self._data_task)
             # uvicorn notices within its 0.1 s tick: it closes the listener and idle
             # connections, and gives the busy ones `Connection: close`.
             self._data.should_exit = True
-            await self._wait(self._policy.timeout, self._data_task)
+            await self._wait(policy.timeout, self._data_task)
             ended = self._streams.end_all()
             if not self._data_task.done():
                 await asyncio.wait([self._data_task], timeout=END_GRACE_S)

@@ -6,12 +6,22 @@ Kubernetes ConfigMap update swaps the mounted file's `..data` symlink). The new 
 first; an invalid one, or one that changes a setting only a restart can apply, is refused and
 the old policy keeps serving. `Gateway.reload` applies the rest in one synchronous step.
 
-Only `pools` and `auth` (client API keys: rotated without a restart) can change at run time;
-a pool's `credentials` and `tls` are pool settings, and the secret and CA files they name are
-read again by every reload (a rotated Secret with an unchanged policy is a changed pool). The
-rest is read once at startup (listening sockets, the admin token, the Redis session, tracing
-and log setup, the data plane's limits), so a change there refuses the whole reload with the
-dotted keys listed.
+`pools` and `auth` (client API keys: rotated without a restart) change at run time; a
+pool's `credentials` and `tls` are pool settings, and the secret and CA files they name are
+read again by every reload (a rotated Secret with an unchanged policy is a changed pool).
+
+So do `limits`, `drain` and `telemetry.access_log` (`RELOADABLE`). The limits apply to new
+connections and requests (a connection already open follows them from its next request; see
+`gateway.ingress.protocol`); `max_connections` counts at a new connection's arrival. The
+drain settings are the ones in force when SIGTERM comes. The access log, on or off, applies
+to the requests that end after the reload.
+
+The rest is built once at startup, so a change there refuses the whole reload with the
+dotted keys listed: `listen` and `admin` (the bound sockets; the admin token, read when the
+admin plane is built, after the check that a non-loopback one has it), `shared` (the Redis
+session and its subscription), `telemetry.tracing` and `telemetry.service_name` (the tracer
+provider and its exporter, the pipeline's traced layers), `telemetry.log_format` (the log
+handlers, and the access log's format with them).
 """
 
 from __future__ import annotations
@@ -50,12 +60,17 @@ class ReloadRefused(Exception):
     """A valid policy that cannot be applied without a restart."""
 
 
+# The settings outside `pools` and `auth` that a reload applies (dotted key prefixes).
+RELOADABLE = ("limits", "drain", "telemetry.access_log")
+
+
 @dataclass(frozen=True)
 class PolicyDiff:
     """What a reload changes. Instances are `pool/name`; one whose url changed is both removed
     and added (a different backend: no state carried over)."""
 
     restart_required: list[str] = field(default_factory=list)
+    settings: list[str] = field(default_factory=list)  # changed `RELOADABLE` dotted keys
     pools_added: list[str] = field(default_factory=list)
     pools_removed: list[str] = field(default_factory=list)
     pools_changed: list[str] = field(default_factory=list)  # settings other than instances
@@ -65,7 +80,12 @@ class PolicyDiff:
 
     @property
     def empty(self) -> bool:
-        return not (
+        return not (self.settings or self.pools_or_auth)
+
+    @property
+    def pools_or_auth(self) -> bool:
+        """Whether the pools or the client keys change (the registry and what follows it)."""
+        return bool(
             self.auth_changed
             or self.pools_added
             or self.pools_removed
@@ -82,6 +102,7 @@ class PolicyDiff:
             "instances_added": self.instances_added,
             "instances_removed": self.instances_removed,
             "auth": ["api_keys"] if self.auth_changed else [],
+            "settings": self.settings,
         }
 
 
@@ -94,7 +115,7 @@ def _leaves(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-def restart_only_changes(old: Policy, new: Policy) -> list[str]:
+def setting_changes(old: Policy, new: Policy) -> list[str]:
     """Dotted keys outside `pools` and `auth` whose value differs (a whole section added or
     removed is named by the section)."""
     before = old.model_dump(exclude={"pools", "auth"})
@@ -112,11 +133,19 @@ def restart_only_changes(old: Policy, new: Policy) -> list[str]:
     return sorted(changed)
 
 
+def reloadable(key: str) -> bool:
+    """Whether a reload applies this dotted key (one of `RELOADABLE` or below one)."""
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in RELOADABLE)
+
+
 def diff_policies(old: Policy, new: Policy) -> PolicyDiff:
     """Compare two valid policies (pure: no state, no I/O)."""
     # Policies compare their secrets too (private attributes): a rotated key is a change.
+    settings = setting_changes(old, new)
     diff = PolicyDiff(
-        restart_required=restart_only_changes(old, new), auth_changed=old.auth != new.auth
+        restart_required=[key for key in settings if not reloadable(key)],
+        settings=[key for key in settings if reloadable(key)],
+        auth_changed=old.auth != new.auth,
     )
     for name in sorted(old.pools.keys() - new.pools.keys()):
         diff.pools_removed.append(name)

@@ -63,20 +63,20 @@ def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # httptools, not h11: h11 lets a Content-Length + Transfer-Encoding request smuggle a second
     # request through, httptools rejects it. No server/date headers of our own, no access log
     # on this path, and no rewriting of the client address from X-Forwarded-For (ours to decide).
-    # Its protocol hardened (header/body deadlines, header/URI caps, a connection cap) with
-    # the data plane's `limits` and counting into its refusal counters (the admin plane: the
-    # defaults, and counters of its own that only its log lines show).
+    # Its protocol hardened (header/body deadlines, header/URI caps, a connection cap): the
+    # data plane's own (`DataPlane.protocol`, its `limits`, reloadable, and its refusal
+    # counters); the admin plane's with the default limits and counters of its own that only
+    # its log lines show.
     from gateway.config.models import LimitsPolicy
     from gateway.ingress.protocol import HardenedProtocol
     from gateway.ingress.refusals import IngressRefusals
 
-    limits = getattr(app, "limits", None) or LimitsPolicy()
-    refusals = getattr(app, "refusals", None)
-    if refusals is None:
-        refusals = IngressRefusals("admin")
+    protocol = getattr(app, "protocol", None)
+    if protocol is None:
+        protocol = HardenedProtocol.configured(LimitsPolicy(), IngressRefusals("admin"))
     return uvicorn.Config(
         app,
-        http=HardenedProtocol.configured(limits, refusals),
+        http=protocol,
         ws="none",
         lifespan="off",
         server_header=False,
@@ -139,7 +139,8 @@ async def serve(policy: Policy) -> None:
     ]
     # SIGTERM drains the data plane (the admin plane closes last); a second one, or SIGINT,
     # ends the drain at once.
-    drain = Drain(policy.drain, servers[0], tasks[0], servers[1], set_draining)
+    # The drain settings in force when SIGTERM comes: a reload may have changed them.
+    drain = Drain(lambda: gateway.policy.drain, servers[0], tasks[0], servers[1], set_draining)
     loop.add_signal_handler(signal.SIGTERM, drain.signal)
     loop.add_signal_handler(signal.SIGINT, drain.interrupt)
     loop.add_signal_handler(signal.SIGHUP, gateway.reload_in_background, "SIGHUP")

@@ -10,7 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.telemetry.logs import JsonFormatter, TextFormatter, escape
+from gateway.telemetry.logs import (
+    JsonFormatter,
+    TextFormatter,
+    access_log,
+    configure_access_log,
+    escape,
+    set_access_log,
+)
 from tests.support import (
     Backend,
     Gateway,
@@ -109,3 +116,28 @@ def test_text_access_log_escapes_client_values(
     (line,) = access_lines(gw)
     assert "status=404" in line and '"evil\\nFAKE 200' in line
     assert not any(line.startswith("FAKE") for line in gw.proc.lines)
+
+
+async def test_turning_the_access_log_off_writes_its_buffer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A reload's switch: the log turned off writes what it holds and keeps no flush timer;
+    the one turned on keeps the format chosen at startup."""
+    configure_access_log(True, "json")
+    try:
+        first = access_log()
+        assert first is not None
+        first.write({"status": 200})
+        assert first._timer is not None  # the batch waits for its flush
+        assert set_access_log(True) is first  # no change, no new log
+        assert set_access_log(False) is None and access_log() is None
+        assert first._timer is None
+        (line,) = capsys.readouterr().err.splitlines()
+        assert json.loads(line)["status"] == 200
+        second = set_access_log(True)
+        assert second is not None and second is not first and access_log() is second
+        second.write({"status": 201})
+        second.flush()
+        assert json.loads(capsys.readouterr().err)["status"] == 201
+    finally:
+        configure_access_log(False, "text")

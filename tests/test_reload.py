@@ -3,9 +3,11 @@ API, SIGHUP and a file change, under traffic, with valid, invalid and restart-on
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.reload import diff_policies
+from gateway.telemetry.logs import AccessLog
 from loadtests.procs import wait_until
 from tests.support import (
     LOOPBACK_LISTENERS,
@@ -26,6 +29,8 @@ from tests.support import (
     stop_backends,
 )
 from tests.test_admission import max_concurrency
+from tests.test_drain import STREAMS, start_streams
+from tests.test_hardening import _connect, _read_response, _request, _status
 
 # -- the pure diff ---------------------------------------------------------------------------
 
@@ -77,16 +82,45 @@ def test_diff_lists_restart_only_keys() -> None:
     new = parse_policy(
         _policy(
             A,
-            top="listen: 0.0.0.0:9000\nlimits: {max_request_bytes: 1MiB}\n"
-            "shared: {redis_url: 'redis://127.0.0.1:6379/0'}\ntelemetry: {tracing: true}",
+            top="listen: 0.0.0.0:9000\nadmin: {listen: 127.0.0.1:9999}\n"
+            "limits: {max_request_bytes: 1MiB}\n"
+            "shared: {redis_url: 'redis://127.0.0.1:6379/0'}\n"
+            "telemetry: {tracing: true, service_name: x, log_format: json, access_log: true}",
         )
     )
-    assert diff_policies(old, new).restart_required == [
-        "limits.max_request_bytes",
+    diff = diff_policies(old, new)
+    assert diff.restart_required == [
+        "admin.listen",
         "listen",
         "shared",
+        "telemetry.log_format",
+        "telemetry.service_name",
         "telemetry.tracing",
     ]
+    assert diff.settings == ["limits.max_request_bytes", "telemetry.access_log"]
+
+
+def test_diff_reports_reloadable_settings() -> None:
+    old = parse_policy(_policy(A))
+    new = parse_policy(
+        _policy(
+            A,
+            top="limits: {max_connections: 5, max_uri_bytes: 1KiB, trusted_proxies: [10.0.0.0/8]}"
+            "\ndrain: {timeout: 5s}\ntelemetry: {access_log: true}",
+        )
+    )
+    diff = diff_policies(old, new)
+    assert diff.restart_required == []
+    assert not diff.empty and not diff.pools_or_auth
+    assert diff.summary()["settings"] == [
+        "drain.timeout",
+        "limits.max_connections",
+        "limits.max_uri_bytes",
+        "limits.trusted_proxies",
+        "telemetry.access_log",
+    ]
+    assert diff.summary()["pools_changed"] == []
+    assert diff_policies(new, new).empty
 
 
 # -- real processes --------------------------------------------------------------------------
@@ -115,6 +149,14 @@ pools:
 {pool_extra}"""
     assert len(text) < FILE_SIZE
     return text + "#" * (FILE_SIZE - len(text) - 1) + "\n"
+
+
+def with_top(
+    backends: dict[str, Backend], top: str, names: tuple[str, ...] = ("a", "b", "k")
+) -> str:
+    """`policy_text` with top-level YAML lines, still FILE_SIZE long."""
+    text = policy_text(backends, list(names)).replace("pools:\n", f"{top}\npools:\n", 1)
+    return text[: FILE_SIZE - 1] + "\n"
 
 
 def write_quietly(path: Path, text: str) -> None:
@@ -164,6 +206,11 @@ def chat(stream: bool = False, max_tokens: int = 3) -> dict[str, object]:
         "stream": stream,
         "max_tokens": max_tokens,
     }
+
+
+def big_chat() -> dict[str, object]:
+    """A completion request of about 4 KiB."""
+    return chat() | {"messages": [{"role": "user", "content": "x" * 4096}]}
 
 
 def metric(gw: Gateway, line_start: str) -> float:
@@ -285,17 +332,18 @@ def test_restart_only_change_is_refused(
     gateway: Gateway, backends: dict[str, Backend], tmp_path: Path
 ) -> None:
     path = tmp_path / "policy.yaml"
-    text = policy_text(backends, ["a", "b", "k", "c"]).replace(
-        "pools:\n", "limits: {max_request_bytes: 1MiB}\npools:\n", 1
-    )
-    write_quietly(path, text[: FILE_SIZE - 1] + "\n")
+    top = "limits: {max_request_bytes: 1KiB}\ntelemetry: {service_name: other}"
+    write_quietly(path, with_top(backends, top, ("a", "b", "k", "c")))
     response = reload(gateway)
     assert response.status_code == 400
     body = response.json()
     assert body["reloaded"] is False
     assert "only after a restart" in body["error"]
-    assert "limits.max_request_bytes" in body["error"]
+    assert "telemetry.service_name" in body["error"]
+    assert "limits" not in body["error"]  # reloadable: not what refuses it
     assert set(instances(gateway)) == {"a", "b", "k"}  # nothing of it applied
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=big_chat(), timeout=10)
+    assert r.status_code == 200  # nor the limit that came with it
 
 
 def test_sighup_reloads(gateway: Gateway, backends: dict[str, Backend], tmp_path: Path) -> None:
@@ -364,5 +412,105 @@ def test_reload_of_admission_settings_keeps_the_pools_slots(
         assert state["weights"]["batch"] == pytest.approx(3.0)  # the new settings serve
         done = [r for r in backends["k"].requests() if r["path"] == "/v1/chat/completions"]
         assert len(done) == 3 and max_concurrency(done) == 2
+    finally:
+        gw.stop()
+
+
+# -- reloadable settings outside the pools ---------------------------------------------------
+
+LONG_PATH = "/v1/chat/completions?pad=" + "q" * (1000 - len("/v1/chat/completions?pad="))
+
+
+def long_uri_status(gw: Gateway) -> int:
+    """A 1000-byte URI, on a connection of its own."""
+    return httpx.post(f"{gw.url}{LONG_PATH}", json=chat(), timeout=10).status_code
+
+
+def test_reload_of_limits_applies_to_new_requests(
+    gateway: Gateway, backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    url = f"{gateway.url}/v1/chat/completions"
+    assert long_uri_status(gateway) == 200
+    assert httpx.post(url, json=big_chat(), timeout=10).status_code == 200
+    with _connect(gateway) as kept:  # open before the reload, used after it
+        kept.sendall(_request())
+        assert _status(_read_response(kept)) == 200
+        write_quietly(
+            path, with_top(backends, "limits: {max_uri_bytes: 512, max_request_bytes: 1KiB}")
+        )
+        response = reload(gateway)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["version"] == 2
+        assert body["changes"]["settings"] == ["limits.max_request_bytes", "limits.max_uri_bytes"]
+        assert body["changes"]["pools_changed"] == []
+        # The connection opened before follows the new caps from its next request.
+        kept.sendall(_request(path=LONG_PATH))
+        assert _status(_read_response(kept)) == 414
+    assert long_uri_status(gateway) == 414
+    too_large = httpx.post(url, json=big_chat(), timeout=10)
+    assert too_large.status_code == 413
+    assert httpx.post(url, json=chat(), timeout=10).status_code == 200
+    assert "settings=limits.max_request_bytes,limits.max_uri_bytes" in gateway.proc.output()
+    # And back: the defaults serve again.
+    write_quietly(path, policy_text(backends, ["a", "b", "k"]))
+    assert reload(gateway).json()["version"] == 3
+    assert long_uri_status(gateway) == 200
+    assert httpx.post(url, json=big_chat(), timeout=10).status_code == 200
+
+
+def test_reload_turns_the_access_log_on_and_off(
+    gateway: Gateway, backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    url = f"{gateway.url}/v1/chat/completions"
+
+    def access_lines() -> list[str]:
+        return [line for line in gateway.proc.lines if "gateway.access" in line]
+
+    assert httpx.post(url, json=chat(), timeout=10).status_code == 200  # off: no line
+    write_quietly(path, with_top(backends, "telemetry: {access_log: true}"))
+    response = reload(gateway)
+    assert response.status_code == 200, response.text
+    assert response.json()["changes"]["settings"] == ["telemetry.access_log"]
+    assert httpx.post(url, json=chat(), timeout=10).status_code == 200
+    assert wait_until(lambda: len(access_lines()) == 1, timeout_s=5)
+    assert "status=200" in access_lines()[0] and "pool=chat" in access_lines()[0]
+    write_quietly(path, policy_text(backends, ["a", "b", "k"]))
+    assert reload(gateway).json()["changes"]["settings"] == ["telemetry.access_log"]
+    assert httpx.post(url, json=chat(), timeout=10).status_code == 200
+    time.sleep(AccessLog.FLUSH_AFTER_S * 4)  # a line would be out by now
+    assert len(access_lines()) == 1
+
+
+def test_reload_of_drain_settings_applies_at_sigterm(
+    backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    """Started with a 10 s delay and a 30 s timeout, reloaded to none and 300 ms: SIGTERM
+    ends streams of 10 s within a second or two."""
+    for backend in backends.values():
+        backend.reset()
+    path = tmp_path / "policy.yaml"
+    gw = start_gateway(path, with_top(backends, "drain: {delay: 10s, timeout: 30s}"))
+    try:
+        write_quietly(path, with_top(backends, "drain: {delay: 0s, timeout: 300ms}"))
+        response = reload(gw)
+        assert response.status_code == 200, response.text
+        assert response.json()["changes"]["settings"] == ["drain.delay", "drain.timeout"]
+        with ThreadPoolExecutor(STREAMS) as pool:
+            futures = start_streams(pool, gw, max_tokens=1000)  # 10 s each
+            signalled = time.monotonic()
+            gw.proc.signal(signal.SIGTERM)
+            results = [f.result(timeout=10) for f in futures]
+            code = gw.proc.proc.wait(5)
+        assert code == 0
+        for stream in results:
+            events = stream.events()
+            assert events[-1] == "[DONE]", events[-3:]
+            assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+            assert stream.ended_at - signalled < 3.0
+        gw.stop()  # joins the output reader
+        assert "drain started delay_s=0 timeout_s=0.3 " in gw.proc.output()
     finally:
         gw.stop()

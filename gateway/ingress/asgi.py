@@ -34,12 +34,13 @@ from gateway.ingress.dialect import BY_PATH as DIALECTS
 from gateway.ingress.dialect import OPENAI
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
+from gateway.ingress.protocol import HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler
-from gateway.telemetry.logs import access_log
+from gateway.telemetry.logs import AccessLog, access_log
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
 
@@ -109,11 +110,13 @@ class DataPlane:
         tracing: Tracing | None = None,
         limits: LimitsPolicy | None = None,
     ) -> None:
-        # The connection-level limits (deadlines, header caps...) are the HTTP protocol's,
-        # which finds them here (`server._uvicorn_config`); trusted_proxies is ours. So are
-        # the refusal counters it shares with us (401s), for /metrics and /admin/state.
+        # The connection-level limits (deadlines, header caps...) are the HTTP protocol's:
+        # `protocol` is the class uvicorn serves this app's connections with
+        # (`server._uvicorn_config`); trusted_proxies and the body cap are ours. So are the
+        # refusal counters it shares with us (401s), for /metrics and /admin/state.
         self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
         self.refusals = IngressRefusals("data")
+        self.protocol = HardenedProtocol.configured(self.limits, self.refusals)
         self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
         self._auth = registry.auth  # client API keys (policy `auth`); swapped on reload
@@ -125,6 +128,19 @@ class DataPlane:
         self._loop = asyncio.get_running_loop()
         self._models_body = b""
         self.refresh_models()
+
+    def set_limits(self, limits: LimitsPolicy) -> None:
+        """A reload's `limits`. Requests read these attributes as they always do (no cost on
+        the hot path): a request that has not read its body yet gets the new cap; the
+        protocol's limits are class attributes, changed in place for every connection."""
+        self.limits = limits
+        self._trusted = TrustedProxies(limits.trusted_proxies) or None
+        self._limit = limits.max_request_bytes
+        self.protocol.reconfigure(limits)
+
+    def set_access_log(self, access: AccessLog | None) -> None:
+        """A reload turned the access log on or off: requests that end from now on follow."""
+        self._access = access
 
     def refresh_models(self) -> None:
         """Encode `GET /v1/models` once per policy (again after a reload), not per request."""

@@ -23,6 +23,11 @@ response is under way on the connection (else the connection is just closed), an
 connection; it is counted by reason (`gateway.ingress.refusals`, only on that path). One
 lazily re-armed timer per connection keeps the hot path to a clock read per request: arming
 sets a deadline, the timer re-arms itself when it fires early.
+
+The limits are class attributes of the server's subclass (`configured`), not copied per
+connection: a policy reload sets them again in place (`reconfigure`). A new connection gets
+the new limits; one already open follows them from its next check (its next request's
+deadline and caps; a deadline already running keeps its time).
 """
 
 from __future__ import annotations
@@ -76,8 +81,54 @@ class _Refused(Exception):
     """Raised from a parser callback after a refusal, to stop parsing the rest."""
 
 
+def _limit_attributes(limits: LimitsPolicy) -> dict[str, Any]:
+    """The class attributes `HardenedProtocol` reads its limits from."""
+    invalid = "invalid_request_error"
+    return {
+        "header_timeout": limits.header_timeout,
+        "body_timeout": limits.body_timeout,
+        "max_header_bytes": limits.max_header_bytes,
+        "max_headers": limits.max_headers,
+        "max_uri_bytes": limits.max_uri_bytes,
+        "max_connections": limits.max_connections,
+        # The unfinished head's raw bytes: request line, names, values and separators.
+        "max_head_bytes": limits.max_uri_bytes + 2 * limits.max_header_bytes + 1024,
+        # A head that came in fewer raw bytes than this is within both caps: not counted.
+        "quick_head_bytes": min(limits.max_uri_bytes, limits.max_header_bytes),
+        "header_timeout_response": _refusal(
+            408,
+            invalid,
+            "request_timeout",
+            f"the request headers did not arrive within {limits.header_timeout:g}s",
+        ),
+        "body_timeout_response": _refusal(
+            408,
+            invalid,
+            "request_timeout",
+            f"the request body did not arrive within {limits.body_timeout:g}s",
+        ),
+        "uri_too_long_response": _refusal(
+            414, invalid, "uri_too_long", f"the URI exceeds {limits.max_uri_bytes} bytes"
+        ),
+        "headers_too_large_response": _refusal(
+            431,
+            invalid,
+            "headers_too_large",
+            f"the request headers exceed {limits.max_headers} headers "
+            f"or {limits.max_header_bytes} bytes",
+        ),
+        "over_capacity_response": _refusal(
+            503,
+            "service_unavailable",
+            "too_many_connections",
+            "the gateway is at its connection limit",
+            b"retry-after: 1\r\n",
+        ),
+    }
+
+
 class HardenedProtocol(HttpToolsProtocol):
-    # Set per server by `configured` (class attributes: read on every request).
+    # Set per server by `configured`, again by `reconfigure` (read on every request).
     header_timeout: ClassVar[float]
     body_timeout: ClassVar[float]
     max_header_bytes: ClassVar[int]
@@ -97,50 +148,13 @@ class HardenedProtocol(HttpToolsProtocol):
     @classmethod
     def configured(cls, limits: LimitsPolicy, refusals: IngressRefusals) -> type[HardenedProtocol]:
         """A subclass carrying these limits and counters, for `uvicorn.Config(http=...)`."""
-        invalid = "invalid_request_error"
-        attributes: dict[str, Any] = {
-            "refusals": refusals,
-            "header_timeout": limits.header_timeout,
-            "body_timeout": limits.body_timeout,
-            "max_header_bytes": limits.max_header_bytes,
-            "max_headers": limits.max_headers,
-            "max_uri_bytes": limits.max_uri_bytes,
-            "max_connections": limits.max_connections,
-            # The unfinished head's raw bytes: request line, names, values and separators.
-            "max_head_bytes": limits.max_uri_bytes + 2 * limits.max_header_bytes + 1024,
-            # A head that came in fewer raw bytes than this is within both caps: not counted.
-            "quick_head_bytes": min(limits.max_uri_bytes, limits.max_header_bytes),
-            "header_timeout_response": _refusal(
-                408,
-                invalid,
-                "request_timeout",
-                f"the request headers did not arrive within {limits.header_timeout:g}s",
-            ),
-            "body_timeout_response": _refusal(
-                408,
-                invalid,
-                "request_timeout",
-                f"the request body did not arrive within {limits.body_timeout:g}s",
-            ),
-            "uri_too_long_response": _refusal(
-                414, invalid, "uri_too_long", f"the URI exceeds {limits.max_uri_bytes} bytes"
-            ),
-            "headers_too_large_response": _refusal(
-                431,
-                invalid,
-                "headers_too_large",
-                f"the request headers exceed {limits.max_headers} headers "
-                f"or {limits.max_header_bytes} bytes",
-            ),
-            "over_capacity_response": _refusal(
-                503,
-                "service_unavailable",
-                "too_many_connections",
-                "the gateway is at its connection limit",
-                b"retry-after: 1\r\n",
-            ),
-        }
-        return type(cls.__name__, (cls,), attributes)
+        return type(cls.__name__, (cls,), {"refusals": refusals, **_limit_attributes(limits)})
+
+    @classmethod
+    def reconfigure(cls, limits: LimitsPolicy) -> None:
+        """New limits for this server's connections (a reload), in one synchronous step."""
+        for name, value in _limit_attributes(limits).items():
+            setattr(cls, name, value)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -174,11 +174,28 @@ class AccessLog:
 
 
 _access_log: AccessLog | None = None
+_access_format: LogFormat = "text"
 
 
 def configure_access_log(enabled: bool, log_format: LogFormat) -> None:
+    """At startup: the format (the process's, `--log-format` included) and whether it is on."""
+    global _access_format
+    set_access_log(False)  # one already there, in its own format: its lines out first
+    _access_format = log_format
+    set_access_log(enabled)
+
+
+def set_access_log(enabled: bool) -> AccessLog | None:
+    """Turn the access log on or off (a policy reload), in the format chosen at startup. One
+    turned off writes its buffered lines first (which also cancels its flush timer); nothing
+    writes to it afterwards, so no timer is armed on it again. Returns the one now in use."""
     global _access_log
-    _access_log = AccessLog(log_format) if enabled else None
+    if enabled == (_access_log is not None):
+        return _access_log
+    if _access_log is not None:
+        _access_log.flush()
+    _access_log = AccessLog(_access_format) if enabled else None
+    return _access_log
 
 
 def access_log() -> AccessLog | None:
