@@ -33,7 +33,7 @@ from gateway.telemetry.logs import access_log, set_access_log
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
-from gateway.upstream.transport import Transport, new_session
+from gateway.upstream.transport import Transport, new_client, new_session
 from gateway.upstream.vllm_load import VllmLoadScraper
 
 log = logging.getLogger("gateway.reload")
@@ -52,7 +52,8 @@ class Gateway:
         self._background: set[asyncio.Task[ReloadResult]] = set()
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
-        self.session: aiohttp.ClientSession = new_session()
+        self.session: aiohttp.ClientSession = new_session()  # health checks, vLLM scrapes
+        self.upstream = new_client()  # the requests themselves
         self.health = HealthChecker(self.registry, self.session)
         self.vllm_load = VllmLoadScraper(self.registry, self.session)
         self.decisions = build_store(policy, self.registry)
@@ -87,7 +88,7 @@ class Gateway:
         ]
         if self.tracing is not None:
             layers.append(AttemptSpans(self.tracing))
-        handler = compose(layers, Transport(self.session, self.watchdog))
+        handler = compose(layers, Transport(self.upstream, self.watchdog))
         self.data_app = DataPlane(
             self.registry,
             handler,
@@ -133,6 +134,7 @@ class Gateway:
         await self.decisions.close()
         await self.watchdog.close()
         await self.session.close()
+        self.upstream.close()
         if self.tracing is not None:
             await self.tracing.close()
         log = access_log()

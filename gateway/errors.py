@@ -165,10 +165,11 @@ class NoInstanceAvailable(GatewayError):
 
 
 def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
-    """Translate an aiohttp / asyncio exception raised while talking to a backend.
+    """Translate an exception raised while talking to a backend (the data plane's client
+    raises the gateway's own errors already; aiohttp's and asyncio's are mapped here).
 
-    `phase` says where it happened (`connect`, `first_byte`, `body`) so a timeout is named by
-    the phase whose deadline ran out.
+        `phase` says where it happened (`connect`, `first_byte`, `body`) so a timeout is named by
+        the phase whose deadline ran out.
     """
     if isinstance(exc, UpstreamError):
         return exc

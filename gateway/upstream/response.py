@@ -6,13 +6,12 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
+    from gateway.upstream.h1 import UpstreamResponseHead
     from gateway.upstream.registry import InstanceState
 
 FinishHook = Callable[["UpstreamResponse", "UpstreamError | None"], None]
@@ -58,7 +57,7 @@ class UpstreamResponse:
     def __init__(
         self,
         instance: InstanceState,
-        raw: aiohttp.ClientResponse,
+        raw: UpstreamResponseHead,
         *,
         body: bytes | None,
         first_chunk: bytes,
@@ -106,7 +105,7 @@ class UpstreamResponse:
         else:
             deadline.move(end_at, "total")
         try:
-            chunk = await self._raw.content.readany()
+            chunk = await self._raw.readany()
         except asyncio.CancelledError:
             if expired(deadline):
                 raise self.timeout() from None

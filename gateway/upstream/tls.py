@@ -1,9 +1,9 @@
 """TLS to https:// instances: one client SSLContext per pool, built once from its `tls` policy.
 
-The context is passed with every request (`ssl=`), and aiohttp keys its connection pool by host,
+The context is passed with every request, and the clients key their connection pools by host,
 port and context, so connections are still reused per instance. The handshake is part of a new
-connection: aiohttp bounds it with the attempt's connect timeout (`timeouts.connect`), and
-its failures (an untrusted certificate, a wrong host name) are connect failures. SNI and host
+connection: it is bounded by the attempt's connect timeout (`timeouts.connect`), and its
+failures (an untrusted certificate, a wrong host name) are connect failures. SNI and host
 name checks come with the context (`check_hostname`) and the URL's host.
 """
 
