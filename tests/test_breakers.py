@@ -110,6 +110,22 @@ def test_hung_instance_is_isolated_after_three_timeouts(
     assert len(backends["b1"].requests()) == 3  # consecutive_timeouts: 3
 
 
+def test_a_failing_instance_the_cap_keeps_admitting_is_priced_out(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """With the pool's one isolation taken (b2, by the operator), b0 failing fast cannot be
+    isolated; the balancer must not keep choosing it for how cheap its failures look."""
+    httpx.post(f"{gateway.admin_url}/admin/instances/bp/b2/isolate", timeout=5)
+    backends["b0"].set_faults(error_rate=1.0, error_status=500)
+    replies = send(gateway, 60)
+    assert [r.status_code for r in replies] == [200] * 60  # its failures retried on b1
+    assert state_of(gateway, "b0")["state"] == "ADMITTING"  # the cap held
+    attempts = len(backends["b0"].requests())
+    # consecutive_failures (5) reach it before the cap refuses to isolate it; then it is priced
+    # out, and tried again only once its estimate has decayed.
+    assert attempts <= 10, attempts
+
+
 def test_slow_instance_gets_a_smaller_share(gateway: Gateway, backends: dict[str, Backend]) -> None:
     backends["b2"].set_faults(slow_factor=10)
     shares = Counter(r.headers["x-gateway-instance"] for r in send(gateway, 60))

@@ -7,7 +7,13 @@ from collections import Counter
 
 import pytest
 
-from gateway.core.balancer import PeakEwma, choose, load_cost, slow_start_weight
+from gateway.core.balancer import (
+    PeakEwma,
+    choose,
+    failure_penalty_s,
+    load_cost,
+    slow_start_weight,
+)
 
 E1 = math.exp(-1.0)
 
@@ -169,3 +175,9 @@ def test_p2c_with_peak_ewma_and_in_flight_sheds_load_from_a_slow_instance() -> N
     assert picks["slow"] < 0.1 * 10_000
     assert picks["slow"] * 4 < min(picks["a"], picks["b"])
     assert picks["slow"] > 0  # it is not starved: its cost decays between samples
+
+
+def test_a_failure_the_cap_kept_admitting_is_priced_above_every_other_instance() -> None:
+    assert failure_penalty_s(0.001, [0.2, 0.5, 0.1]) == pytest.approx(1.0)
+    assert failure_penalty_s(3.0, [0.2]) == 3.0  # never below the attempt's own time
+    assert failure_penalty_s(0.01, []) == 0.01  # nobody else to compare with

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -89,6 +89,15 @@ def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
     instance still costs its latency; `weight` is the slow-start weight in (0, 1].
     """
     return latency_s * (in_flight + 1) / weight
+
+
+def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float]) -> float:
+    """The latency sample the balancer takes for a failure the breaker could not act on (the
+    pool's isolation cap held): twice the dearest other instance's load cost, and never less
+    than the attempt's own time. An instance that fails fast would otherwise look the cheapest
+    (little latency, nothing in flight) and draw ever more traffic; priced so, power of two
+    choices passes it over until its estimate decays and it is tried again."""
+    return max(elapsed_s, 2.0 * max(others_costs, default=0.0))
 
 
 def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:

@@ -4,7 +4,9 @@ An answer read whole ends with the transport; a stream ends when its relay does,
 accounting runs from the response's finish hook (latency, outcome and in-flight count are only
 known then). Each finished attempt feeds: the pool's failure rate, the instance's breaker (a
 transition is logged, one line, with its reason), and, for successes only, the balancer's
-peak-EWMA and the latency estimators behind the timeouts. A client's own 4xx is nobody's
+peak-EWMA and the latency estimators behind the timeouts; a failure the breaker would isolate
+the instance for, had the pool's isolation cap not held, prices it out of the balancer
+instead (`failure_penalty_s`). A client's own 4xx is nobody's
 fault: the breaker does not count it.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError
@@ -91,6 +94,12 @@ def _record(
         now, failed, outcome.kind == "timeout", pool.rng, probe=probe
     )
     if transition is not None:
+        if transition.suppressed:
+            # The cap keeps it admitting: the balancer steers around it instead.
+            others = (
+                load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
+            )
+            instance.peak.observe(now, failure_penalty_s(elapsed_s, others))
         on_transition(pool.name, transition)
 
 
