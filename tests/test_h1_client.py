@@ -356,3 +356,12 @@ async def test_an_idle_connection_that_receives_bytes_is_closed_not_reused() -> 
         answered.set()
         await asyncio.wait_for(server.closed.wait(), 5)  # the client hung up on it
     client.close()
+
+
+async def test_pools_left_without_connections_are_forgotten() -> None:
+    client = H1Client(keepalive_s=0.0)  # nothing stays idle: every pool empties after use
+    async with running(answering(ok())) as (_, first), running(answering(ok())) as (_, second):
+        await post(client, first)
+        await post(client, second)
+    assert [origin[2] for origin in client._pools] == [second.port]
+    client.close()

@@ -258,6 +258,7 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
 
     def close(self) -> None:
+        self._pool.forget(self)  # at once: its pool no longer counts it
         if self.transport is not None:
             self.transport.close()
 
@@ -334,12 +335,13 @@ class _OriginPool:
         while idle:
             conn = idle.pop()  # the most recent: the least likely to be closing
             if conn.transport is not None and now - conn.idle_since < self.keepalive_s:
-                self._drop_stale(now)
+                self.drop_stale(now)
                 return conn
             conn.close()
         return None
 
-    def _drop_stale(self, now: float) -> None:
+    def drop_stale(self, now: float) -> None:
+        """Close the idle connections past `keepalive_s`."""
         idle = self._idle
         while idle and now - idle[0].idle_since >= self.keepalive_s:
             idle.popleft().close()
@@ -374,6 +376,11 @@ class _OriginPool:
         self._all.discard(conn)
         if conn in self._idle:
             self._idle.remove(conn)
+
+    @property
+    def connections(self) -> int:
+        """Open connections, idle or busy."""
+        return len(self._all)
 
     def close(self) -> None:
         for conn in list(self._all):
@@ -424,6 +431,13 @@ class H1Client:
         origin = (url.scheme, host, port, id(context) if context is not None else 0)
         pool = self._pools.get(origin)
         if pool is None:
+            # A new origin (or a reload's new TLS context): forget the pools left empty, so
+            # reloads do not accumulate them.
+            now = asyncio.get_running_loop().time()
+            for key, old in list(self._pools.items()):
+                old.drop_stale(now)
+                if not old.connections:
+                    del self._pools[key]
             pool = self._pools[origin] = _OriginPool(origin, context, self._keepalive_s)
         return pool
 
