@@ -40,10 +40,10 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 
-# Above this many bytes received but not yet taken by the relay, stop reading the socket: a
-# slow client must not make the gateway buffer a fast backend's whole answer.
+# Above this many bytes received but not yet taken by the relay, stop reading the socket (until
+# the relay takes them): a slow client must not make the gateway buffer a fast backend's whole
+# answer.
 _HIGH_WATER: Final = 256 * 1024
-_LOW_WATER: Final = 64 * 1024
 
 Origin = tuple[str, str, int, int]  # scheme, host, port, id of the TLS context (0: none)
 
