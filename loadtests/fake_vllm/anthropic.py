@@ -41,7 +41,7 @@ from .asgi import (
 from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, OVERLOADED, RATE_LIMIT, STALL, STREAM_ERROR, Faults
 from .engine import EngineOOM
-from .pacing import Pacer, cut_point, pause
+from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
 from .requestlog import RequestRecord
 
 if TYPE_CHECKING:
@@ -299,26 +299,14 @@ async def _stream(
     await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache"), *ids]))
     stop_after = faults.stall_after if fault in (STALL, STREAM_ERROR) else None
     cut = cut_point(n, faults.die_after if fault == DIE else stop_after)
-    # As on the OpenAI streams: `step` tokens an event, each event leaving when its last token
-    # is due, and a cut falling on an event boundary so exactly `cut` tokens are delivered.
     step = faults.tokens_per_event_n(app.config)
-    end_at = n if cut < 0 else cut
     pacer = Pacer(ttft, per_token)
     await pacer.first_token()
     await send(body_message(writer.start(input_tokens), more=True))
-    start = 0
-    while start < end_at:
-        end = min(start + step, end_at)
-        await pacer.token(end)
-        await send(body_message(writer.delta(start, end), more=True))
-        start = end
-    if 0 <= cut < n:
-        await pacer.token(cut + 1)
-    if fault == DIE:
-        return "died"  # returning mid-body makes uvicorn close the connection
-    if fault == STALL:
-        await asyncio.sleep(faults.hang_s)
-        return "stalled"
+    await send_tokens(send, pacer, n, step, cut, writer.delta)
+    ended = await cut_short(fault, faults)
+    if ended is not None:
+        return ended
     if fault == STREAM_ERROR:
         await send(body_message(ERROR_EVENT, more=False))
         return "stream_error"

@@ -32,7 +32,7 @@ from .asgi import (
 from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
 from .engine import Engine, EngineOOM
-from .pacing import Pacer, cut_point, pause
+from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
 from .requestlog import RequestLog, RequestRecord
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -192,27 +192,15 @@ class FakeVllm:
         cut = cut_point(
             n, faults.die_after if fault == DIE else faults.stall_after if fault == STALL else None
         )
-        # Tokens go out in events of `step` (vLLM's stream interval); an event leaves when its
-        # last token is due. A cut (die/stall) is an event boundary, so exactly `cut` tokens
-        # are delivered whatever the step.
         step = faults.tokens_per_event_n(self.config)
-        end_at = n if cut < 0 else cut
         pacer = Pacer(ttft, per_token)
         await pacer.first_token()
-        start = 0
-        while start < end_at:
-            end = min(start + step, end_at)
-            await pacer.token(end)
-            await send(body_message(writer.tokens(start, end, end == n), more=True))
-            start = end
-        if 0 <= cut < n:
-            # Fail when the next token would have been due, as the one-token loop always did.
-            await pacer.token(cut + 1)
-        if fault == DIE:
-            return "died"  # returning mid-body makes uvicorn close the connection
-        if fault == STALL:
-            await asyncio.sleep(faults.hang_s)
-            return "stalled"
+        await send_tokens(
+            send, pacer, n, step, cut, lambda start, end: writer.tokens(start, end, end == n)
+        )
+        ended = await cut_short(fault, faults)
+        if ended is not None:
+            return ended
         if include_usage:
             await send(body_message(writer.usage(prompt_tokens, n), more=True))
         await send(body_message(r.DONE, more=False))

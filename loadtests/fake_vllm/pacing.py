@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+
+from .asgi import Send, body_message
+from .config import DIE, STALL, Faults
 
 
 async def pause(seconds: float) -> None:
@@ -30,3 +34,39 @@ class Pacer:
 def cut_point(n: int, stop_after: int | None) -> int:
     """Tokens a stream delivers before a fault cuts it (-1: not cut)."""
     return -1 if stop_after is None else min(stop_after, n)
+
+
+async def send_tokens(
+    send: Send,
+    pacer: Pacer,
+    n: int,
+    step: int,
+    cut: int,
+    event: Callable[[int, int], bytes],
+) -> None:
+    """Send tokens [0, n), or only the first `cut` when a fault cuts the stream (`cut` >= 0),
+    in events of `step` (vLLM's stream interval) made by `event(start, end)`: an event leaves
+    when its last token is due, and a cut falls on an event boundary, so exactly `cut` tokens
+    are delivered whatever the step. After a cut, returns when the next token would have been
+    due: that is when the fault strikes."""
+    end_at = n if cut < 0 else cut
+    start = 0
+    while start < end_at:
+        end = min(start + step, end_at)
+        await pacer.token(end)
+        await send(body_message(event(start, end), more=True))
+        start = end
+    if 0 <= cut < n:
+        await pacer.token(cut + 1)
+
+
+async def cut_short(fault: str | None, faults: Faults) -> str | None:
+    """How a stream cut by `fault` ends, once its tokens are out: "died" (returning mid-body
+    makes uvicorn close the connection), "stalled" (after hanging `faults.hang_s`), or None
+    when the fault does not end it this way."""
+    if fault == DIE:
+        return "died"
+    if fault == STALL:
+        await asyncio.sleep(faults.hang_s)
+        return "stalled"
+    return None
