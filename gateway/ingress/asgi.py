@@ -195,16 +195,15 @@ class DataPlane:
         self._rejected(scope, path, 401, started, None, client)
 
     def _client_address(self, scope: Scope) -> str | None:
-        """The client's address as the access log gives it: the peer, or from a trusted
-        proxy's X-Forwarded-For (as `split_request_headers` finds it, without the rest)."""
+        """The client's address as the access log gives it (the peer, or what a trusted
+        proxy's X-Forwarded-For says), found as for a proxied request."""
         peer = scope.get("client")
         host: str | None = peer[0] if peer else None
-        trusted = self._trusted
-        if host and trusted and host in trusted:
-            chain = [v for n, v in scope["headers"] if n == b"x-forwarded-for"]
-            if chain:
-                return trusted.client(b", ".join(chain).decode("latin-1"), host)
-        return host
+        try:
+            headers = split_request_headers(scope["headers"], host, scope["scheme"], self._trusted)
+        except ValueError:  # an invalid Content-Length: the peer, then
+            return host
+        return headers.client
 
     async def _get(self, method: str, send: Send, body: bytes) -> None:
         if method in ("GET", "HEAD"):
