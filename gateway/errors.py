@@ -9,11 +9,8 @@ answer from a backend's (an Anthropic-shaped body has no code).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, ClassVar, Final
-
-import aiohttp
 
 from gateway.core.outcome import Outcome, Phase
 
@@ -165,25 +162,17 @@ class NoInstanceAvailable(GatewayError):
 
 
 def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
-    """Translate an exception raised while talking to a backend (the data plane's client
-    raises the gateway's own errors already; aiohttp's and asyncio's are mapped here).
+    """The gateway's error for an exception raised while talking to a backend. The data
+    plane's client raises the gateway's own errors already; anything else that escapes it (a
+    socket error while writing, a bug) is named here.
 
-        `phase` says where it happened (`connect`, `first_byte`, `body`) so a timeout is named by
-        the phase whose deadline ran out.
+    `phase` says where it happened (`connect`, `first_byte`, `body`) so a timeout is named by
+    the phase whose deadline ran out.
     """
     if isinstance(exc, UpstreamError):
         return exc
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamTimeout("connecting to the upstream timed out", phase="connect")
-    if isinstance(exc, asyncio.TimeoutError):  # SocketTimeoutError and total deadlines
+    if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamConnectError(f"cannot connect to the upstream: {exc.strerror or exc}")
-    if isinstance(
-        exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | ConnectionError
-    ):
+    if isinstance(exc, ConnectionError):
         return UpstreamReset(f"the upstream closed the connection ({phase})")
-    if isinstance(exc, aiohttp.ClientResponseError):
-        # Not the parser's message: it can quote raw upstream bytes back to the client.
-        return UpstreamProtocolError("the upstream sent an invalid HTTP response")
     return UpstreamError(f"the upstream request failed: {type(exc).__name__}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Iterator
 from typing import Final, cast, overload
 
 import httptools
@@ -69,9 +68,6 @@ class Headers:
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._by_name
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_name)
 
 
 class _Connection(asyncio.Protocol):
