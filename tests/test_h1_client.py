@@ -18,7 +18,7 @@ from gateway.errors import (
     UpstreamReset,
     UpstreamTimeout,
 )
-from gateway.upstream.h1 import H1Client, _request
+from gateway.upstream.h1 import H1Client, _request, _request_line_parts
 from tests.support import closed_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -119,7 +119,11 @@ async def test_a_kept_alive_connection_carries_the_next_requests() -> None:
 async def test_the_request_bytes() -> None:
     client = H1Client(keepalive_s=4.0)
     async with running(answering(ok())) as (server, url):
-        await post(client, url.with_query("a=1"), b'{"model":"m"}')
+        response = await client.post(
+            url, HEADERS, b'{"model":"m"}', query="a=1", connect_s=1.0, tls=False
+        )
+        await response.read()
+        response.release()
     head, _, body = server.requests[0].partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     assert lines[0] == b"POST /v1/chat/completions?a=1 HTTP/1.1"
@@ -134,8 +138,10 @@ async def test_the_request_bytes() -> None:
 
 
 def test_the_host_header_of_an_ipv6_upstream_and_a_default_port() -> None:
-    assert b"\r\nhost: [::1]:8000\r\n" in _request(URL("http://[::1]:8000/x"), [], b"")
-    assert b"\r\nhost: example.com\r\n" in _request(URL("https://example.com/x"), [], b"")
+    ipv6 = _request(*_request_line_parts(URL("http://[::1]:8000/x")), [], b"")
+    assert b"\r\nhost: [::1]:8000\r\n" in ipv6
+    default_port = _request(*_request_line_parts(URL("https://example.com/x")), [], b"")
+    assert b"\r\nhost: example.com\r\n" in default_port
 
 
 async def test_a_response_that_closes_the_connection_is_not_reused() -> None:

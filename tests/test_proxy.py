@@ -140,6 +140,21 @@ def test_body_is_forwarded_byte_for_byte(
     assert int(record["headers"]["content-length"]) == len(raw)
 
 
+def test_query_string_is_forwarded_as_sent(
+    client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    body = b'{"model":"embed-model","input":"x"}'
+    response = client.post(
+        "/v1/embeddings?api-version=2024-10&x=%20a%2Fb",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 200
+    (record,) = backends["c"].requests()
+    assert record["path"] == "/v1/embeddings"
+    assert record["query"] == "api-version=2024-10&x=%20a%2Fb"  # not re-encoded either
+
+
 # --- streaming ---------------------------------------------------------------------------------
 
 

@@ -44,6 +44,9 @@ from gateway.errors import (
 # answer.
 _HIGH_WATER: Final = 256 * 1024
 
+# Distinct instance URLs remembered with their request-line parts; past it, forgotten at once.
+_MAX_TARGETS: Final = 4096
+
 Origin = tuple[str, str, int, int]  # scheme, host, port, id of the TLS context (0: none)
 
 
@@ -390,6 +393,8 @@ class H1Client:
     def __init__(self, keepalive_s: float) -> None:
         self._keepalive_s = keepalive_s
         self._pools: dict[Origin, _OriginPool] = {}
+        # By URL and TLS setting: its pool and request-line parts, worked out once per URL.
+        self._targets: dict[tuple[URL, int], tuple[_OriginPool, str, str]] = {}
         self._default_tls: ssl.SSLContext | None = None
 
     async def post(
@@ -398,20 +403,34 @@ class H1Client:
         headers: list[tuple[str, str]],
         body: bytes,
         *,
+        query: str = "",
         connect_s: float,
         tls: ssl.SSLContext | bool,
     ) -> UpstreamResponseHead:
-        """Send one request and wait for its status and headers. On any failure (or when
-        cancelled) the connection it used is closed."""
-        pool = self._pool(url, tls)
+        """Send one request to `url` (its path; `query` as the client sent it) and wait for
+        its status and headers. On any failure (or when cancelled) the connection it used is
+        closed."""
+        target = self._targets.get((url, id(tls)))
+        if target is None:
+            target = self._target(url, tls)
+        pool, path, rest = target
         conn = pool.take()
         if conn is None:
             conn = await pool.connect(connect_s)
         try:
-            return await conn.exchange(_request(url, headers, body))
+            return await conn.exchange(
+                _request(f"{path}?{query}" if query else path, rest, headers, body)
+            )
         except BaseException:
             conn.close()
             raise
+
+    def _target(self, url: URL, tls: ssl.SSLContext | bool) -> tuple[_OriginPool, str, str]:
+        if len(self._targets) > _MAX_TARGETS:  # URLs of instances long gone: start afresh
+            self._targets.clear()
+        target = (self._pool(url, tls), *_request_line_parts(url))
+        self._targets[(url, id(tls))] = target
+        return target
 
     def _pool(self, url: URL, tls: ssl.SSLContext | bool) -> _OriginPool:
         context: ssl.SSLContext | None = None
@@ -434,6 +453,8 @@ class H1Client:
                 old.drop_stale(now)
                 if not old.connections:
                     del self._pools[key]
+            live = set(self._pools.values())
+            self._targets = {k: t for k, t in self._targets.items() if t[0] in live}
             pool = self._pools[origin] = _OriginPool(origin, context, self._keepalive_s)
         return pool
 
@@ -443,15 +464,19 @@ class H1Client:
         self._pools.clear()
 
 
-def _request(url: URL, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    """The request's bytes: line, Host, the headers given, Content-Length, then the body."""
-    target = url.raw_path_qs or "/"
+def _request_line_parts(url: URL) -> tuple[str, str]:
+    """The request target's path, and what follows it up to the headers: version and Host."""
     host = url.raw_host or ""
     if ":" in host:  # an IPv6 address
         host = f"[{host}]"
     if url.explicit_port:
         host = f"{host}:{url.port}"
-    lines = [f"POST {target} HTTP/1.1\r\nhost: {host}\r\n"]
+    return url.raw_path or "/", f" HTTP/1.1\r\nhost: {host}\r\n"
+
+
+def _request(target: str, rest: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    """The request's bytes: line and Host, the headers given, Content-Length, then the body."""
+    lines = [f"POST {target}{rest}"]
     lines.extend(f"{name}: {value}\r\n" for name, value in headers)
     lines.append(f"content-length: {len(body)}\r\n\r\n")
     return "".join(lines).encode("latin-1") + body

@@ -69,9 +69,6 @@ class Transport:
     async def __call__(self, call: Call) -> UpstreamResponse:
         instance = call.instance
         assert instance is not None, "the pick layer runs before the transport"
-        url = instance.urls[call.path]
-        if call.query:
-            url = url.with_query(call.query)
         timeouts = call.timeouts
         assert timeouts is not None, "the deadline layer runs before the transport"
         wait_s = timeouts.first_byte_s
@@ -88,7 +85,12 @@ class Transport:
         raw: UpstreamResponseHead | None = None
         try:
             raw = await self._client.post(
-                url, sent, call.body, connect_s=pool.policy.timeouts.connect, tls=pool.ssl
+                instance.urls[call.path],
+                sent,
+                call.body,
+                query=call.query,  # as the client sent it
+                connect_s=pool.policy.timeouts.connect,
+                tls=pool.ssl,
             )
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")
