@@ -17,14 +17,13 @@ from gateway.config import Policy, PolicyError, load_policy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
-from gateway.core.timeouts import attempt_timeouts
 from gateway.ingress.asgi import DataPlane
 from gateway.pipeline.account import Account, OnTransition
 from gateway.pipeline.admit import Admit, PoolAdmission
 from gateway.pipeline.attempt_span import AttemptSpans
 from gateway.pipeline.call import Layer
 from gateway.pipeline.chain import compose
-from gateway.pipeline.deadline import deadline
+from gateway.pipeline.deadline import DeadlineLayer
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.watchdog import Watchdog
@@ -84,7 +83,7 @@ class Gateway:
             Retry(traced=self.tracing is not None),
             Pick(),
             Account(self._account_pools, on_transition),
-            deadline,
+            DeadlineLayer(),
         ]
         if self.tracing is not None:
             layers.append(AttemptSpans(self.tracing))
@@ -286,13 +285,16 @@ class Gateway:
         self._retired_admissions = still
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready when the policy is loaded and every pool has an instance that takes traffic:
-        healthy and not isolated (a sidecar's pod leaves its Service while its vLLM is out),
-        and the process is not draining."""
+        """Ready when the policy is loaded, the process is not draining and every pool has an
+        instance that is up: its health checks pass, and no operator isolated it.
+
+        A breaker's isolation does not count: it answers a partial error rate, and a sidecar
+        turning not-ready for one would let a bad model version everywhere take every pod out
+        of its Service. A sidecar's pod leaves only while its vLLM is really down."""
         if self.draining:
             return False, {"ready": False, "draining": True}
         pools = {
-            name: any(i.breaker.state == ADMITTING for i in pool.routable)
+            name: any(not i.breaker.forced for i in pool.routable)
             for name, pool in self.registry.pools.items()
         }
         ready = all(pools.values())
@@ -376,9 +378,8 @@ def _instance_state(
     wall: float,
     decided_by: Callable[[str, str], str | None],
 ) -> dict[str, Any]:
-    policy = pool.policy.timeouts
-    stream = attempt_timeouts(inst.latency, policy, k, stream=True, max_tokens=None, jitter_s=0.0)
-    whole = attempt_timeouts(inst.latency, policy, k, stream=False, max_tokens=None, jitter_s=0.0)
+    stream = pool.timeouts_for(inst, k, now, stream=True, max_tokens=None)
+    whole = pool.timeouts_for(inst, k, now, stream=False, max_tokens=None)
     return {
         "name": inst.name,
         "url": inst.base_url,
@@ -403,6 +404,13 @@ def _instance_state(
         },
         "requests": inst.requests,
         "failures": inst.failures,
+        "streaming": inst.streaming,
+        "capacity_seen": inst.capacity_seen,
+        "prefill_holds": inst.holds,
+        "timeouts_by_phase": [
+            {"phase": phase, "blamed": blamed, "count": count}
+            for (phase, blamed), count in sorted(inst.stats.timeouts.items())
+        ],
         "peak_ewma_s": inst.peak.peek(now),
         "retry_after_remaining_s": max(0.0, inst.not_before - now),
         "health": {
@@ -414,6 +422,8 @@ def _instance_state(
             "ttfb": _estimate(inst.latency.ttfb),
             "gap": _estimate(inst.latency.gap),
             "per_token": _estimate(inst.latency.per_token),
+            "prefill_per_token": _estimate(inst.latency.prefill),
+            "service": _estimate(inst.latency.service),
         },
         "timeouts": {
             "connect_s": stream.connect_s,

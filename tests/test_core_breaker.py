@@ -369,7 +369,16 @@ def test_an_unforced_isolate_is_a_regular_trip() -> None:
 
 @pytest.mark.parametrize(
     ("fraction", "size", "cap"),
-    [(0.5, 3, 1), (0.5, 4, 2), (0.0, 5, 1), (1.0, 1, 1), (0.29, 100, 29), (0.1, 3, 1)],
+    [
+        (0.5, 3, 1),
+        (0.5, 4, 2),
+        (0.0, 5, 1),
+        (1.0, 1, 0),
+        (0.5, 1, 0),
+        (0.5, 2, 1),
+        (0.29, 100, 29),
+        (0.1, 3, 1),
+    ],
 )
 def test_isolation_cap(fraction: float, size: int, cap: int) -> None:
     assert isolation_cap(fraction, size) == cap
@@ -418,11 +427,67 @@ def test_operator_isolation_ignores_the_cap_but_counts_toward_it() -> None:
     assert pool["c"].state == ADMITTING
 
 
-def test_a_pool_of_one_may_isolate_its_only_instance() -> None:
+def test_a_pool_of_one_never_isolates_its_only_instance() -> None:
+    # A sidecar's only vLLM failing some requests: isolating it would fail them all.
     pool = PoolBreakers(POLICY, ["only"], jitter=0.0)
-    trip_on_timeouts(pool["only"], 0.0)
-    assert pool["only"].state == ISOLATED
+    only = pool["only"]
+    assert pool.cap == 0
+    markers = [timeout(only, now / 10) for now in range(10)]
+    assert markers[:2] == [None, None]
+    assert all(m is not None and m.suppressed for m in markers[2:])
+    assert only.state == ADMITTING and only.try_admit(1.0)
+    assert only.suppressed_isolations == 8
+    # The operator still can.
+    assert only.isolate(3.0, RNG) is not None and only.state == ISOLATED
     assert len(pool) == 1 and [x.instance for x in pool] == ["only"]
+
+
+def test_instances_unavailable_for_other_reasons_count_against_the_cap() -> None:
+    # Two instances: b is dead (its health checks fail, its breaker still admits). a failing a
+    # third of its requests must not be isolated as well: that would leave nothing.
+    down: set[str] = set()
+    pool = PoolBreakers(
+        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+    )
+    assert pool.cap == 1
+    down.add("b")
+    marker = trip_on_timeouts(pool["a"], 0.0)
+    assert marker is not None and marker.suppressed and pool["a"].state == ADMITTING
+    assert not pool.may_isolate(0.0, "a")
+    # b itself may go, though: it is not counted against its own isolation.
+    assert pool.may_isolate(0.0, "b")
+    # b is back: a may go now, on its next trip.
+    down.clear()
+    assert pool.may_isolate(1.0, "a")
+    transition = timeout(pool["a"], 1.0)
+    assert transition is not None and transition.to == ISOLATED
+
+
+def test_the_availability_count_is_asked_with_the_time_of_the_trip() -> None:
+    asked: list[tuple[float, str]] = []
+
+    def unavailable(now: float, name: str) -> int:
+        asked.append((now, name))
+        return 0
+
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0, unavailable=unavailable)
+    trip_on_timeouts(pool["a"], 7.5)
+    assert asked == [(7.5, "a")] and pool["a"].state == ISOLATED
+    # Once the cap is reached by isolations alone, nothing else needs asking.
+    trip_on_timeouts(pool["b"], 8.0)
+    assert asked == [(7.5, "a")] and pool["b"].state == ADMITTING
+
+
+def test_a_shared_decision_is_held_to_the_availability_aware_cap() -> None:
+    down = {"b"}
+    pool = PoolBreakers(
+        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+    )
+    marker = pool["a"].adopt(0.0, 5.0, "isolated by replica r2")
+    assert marker is not None and marker.suppressed and pool["a"].state == ADMITTING
+    down.clear()
+    transition = pool["a"].adopt(0.0, 5.0, "isolated by replica r2")
+    assert transition is not None and transition.to == ISOLATED
 
 
 def test_duplicate_instance_names_are_refused() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.core.vllm_metrics import read_vllm_load
+from gateway.core.vllm_metrics import read_running, read_vllm_load
 
 PAGE = b"""# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
@@ -34,3 +34,23 @@ def test_waiting_adds_up_and_cache_usage_is_the_fullest_engine() -> None:
 )
 def test_edge_cases(page: bytes, expected: tuple[float | None, float | None]) -> None:
     assert read_vllm_load(page) == expected
+
+
+def test_llama_cpp_names_its_queue_and_running_requests_its_own_way() -> None:
+    page = (
+        b"# HELP llamacpp:requests_processing Number of requests processing.\n"
+        b"# TYPE llamacpp:requests_processing gauge\n"
+        b"llamacpp:requests_processing 4\n"
+        b"llamacpp:requests_deferred 2\n"
+    )
+    assert read_vllm_load(page) == (2.0, None)
+    assert read_running(page) == 4.0
+
+
+def test_running_requests_add_up_over_vllm_engines() -> None:
+    page = (
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 5.0\n'
+    )
+    assert read_running(page) == 8.0
+    assert read_running(b"other 1\n") is None

@@ -42,6 +42,7 @@ pools:
     models: [hm]
     instances: [{instances_yaml(backends)}]
     health: {{interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}}
+    breaker: {{when_none_available: fail_fast}}
   panicky:
     models: [hm-panic]
     instances: [{instances_yaml(backends)}]
@@ -97,7 +98,8 @@ def test_health_lifecycle(gateway: Gateway, backends: dict[str, Backend]) -> Non
         assert int(reply.headers["retry-after"]) >= 1
         assert elapsed < 0.5
         assert http.get("/readyz").status_code == 503
-        # A pool whose policy says panic spreads over every instance instead of refusing.
+        # A pool that panics (the default) sends to instances that still answer instead of
+        # refusing.
         for name in ("h0", "h1"):
             assert wait_until(
                 lambda name=name: health_of(gateway, name, "panicky")["healthy"] is False,

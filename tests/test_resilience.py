@@ -143,6 +143,50 @@ def test_backend_dying_mid_stream_is_not_retried(
     assert sum(len(backends[n].requests()) for n in NAMES) == 1
 
 
+def test_a_crash_mid_stream_counts_against_its_instance_at_once(
+    gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    before = instance_state(gateway)
+    for name in NAMES:
+        backends[name].set_faults(die_rate=1.0, die_after=2)
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=40)) as r:
+        lines = sse_lines(r)
+        served = r.headers["x-gateway-instance"]
+    assert lines[-1] == "data: [DONE]" and "upstream_reset" in lines[-2]
+    # Counted when the stream broke, not at the next health check: a failure of that instance.
+    after = instance_state(gateway)
+    assert after[served]["failures"] == before[served]["failures"] + 1
+    for name in NAMES:
+        if name != served:
+            assert after[name]["failures"] == before[name]["failures"]
+
+
+def test_a_stall_mid_stream_is_an_idle_timeout_of_its_instance(
+    gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
+) -> None:
+    before = instance_state(gateway)
+    for name in NAMES:
+        backends[name].set_faults(stall_rate=1.0, stall_after=3)
+    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=50)) as r:
+        lines = sse_lines(r)
+        served = r.headers["x-gateway-instance"]
+    assert "upstream_timeout" in lines[-2]
+    after = instance_state(gateway)
+    assert after[served]["failures"] == before[served]["failures"] + 1
+
+    def idle_timeouts(state: dict[str, Any]) -> int:
+        return sum(
+            t["count"] for t in state["timeouts_by_phase"] if t["phase"] == "idle" and t["blamed"]
+        )
+
+    assert idle_timeouts(after[served]) == idle_timeouts(before[served]) + 1
+    metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    assert (
+        f'gateway_instance_timeouts_total{{backend="{served}",blamed="true",phase="idle",'
+        'pool="res"} 1.0' in metrics
+    )
+
+
 def test_long_healthy_generation_never_times_out(
     client: httpx.Client, backends: dict[str, Backend]
 ) -> None:

@@ -52,7 +52,10 @@ class Replica:
     def __init__(self, text: str, name: str) -> None:
         policy = parse_policy(text)
         assert policy.shared is not None
-        self.registry = Registry(policy, now=asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        self.registry = Registry(policy, now=now)
+        for inst in self.registry.pools["p"].instances:  # as after the first health checks
+            inst.health.record(now, True, "HTTP 200")
         self.store = RedisDecisions(policy.shared, self.registry, name)
 
     def breaker(self, instance: str) -> BreakerState:

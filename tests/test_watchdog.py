@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.pipeline.watchdog import Watchdog, expired
+from gateway.pipeline.watchdog import INSTANCE_STALL_GRACE, Watchdog, expired
 
 
 async def test_sweep_fires_only_past_deadlines_and_names_the_phase() -> None:
@@ -61,5 +61,113 @@ async def test_a_cancel_from_elsewhere_is_not_taken_for_a_timeout() -> None:
     task = asyncio.get_running_loop().create_task(attempt())
     await started.wait()
     task.cancel()  # e.g. the client disconnected
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+class _Instance:
+    """What the watchdog reads of an instance's prefill holds."""
+
+    def __init__(self) -> None:
+        self.holds = 0
+        self.hold_until = 0.0
+        self.hold_started_at = -1.0
+        self.hold_released_at = -1.0
+        self.progress_at = -1.0
+        self.in_flight = 1
+
+
+async def test_an_idle_deadline_waits_out_a_prefill_the_gateway_sent() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    instance = _Instance()
+    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline.move(1.0, "idle")
+    deadline.idle_s = 0.3
+    deadline.waiting_since = 0.7
+    instance.progress_at = 5.5  # the prompt's first byte: the instance as a whole is not stalled
+    # A long prompt went to the same instance: it should be prefilled by t=5.6.
+    instance.holds, instance.hold_until = 1, 5.6
+    assert watchdog.sweep(now=1.0) == 0 and deadline.at == 5.6
+    assert watchdog.sweep(now=5.0) == 0
+    # Its first byte came at t=5.5: the stream gets a whole idle timeout from there.
+    instance.holds, instance.hold_until, instance.hold_released_at = 0, 0.0, 5.5
+    assert watchdog.sweep(now=5.6) == 0 and deadline.at == pytest.approx(5.8)
+    assert watchdog.sweep(now=5.8) == 1
+    assert task.cancelling() == 1
+    task.uncancel()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_hold_delays_neither_its_own_prompt_nor_other_instances() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    loop = asyncio.get_running_loop()
+    held = _Instance()
+    held.holds, held.hold_until = 1, 100.0
+    own = watchdog.arm(loop.create_task(asyncio.sleep(3600)), 1.0, "first_byte", held)
+    own.holding = True  # the long prompt itself: its deadline already counts its prefill
+    other = _Instance()
+    idle = watchdog.arm(loop.create_task(asyncio.sleep(3600)), 1.0, "idle", other)
+    idle.idle_s = 0.3
+    idle.waiting_since = 0.7
+    other.progress_at = 0.9  # its other streams went on: this one alone stalled
+    assert watchdog.sweep(now=1.0) == 2
+    for deadline in (own, idle):
+        deadline.task.uncancel()
+        deadline.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await deadline.task
+
+
+async def test_a_first_byte_wait_is_credited_the_prefill_it_waited_behind() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    instance = _Instance()
+    # Sent at t=1 with 2 s for its first byte; a long prompt went there at t=1.5.
+    deadline = watchdog.arm(task, 3.0, "first_byte", instance, since=1.0)
+    instance.holds, instance.hold_until, instance.hold_started_at = 1, 9.0, 1.5
+    assert watchdog.sweep(now=3.0) == 0
+    assert watchdog.sweep(now=5.0) == 0
+    # Prefilled by t=5.5: its four seconds are added to the deadline, once.
+    instance.holds, instance.hold_released_at = 0, 5.5
+    assert watchdog.sweep(now=5.6) == 0 and deadline.at == pytest.approx(7.0)
+    assert watchdog.sweep(now=6.9) == 0
+    assert watchdog.sweep(now=7.0) == 1
+    task.uncancel()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_stall_the_whole_instance_shares_gets_a_longer_grace() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    instance = _Instance()
+    instance.progress_at = 0.7  # the last byte it sent was this stream's own
+    instance.in_flight = 4  # while it had other attempts to serve
+    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline.move(1.0, "idle")
+    deadline.idle_s, deadline.waiting_since = 0.3, 0.7
+    grace = 0.7 + INSTANCE_STALL_GRACE * 0.3
+    assert watchdog.sweep(now=1.0) == 0 and deadline.at == pytest.approx(grace)
+    assert watchdog.sweep(now=grace - 0.01) == 0
+    assert watchdog.sweep(now=grace) == 1  # a frozen instance is still given up on
+    # A stream with the instance to itself gets no grace: its stall is its own.
+    alone = _Instance()
+    alone.progress_at = 0.7
+    lone = watchdog.arm(
+        asyncio.get_running_loop().create_task(asyncio.sleep(3600)), 0.0, "idle", alone
+    )
+    lone.move(1.0, "idle")
+    lone.idle_s, lone.waiting_since = 0.3, 0.7
+    assert watchdog.sweep(now=1.0) == 1
+    lone.task.uncancel()
+    lone.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await lone.task
+    task.uncancel()
+    task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -109,6 +109,7 @@ class RedisDecisions:
         self._outbox: dict[Key, Decision] = {}  # our transitions not yet written
         self._retract: dict[Key, bytes] = {}  # our lifted isolations to delete if still ours
         self._heard: dict[Key, float] = {}  # when we last applied an isolation, per instance
+        self._advised: dict[Key, float] = {}  # when we last shared a trip kept admitting
         self._wake = asyncio.Event()
         self._first_attempt = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -155,6 +156,9 @@ class RedisDecisions:
 
     def record(self, pool: str, transition: Transition, operator: bool = False) -> None:
         log_transition(pool, transition)
+        if transition.suppressed:
+            self._advise(pool, transition)
+            return
         decision = decision_for(
             pool, transition, self.replica, self._wall(), self._clock(), operator
         )
@@ -169,6 +173,33 @@ class RedisDecisions:
         else:
             self._own.pop(key, None)
         self._retract.pop(key, None)
+        self._outbox[key] = decision
+        self._wake.set()
+
+    def _advise(self, pool: str, transition: Transition) -> None:
+        """Share a trip that a pool of one keeps admitting (a sidecar never isolates its only
+        instance): the other replicas, with larger pools, may well take it out. Not renewed:
+        each further failure shares it again (at most every `decision_ttl / 3`), and once the
+        failures stop it fades from every replica within `decision_ttl`."""
+        state = self._pools.get(pool)
+        key = (pool, transition.instance)
+        if state is None or state.breakers.cap != 0 or key not in self._marks:
+            return
+        now = self._clock()
+        if now - self._advised.get(key, -math.inf) < self._refresh_s:
+            return
+        self._advised[key] = now
+        wall = self._wall()
+        decision = Decision(
+            pool,
+            transition.instance,
+            ISOLATED,
+            transition.reason.replace("(suppressed: cap)", "(the only instance here)"),
+            self.replica,
+            wall,
+            wall + state.policy.breaker.isolation,
+        )
+        self._marks[key].own(decision)
         self._outbox[key] = decision
         self._wake.set()
 
@@ -200,7 +231,7 @@ class RedisDecisions:
         breakers, keys = instance_keys(registry, self._policy.key_prefix, "decision")
         self._breakers, self._decision_keys = breakers, keys
         self._marks = {key: self._marks.get(key) or Marks() for key in breakers}
-        for table in (self._own, self._outbox, self._retract, self._heard):
+        for table in (self._own, self._outbox, self._retract, self._heard, self._advised):
             for key in [key for key in table if key not in breakers]:
                 del table[key]
         self._leases.follow(registry, self.connected)

@@ -50,10 +50,15 @@ class Transition:
 
 
 def isolation_cap(fraction: float, size: int) -> int:
-    """How many of a pool's `size` instances may be isolated at once: `max(1, ⌊fraction·size⌋)`.
+    """How many of a pool's `size` instances may be out at once: `max(1, ⌊fraction·size⌋)`,
+    and 0 in a pool of one.
 
-    At least one, so a single bad instance can always be taken out, even in a pool of one.
+    At least one in a pool of two or more, so a single bad instance can always be taken out;
+    none in a pool of one (a sidecar): isolating its only instance would turn a partial
+    failure into a total one, so it is retried instead.
     """
+    if size <= 1:
+        return 0
     return max(1, math.floor(fraction * size + _EPSILON))
 
 
@@ -155,7 +160,7 @@ class BreakerState:
         self,
         policy: BreakerPolicy,
         instance: str = "",
-        may_isolate: Callable[[], bool] | None = None,
+        may_isolate: Callable[[float, str], bool] | None = None,
         jitter: float = JITTER,
     ) -> None:
         if not 0.0 <= jitter < 1.0:
@@ -182,7 +187,9 @@ class BreakerState:
         self._window = WindowPair(max(1, math.ceil(policy.window)))
         self._settings(policy, may_isolate)
 
-    def reconfigure(self, policy: BreakerPolicy, may_isolate: Callable[[], bool] | None) -> None:
+    def reconfigure(
+        self, policy: BreakerPolicy, may_isolate: Callable[[float, str], bool] | None
+    ) -> None:
         """Take a reloaded policy's settings (and the new pool's guard), keeping the state:
         ISOLATED stays isolated until its `isolated_until`, the streak and counts stay. The
         window keeps its counts unless its length changed (then it starts empty)."""
@@ -191,7 +198,9 @@ class BreakerState:
             self._window = WindowPair(max(1, math.ceil(policy.window)))
         self._window_s = policy.window
 
-    def _settings(self, policy: BreakerPolicy, may_isolate: Callable[[], bool] | None) -> None:
+    def _settings(
+        self, policy: BreakerPolicy, may_isolate: Callable[[float, str], bool] | None
+    ) -> None:
         self._guard = may_isolate
         self._timeout_limit = policy.consecutive_timeouts
         self._failure_limit = policy.consecutive_failures
@@ -344,7 +353,7 @@ class BreakerState:
         if state != ADMITTING:
             return None
         guard = self._guard
-        if guard is not None and not guard():
+        if guard is not None and not guard(now, self.instance):
             self.suppressed_isolations += 1
             return Transition(
                 self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
@@ -402,7 +411,7 @@ class BreakerState:
 
     def _trip(self, now: float, rng: random.Random, reason: str) -> Transition:
         guard = self._guard
-        if guard is not None and not guard():
+        if guard is not None and not guard(now, self.instance):
             # Counters stay: the next failure asks again, and isolates once there is room.
             self.suppressed_isolations += 1
             return Transition(
@@ -449,19 +458,24 @@ class BreakerState:
 
 
 class PoolBreakers:
-    """A pool's breakers and its guard rail, Envoy's ejection cap.
+    """A pool's breakers and its guard rail, Envoy's ejection cap, counted over availability.
 
     At most `cap = isolation_cap(policy.max_isolated_fraction, n)` of the pool's n instances are
-    out (ISOLATED or PROBING, operator isolations included) at once. Each breaker asks
-    `may_isolate` before an automatic trip: `out < cap`. A refused trip is not an error: the
-    breaker stays ADMITTING, its `suppressed_isolations` rises and `record` returns a
-    `suppressed` Transition. Operator isolations ignore the cap (but count toward it).
+    out at once, whatever put them out: an isolation (ISOLATED or PROBING, operator isolations
+    included) or anything else the shell reports through `unavailable(now, instance)`, the
+    number of other instances whose breakers admit but that cannot take traffic (unhealthy,
+    paused by a Retry-After, saturated). Each breaker asks `may_isolate(now, instance)` before
+    an automatic trip: `isolated + unavailable < cap`. So with one instance dead, a second one
+    failing a third of its requests is not isolated as well: the pool keeps what still works.
+    A refused trip is not an error: the breaker stays ADMITTING, its `suppressed_isolations`
+    rises and `record` returns a `suppressed` Transition. Operator isolations ignore the cap
+    (but count toward it).
 
     Counting the out instances walks the pool: trips are rare, and a count kept by hand could
     drift from the states it mirrors.
     """
 
-    __slots__ = ("breakers", "cap")
+    __slots__ = ("breakers", "cap", "unavailable")
 
     def __init__(
         self,
@@ -469,12 +483,16 @@ class PoolBreakers:
         instances: Sequence[str],
         jitter: float = JITTER,
         existing: Mapping[str, BreakerState] | None = None,
+        unavailable: Callable[[float, str], int] | None = None,
     ) -> None:
         """`existing`: breakers to keep (a policy reload), by instance name; they take the
-        new policy's settings and this pool's guard."""
+        new policy's settings and this pool's guard. `unavailable(now, name)`: how many
+        admitting instances other than `name` cannot take traffic for other reasons (None:
+        none ever)."""
         if len(set(instances)) != len(instances):
             raise ValueError("instance names must be unique within a pool")
         self.cap = isolation_cap(policy.max_isolated_fraction, len(instances))
+        self.unavailable = unavailable
         self.breakers: dict[str, BreakerState] = {}
         for name in instances:
             kept = existing.get(name) if existing is not None else None
@@ -497,9 +515,14 @@ class PoolBreakers:
         """How many instances are out (ISOLATED or PROBING)."""
         return sum(1 for breaker in self.breakers.values() if breaker.state != ADMITTING)
 
-    def may_isolate(self) -> bool:
-        """Whether one more instance may be isolated now: `isolated_count() < cap`."""
-        return self.isolated_count() < self.cap
+    def may_isolate(self, now: float, instance: str = "") -> bool:
+        """Whether `instance` may be isolated at `now`, on top of what is out already:
+        `isolated_count() + unavailable(now, instance) < cap`."""
+        out = self.isolated_count()
+        if out >= self.cap:
+            return False
+        unavailable = self.unavailable
+        return unavailable is None or out + unavailable(now, instance) < self.cap
 
     @property
     def suppressed_isolations(self) -> int:

@@ -25,6 +25,7 @@ class HealthState:
         "_healthy_threshold",
         "_passes",
         "_unhealthy_threshold",
+        "answered",
         "first_healthy",
         "first_seen",
         "healthy",
@@ -38,6 +39,10 @@ class HealthState:
         self.first_healthy: float | None = None
         self.healthy_since: float | None = None
         self.last_reason = "not checked yet"
+        # Whether the last check got an HTTP answer at all (any status). An instance that
+        # answers, even badly, may still serve when nothing better is left (panic routing);
+        # one that refuses connections or says nothing is down.
+        self.answered = False
         self._passes = 0
         self._fails = 0
         self._healthy_threshold = healthy_threshold
@@ -48,6 +53,7 @@ class HealthState:
         """For a pool without health checks: routable from the start."""
         state = cls(now, 1, 1)
         state.healthy = True
+        state.answered = True
         state.first_healthy = state.healthy_since = now
         state.last_reason = "health checks disabled"
         return state
@@ -61,9 +67,14 @@ class HealthState:
     def cold_start_s(self) -> float | None:
         return None if self.first_healthy is None else self.first_healthy - self.first_seen
 
-    def record(self, now: float, passed: bool, reason: str) -> HealthChange | None:
-        """Fold one check result in; returns the change of verdict, if any."""
+    def record(
+        self, now: float, passed: bool, reason: str, answered: bool | None = None
+    ) -> HealthChange | None:
+        """Fold one check result in; returns the change of verdict, if any.
+
+        `answered`: the check got an HTTP answer (default: `passed`)."""
         self.last_reason = reason
+        self.answered = passed if answered is None else answered
         if passed:
             self._passes += 1
             self._fails = 0

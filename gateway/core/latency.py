@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gateway.core.ewma import Ewma
 
 
@@ -13,32 +15,65 @@ class LatencyState:
     - `gap`: the largest gap between two chunks of one stream, one sample per stream. The idle
       timeout is built from it: one built on the mean gap would cut healthy streams at the first
       scheduling hiccup;
-    - `per_token`: seconds per generated token, from either kind of response.
+    - `per_token`: seconds per generated token, from either kind of response;
+    - `prefill`: seconds to the first byte per prompt token of a stream the instance took at
+      once (not queued behind others): what a long prompt will cost it, and how long it will
+      pause the streams it is already decoding. Short prompts make it an overestimate (their
+      fixed cost is spread over few tokens), which errs on the safe side;
+    - `service`: how long a whole exchange occupies the instance, from the request to the last
+      byte: what a request queued behind a full instance waits for each turn.
 
     Record only successful responses (a timed-out attempt has no latency, only a lower bound).
+    `prior_timeouts` counts the timeouts of attempts timed from the pool's prior while the
+    instance's own estimates were too young: each doubles the headroom the next one gets, so
+    an instance slower than its peers is not cut forever before it could teach anything.
     """
 
-    __slots__ = ("gap", "per_token", "ttfb")
+    __slots__ = ("gap", "per_token", "prefill", "prior_timeouts", "service", "ttfb")
 
     def __init__(self, smoothing: float) -> None:
         self.ttfb = Ewma(smoothing)
         self.gap = Ewma(smoothing)
         self.per_token = Ewma(smoothing)
+        self.prefill = Ewma(smoothing)
+        self.service = Ewma(smoothing)
+        self.prior_timeouts = 0
+
+    @property
+    def estimators(self) -> tuple[Ewma, Ewma, Ewma, Ewma, Ewma]:
+        return (self.ttfb, self.gap, self.per_token, self.prefill, self.service)
+
+    def set_smoothing(self, smoothing: float) -> None:
+        for estimate in self.estimators:
+            estimate.smoothing = smoothing
 
     def observe_stream(
-        self, ttfb_s: float, max_gap_s: float | None, total_s: float, tokens: int | None
+        self,
+        ttfb_s: float,
+        max_gap_s: float | None,
+        total_s: float,
+        tokens: int | None,
+        prompt_tokens: int = 0,
+        queued: bool = False,
     ) -> None:
         """Record a finished stream.
 
         `ttfb` takes `ttfb_s`; `gap` takes `max_gap_s` unless it is None (fewer than two chunks:
         no gap was seen, and a 0 would drag the idle timeout down); `per_token` takes
-        `max(0, total_s - ttfb_s) / tokens` when the completion token count is known and > 0.
+        `max(0, total_s - ttfb_s) / tokens` when the completion token count is known and > 0;
+        `service` takes `total_s`; `prefill` takes `ttfb_s / prompt_tokens` when the prompt's
+        size is known (> 0) and the attempt was not `queued` behind a full instance (its wait
+        for a slot is no prefill).
         """
         self.ttfb.observe(ttfb_s)
         if max_gap_s is not None:
             self.gap.observe(max_gap_s)
         if tokens is not None and tokens > 0:
             self.per_token.observe(max(0.0, total_s - ttfb_s) / tokens)
+        self.service.observe(total_s)
+        if prompt_tokens > 0 and not queued:
+            self.prefill.observe(ttfb_s / prompt_tokens)
+        self.prior_timeouts = 0
 
     def observe_whole(self, total_s: float, tokens: int | None) -> None:
         """Record a finished non-streamed response.
@@ -47,7 +82,8 @@ class LatencyState:
         is known and > 0, where `ttfb_pred` is the current `ttfb` mean, or 0 while no stream has
         been seen (then the prefill is charged to the tokens: a longer timeout, never a shorter
         one). A response that generated no tokens (an embedding) teaches `ttfb` instead: its
-        whole time is the prefill, and that is what its next timeout must predict.
+        whole time is the prefill, and that is what its next timeout must predict. `service`
+        takes `total_s` either way.
         """
         if tokens is not None and tokens > 0:
             ttfb = self.ttfb
@@ -55,3 +91,31 @@ class LatencyState:
             self.per_token.observe(max(0.0, total_s - predicted) / tokens)
         else:
             self.ttfb.observe(total_s)
+        self.service.observe(total_s)
+        self.prior_timeouts = 0
+
+    def just_learned(self, min_samples: int) -> bool:
+        """Whether an estimate has exactly `min_samples` samples: it was just learned, and a
+        prior worked out before it is out of date."""
+        return any(estimate.samples == min_samples for estimate in self.estimators)
+
+    def young(self, min_samples: int) -> bool:
+        """Whether any estimate has fewer than `min_samples` samples (a prior may help)."""
+        return any(estimate.samples < min_samples for estimate in self.estimators)
+
+
+def pool_prior(states: Iterable[LatencyState], min_samples: int, smoothing: float) -> LatencyState:
+    """What a pool's learned instances say about an instance that has not learned yet: per
+    estimator, the average mean and deviation over the `states` that have at least
+    `min_samples` samples of it (marked with `min_samples` samples), else an empty estimate.
+    """
+    prior = LatencyState(smoothing)
+    states = list(states)
+    for index, target in enumerate(prior.estimators):
+        learned = [s.estimators[index] for s in states]
+        learned = [e for e in learned if e.samples >= min_samples]
+        if learned:
+            target.mean = sum(e.mean for e in learned) / len(learned)
+            target.deviation = sum(e.deviation for e in learned) / len(learned)
+            target.samples = min_samples
+    return prior

@@ -26,7 +26,7 @@ class TierTable:
     rate from its lower bound up to 1.0 inclusive (and beyond, should its `below` be lower).
     """
 
-    __slots__ = ("_belows", "_rows")
+    __slots__ = ("_belows", "_rows", "most_retries")
 
     def __init__(self, tiers: Sequence[TierPolicy]) -> None:
         if not tiers:
@@ -47,6 +47,8 @@ class TierTable:
         # Only the bounds between tiers are searched: at or above the last one, the last tier.
         self._belows = tuple(belows[:-1])
         self._rows = tuple(rows)
+        # The most retries any tier allows: what a request may spend on a lone instance.
+        self.most_retries = max(tier.max_retries for tier in tiers)
 
     def choose(self, rate: float) -> Tier:
         """The tier for `rate`; see `choose_tier`."""

@@ -36,18 +36,59 @@ class AttemptTimeouts:
     """What one attempt may wait for: the connection, the first byte, each gap between chunks.
 
     `idle_s` is None for a non-streamed request: its body comes in one piece after the first byte.
+    `pause_s`: how long this request's prompt is expected to pause the streams the instance is
+    already decoding (its prefill), when that is longer than their idle timeout; else 0 (also
+    while the instance's prefill rate is unknown).
     """
 
     first_byte_s: float
     idle_s: float | None
     connect_s: float
+    pause_s: float = 0.0
 
 
-def _learned(estimate: Ewma, min_samples: int, initial: float) -> tuple[float, float]:
-    # Too few samples: trust the configured guess and add no spread (k·0) to it.
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the gateway knows of the instance's load as the attempt is sent.
+
+    `in_flight`: the gateway's other attempts on the instance; `capacity`: how many it was
+    seen serving at once (streams past their first byte; 0 when never seen, taken as 1);
+    `prompt_tokens`: this request's estimated prompt size.
+    """
+
+    in_flight: int = 0
+    capacity: int = 0
+    prompt_tokens: int = 0
+
+
+NO_LOAD = Load()
+# A last attempt (no retry may follow) waits up to this multiple of its learned first-byte time
+# (never past what an unlearned instance would get): cutting it short only turns a slow answer
+# into an error.
+FINAL_ATTEMPT_HEADROOM = 4.0
+# The prefill rate is learned from the streams an instance took at once, fewer than all: a few
+# samples do (each errs high, see `LatencyState.prefill`), or a long prompt in a busy pool would
+# go without its prefill for long.
+PREFILL_MIN_SAMPLES = 3
+# Positions in `LatencyState.estimators`.
+_TTFB, _GAP, _PER_TOKEN, _PREFILL, _SERVICE = range(5)
+# An instance timed from its pool's prior gets this multiple of the pool's figures (doubled
+# after each timeout it has under the prior): a new or restarted instance is rescued from a
+# hang within a small multiple of what its peers take, never left on the static initial value.
+PRIOR_HEADROOM = 3.0
+_MAX_PRIOR_DOUBLINGS = 6
+
+
+def _learned(
+    estimate: Ewma, prior: Ewma | None, min_samples: int, headroom: float
+) -> tuple[float, float] | None:
+    """The (prediction, deviation) of an estimate: its own once it has `min_samples`, else the
+    pool's prior (times `headroom`), else None (the caller decides: the configured guess)."""
     if estimate.samples >= min_samples:
         return estimate.mean, estimate.deviation
-    return initial, 0.0
+    if prior is not None and prior.samples >= min_samples:
+        return prior.mean * headroom, prior.deviation * headroom
+    return None
 
 
 def attempt_timeouts(
@@ -58,46 +99,102 @@ def attempt_timeouts(
     stream: bool,
     max_tokens: int | None,
     jitter_s: float,
+    prior: LatencyState | None = None,
+    load: Load = NO_LOAD,
+    final: bool = False,
 ) -> AttemptTimeouts:
     """The timeouts of the next attempt on the instance whose estimators are `latency`.
 
     `k` comes from the retry tier; `jitter_s` is one draw of `rng.uniform(0, policy.jitter)`
     (one per attempt, so attempts started together do not all give up at the same instant).
 
-    For an estimator with at least `min_samples` samples, `pred` and `dev` are its mean and
-    deviation; with fewer, `pred = policy.initial` (`policy.initial_per_token` for the per-token
-    rate) and `dev = 0`. Every result is clamped to `[policy.floor, policy.ceiling]`.
+    For an estimator with at least `min_samples` samples (the prefill rate: at least
+    `min(min_samples, PREFILL_MIN_SAMPLES)`), `pred` and `dev` are its mean and deviation.
+    With fewer, the pool's `prior` stands in (see `pool_prior`) when it has learned that
+    estimate, with `h = PRIOR_HEADROOM · 2^prior_timeouts` times its mean and deviation; else
+    `pred = policy.initial` (`policy.initial_per_token` for the per-token rate) and `dev = 0`,
+    and the prefill and service estimates count as 0. Every result is clamped to
+    `[policy.floor, policy.ceiling]`.
 
-    - stream: `first_byte = ttfb_pred + k·ttfb_dev + jitter`,
+    - the prompt's own prefill: `prefill = p·prefill_pred·(1 + h)` with `p = load.prompt_tokens`
+      and `h = policy.token_headroom` (a long prompt waits for its prefill before any byte);
+    - the queue the gateway itself put on the instance: with `c = max(1, load.capacity)` and
+      `n = load.in_flight + 1` (this attempt included), `waves = ceil((n - c) / c)` when
+      `n > c`, else 0; `queue = waves · (service_pred + k·service_dev)`: each wave waits for a
+      whole exchange to end and free a slot;
+    - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`,
       `idle = gap_pred + k·gap_dev + jitter` (`gap` is the largest gap of a stream);
     - non-streamed (the first byte is the whole generation):
-      `first_byte = ttfb_pred + n·tok_pred·(1 + h) + k·sqrt(ttfb_dev² + (n·tok_dev)²) + jitter`,
-      with `n = max(0, max_tokens)` (0 for an embedding), or `policy.assumed_max_tokens` when
-      the request sets none, and `h = policy.token_headroom`: decoding slows as a batch fills,
+      `first_byte = max(ttfb_pred, prefill) + m·tok_pred·(1 + h) + k·sqrt(ttfb_dev² +
+      (m·tok_dev)²) + queue + jitter`, with `m = max(0, max_tokens)` (0 for an embedding), or
+      `policy.assumed_max_tokens` when the request sets none: decoding slows as a batch fills,
       far beyond what the deviation of past requests shows, and a healthy long generation must
       never time out. `idle = None`. (The deviations add as independent errors would.) When
       only non-streamed responses taught the instance (`ttfb` unlearned, `per_token` learned),
       `ttfb_pred = ttfb_dev = 0`: their per-token rate already includes the prefill.
+    - `final`: no retry may follow this attempt, so giving up early gains nothing and a busy
+      instance's late answer is worth waiting for: `first_byte` becomes
+      `max(first_byte, min(FINAL_ATTEMPT_HEADROOM · first_byte, static))`, where `static` is
+      what it would be with nothing learned (`policy.initial`, plus the tokens at
+      `initial_per_token` for a whole answer);
+    - `pause = prefill` when it exceeds the stream idle timeout (`gap_pred + k·gap_dev +
+      jitter`, clamped), else 0: a pause this prompt will impose on the instance's running
+      streams beyond what they tolerate anyway;
     - `connect = policy.connect`, fixed.
     """
     floor = policy.floor
     ceiling = policy.ceiling
     min_samples = policy.min_samples
-    ttfb_pred, ttfb_dev = _learned(latency.ttfb, min_samples, policy.initial)
-    if stream:
-        gap_pred, gap_dev = _learned(latency.gap, min_samples, policy.initial)
-        first_byte = ttfb_pred + k * ttfb_dev + jitter_s
-        idle = gap_pred + k * gap_dev + jitter_s
-        return AttemptTimeouts(
-            min(max(first_byte, floor), ceiling), min(max(idle, floor), ceiling), policy.connect
+    headroom = PRIOR_HEADROOM * 2.0 ** min(latency.prior_timeouts, _MAX_PRIOR_DOUBLINGS)
+
+    def estimate(index: int) -> tuple[float, float] | None:
+        own = latency.estimators[index]
+        return _learned(
+            own, prior.estimators[index] if prior is not None else None, min_samples, headroom
         )
+
+    ttfb = estimate(_TTFB)
+    ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (policy.initial, 0.0)
+    gap = estimate(_GAP)
+    gap_pred, gap_dev = gap if gap is not None else (policy.initial, 0.0)
+    idle = min(max(gap_pred + k * gap_dev + jitter_s, floor), ceiling)
+    extra_s = jitter_s
+    pause_s = 0.0
+    if load is not NO_LOAD:
+        prefill = _learned(
+            latency.estimators[_PREFILL],
+            prior.prefill if prior is not None else None,
+            min(min_samples, PREFILL_MIN_SAMPLES),
+            headroom,
+        )
+        if prefill is not None and load.prompt_tokens > 0:
+            pause_s = load.prompt_tokens * prefill[0] * (1.0 + policy.token_headroom)
+        capacity = max(1, load.capacity)
+        waiting = load.in_flight + 1 - capacity
+        if waiting > 0:
+            service = estimate(_SERVICE)
+            if service is not None:
+                waves = -(-waiting // capacity)
+                extra_s += waves * (service[0] + k * service[1])
+    # Only a pause longer than the streams' idle timeout threatens them.
+    holds_s = pause_s if pause_s > idle else 0.0
+    if stream:
+        first_byte = max(ttfb_pred, pause_s) + k * ttfb_dev + extra_s
+        if final:
+            first_byte = max(first_byte, min(FINAL_ATTEMPT_HEADROOM * first_byte, policy.initial))
+        return AttemptTimeouts(min(max(first_byte, floor), ceiling), idle, policy.connect, holds_s)
     n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
-    per_token = latency.per_token
-    tok_pred, tok_dev = _learned(per_token, min_samples, policy.initial_per_token)
-    if latency.ttfb.samples < min_samples and per_token.samples >= min_samples:
+    per_token = estimate(_PER_TOKEN)
+    tok_pred, tok_dev = per_token if per_token is not None else (policy.initial_per_token, 0.0)
+    if ttfb is None and per_token is not None:
         # Learned from non-streamed responses only: their per-token rate already carries the
         # prefill (see LatencyState.observe_whole), so no separate first-byte guess is added.
         ttfb_pred, ttfb_dev = 0.0, 0.0
     tokens_s = n * tok_pred * (1.0 + policy.token_headroom)
-    first_byte = ttfb_pred + tokens_s + k * math.hypot(ttfb_dev, n * tok_dev) + jitter_s
-    return AttemptTimeouts(min(max(first_byte, floor), ceiling), None, policy.connect)
+    first_byte = (
+        max(ttfb_pred, pause_s) + tokens_s + k * math.hypot(ttfb_dev, n * tok_dev) + extra_s
+    )
+    if final:
+        static = policy.initial + n * policy.initial_per_token * (1.0 + policy.token_headroom)
+        first_byte = max(first_byte, min(FINAL_ATTEMPT_HEADROOM * first_byte, static))
+    return AttemptTimeouts(min(max(first_byte, floor), ceiling), None, policy.connect, holds_s)

@@ -1,9 +1,10 @@
 """vLLM's load gauges read out of its Prometheus `/metrics` text, without a full parser.
 
-A vLLM `/metrics` page runs to tens of kilobytes of histograms; only two gauges matter here, so
+A vLLM `/metrics` page runs to tens of kilobytes of histograms; only a few gauges matter here, so
 each is found by its name at the start of a line and its samples' values are read to the end of
 those lines. Several samples (one per `model_name` or engine) are combined: requests waiting
-add up, cache usage is the fullest engine's.
+and running add up, cache usage is the fullest engine's. llama.cpp's server exports the same
+queue figures under its own names.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-WAITING = b"vllm:num_requests_waiting"
+# llama.cpp's server (`--metrics`) names its queue of requests beyond its slots "deferred".
+WAITING = (b"vllm:num_requests_waiting", b"llamacpp:requests_deferred")
+# Requests the engine is running (decoding or prefilling) right now.
+RUNNING = (b"vllm:num_requests_running", b"llamacpp:requests_processing")
 # vLLM 0.10 renamed the cache gauge; older servers only have the first name.
 CACHE_USAGE = (b"vllm:gpu_cache_usage_perc", b"vllm:kv_cache_usage_perc")
 
@@ -58,4 +62,9 @@ def _combined(
 
 def read_vllm_load(text: bytes) -> tuple[float | None, float | None]:
     """`(requests waiting, KV-cache usage 0..1)`; None for a gauge the page does not have."""
-    return _combined(text, (WAITING,), sum), _combined(text, CACHE_USAGE, max)
+    return _combined(text, WAITING, sum), _combined(text, CACHE_USAGE, max)
+
+
+def read_running(text: bytes) -> float | None:
+    """Requests the engine runs at once now (summed over engines); None when not exported."""
+    return _combined(text, RUNNING, sum)

@@ -257,6 +257,7 @@ class DataPlane:
         call: Call,
         ttfb_s: float | None,
         client: str | None,
+        stream_error: str | None = None,
     ) -> None:
         fields: dict[str, object] = {
             "method": "POST",
@@ -271,6 +272,9 @@ class DataPlane:
             "ttfb_s": ttfb_s,
             "client": client,
         }
+        if stream_error is not None:
+            # The status went out with the first byte; what ended the stream did not.
+            fields["stream_error"] = stream_error
         if self._tracer is not None:
             span_context = trace.get_current_span().get_span_context()
             if span_context.is_valid:
@@ -374,6 +378,7 @@ class DataPlane:
         stats = pool.stats
         status = CLIENT_CLOSED
         ttfb_s: float | None = None
+        stream_error: str | None = None  # what cut a stream short after its first byte
         try:
             try:
                 response = await self._handler(call)
@@ -388,7 +393,9 @@ class DataPlane:
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
-            await relay(send, response, call.attempts, idle_s, call.deadline, dialect)
+            broke = await relay(send, response, call.attempts, idle_s, call.deadline, dialect)
+            if broke is not None:
+                stream_error = broke.message
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.
             fields = {
@@ -407,7 +414,16 @@ class DataPlane:
             stats.request(facts.model, status, self._loop.time() - started)
             if self._access is not None:
                 self._log_access(
-                    scope, path, status, started, facts, pool.name, call, ttfb_s, address
+                    scope,
+                    path,
+                    status,
+                    started,
+                    facts,
+                    pool.name,
+                    call,
+                    ttfb_s,
+                    address,
+                    stream_error,
                 )
             if self._tracer is not None:
                 span = trace.get_current_span()

@@ -79,8 +79,9 @@ async def relay(
     idle_s: float,
     end_at: float,
     dialect: Dialect = OPENAI,
-) -> None:
+) -> UpstreamError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
+    Returns what broke an SSE stream the upstream cut short, if anything did.
 
     A stream that breaks after the commit point ends, for SSE, with an error event (and
     `[DONE]` for OpenAI clients: `dialect`), never a silent truncation: incomplete events are
@@ -91,6 +92,7 @@ async def relay(
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain).
     """
     ok = False
+    broke: UpstreamError | None = None  # what broke the body, when the upstream did
     task: asyncio.Task[Any] | None = None
     try:
         no_body = response.status in _NO_BODY_STATUSES
@@ -102,7 +104,7 @@ async def relay(
             await send(start)
             await send({"type": "http.response.body", "body": b"" if no_body else response.body})
             ok = True
-            return
+            return None
         await send(start)
         error: GatewayError | None
         if response.is_sse:
@@ -117,6 +119,8 @@ async def relay(
             task = None
         else:
             error = await _relay_body(send, response, idle_s, end_at, None)
+        if isinstance(error, UpstreamError):
+            broke = error
         if error is None:
             ok = True
         elif response.is_sse:
@@ -124,10 +128,13 @@ async def relay(
         else:
             assert isinstance(error, UpstreamError)
             raise ResponseAborted(error)
+        return broke
     finally:
         if task is not None:
             STREAMS.discard(task)
-        response.finish(ok)
+        # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
+        # failure, accounted now like any other.
+        response.finish(ok, broke)
 
 
 async def _relay_body(

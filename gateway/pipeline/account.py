@@ -13,6 +13,7 @@ fault: the breaker does not count it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from gateway.core.balancer import failure_penalty_s, load_cost
@@ -20,8 +21,14 @@ from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
+from gateway.pipeline.deadline import BYTES_PER_TOKEN
+from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
+
+log = logging.getLogger("gateway.account")
+# One line per (pool, instance, phase) per interval: a hung instance times out by the hundred.
+_timeout_log = LogThrottle(10.0)
 
 _USAGE_KEY = b'"completion_tokens":'
 # Anthropic's Messages API counts them as `usage.output_tokens` (streams: in `message_delta`).
@@ -57,6 +64,29 @@ _BUSY = frozenset((429, 503, 529))
 _STREAM_ERROR = Outcome.from_error("protocol")
 
 
+def _timed_out(
+    pool: PoolState, instance: InstanceState, outcome: Outcome, now: float, queueing: bool
+) -> None:
+    """Count and log a timeout, per instance and phase (one line per 10 s per pair)."""
+    phase = outcome.phase or "deadline"
+    pool.stats.timeout(phase)
+    instance.stats.timeout(phase, blamed=not queueing)
+    held_back = _timeout_log.admit((pool.name, instance.name, phase, queueing), now)
+    if held_back is not None:
+        fields = {
+            "pool": pool.name,
+            "instance": instance.name,
+            "phase": phase,
+            "queueing": queueing,
+            "in_flight": instance.in_flight,
+            "capacity_seen": instance.capacity_seen,
+            "repeats": held_back,
+        }
+        log.warning("upstream timeout", extra={"fields": fields})
+    if instance.latency.young(pool.policy.timeouts.min_samples):
+        instance.latency.prior_timeouts += 1  # the next attempt gets more headroom
+
+
 def _record(
     pool: PoolState,
     instance: InstanceState,
@@ -66,8 +96,12 @@ def _record(
     probe: bool,
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
+    queueing: bool = False,
 ) -> None:
-    failed = outcome.counts_as_failure
+    """`queueing`: a timeout of an attempt that waited behind a full instance which kept
+    working meanwhile: counted and logged as a timeout, retried, but not the instance's
+    failure (its breaker and the pool's failure rate do not see it)."""
+    failed = outcome.counts_as_failure and not queueing
     pool.failure.observe(failed)
     limiter = instance.limiter
     if limiter is not None:
@@ -81,7 +115,9 @@ def _record(
             limiter.record(now, first_byte_s, instance.in_flight)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
-        pool.stats.timeout(outcome.phase or "deadline")
+        _timed_out(pool, instance, outcome, now, queueing)
+        if queueing and not probe:
+            return
     if outcome.kind == "ok":
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.
@@ -103,6 +139,33 @@ def _record(
         on_transition(pool.name, transition)
 
 
+def _abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: float) -> None:
+    """A first-byte timeout leaves the request with the engine until it notices: count it as
+    in flight for about as long as an exchange takes there (or as long as it was waited on)."""
+    if outcome.phase == "first_byte":
+        service = instance.latency.service
+        instance.abandoned(now, service.mean + service.deviation if service.samples else waited_s)
+
+
+def _queueing(instance: InstanceState, queued: bool, started: float, now: float) -> bool:
+    """Whether a first-byte timeout was queueing: the attempt was sent to an instance already
+    serving all it was seen to serve at once, or the instance is that full now, and it sent
+    bytes on other attempts since, or was prefilling a long prompt the gateway sent it (it
+    works; it is busy). An instance with room to spare, or one that went silent, is blamed."""
+    # (Its own attempt has already left `in_flight`.)
+    load = instance.in_flight + 1 + instance.ghosts_at(now)
+    busy = queued or load >= max(1, instance.capacity_seen)
+    return busy and (
+        instance.progress_at > started or instance.holds > 0 or instance.hold_released_at > started
+    )
+
+
+def _learning(pool: PoolState, instance: InstanceState) -> None:
+    """An instance's estimate just became learned: its pool's prior is out of date."""
+    if instance.latency.just_learned(pool.policy.timeouts.min_samples):
+        pool.prior = None
+
+
 def _end(instance: InstanceState, tokens: int) -> None:
     """The attempt no longer occupies the instance."""
     instance.in_flight -= 1
@@ -119,6 +182,7 @@ class Account:
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
         instance = response.instance
         _end(instance, response.tokens)
+        instance.streaming -= 1
         outcome = error.outcome if error is not None else response.outcome
         if outcome.kind == "ok" and _STREAM_ERROR_EVENT in response.tail:
             # The backend reported a failure inside the stream (Anthropic's `error` event):
@@ -142,7 +206,10 @@ class Account:
                 response.max_gap_s,
                 response.last_at - response.started_at,
                 completion_tokens(response.tail),
+                response.prompt_tokens,
+                response.queued,
             )
+            _learning(self._pools[instance.pool_name], instance)
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         instance = call.instance
@@ -157,20 +224,28 @@ class Account:
         if instance.budget is not None:
             instance.budget.acquire(tokens)
         instance.requests += 1
+        # Sent behind as many attempts as the instance was ever seen serving at once: it
+        # waits for a slot, and its first byte is no measure of the instance's speed.
         started = self._clock()
+        queued = instance.in_flight + instance.ghosts_at(started) > max(1, instance.capacity_seen)
         try:
             response = await next_handler(call)
         except UpstreamError as error:
             _end(instance, tokens)
             now = self._clock()
+            outcome = error.outcome
+            queueing = outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
+            if outcome.kind == "timeout":
+                _abandoned(instance, outcome, now, now - started)
             _record(
                 call.pool,
                 instance,
-                error.outcome,
+                outcome,
                 now,
                 now - started,
                 call.probe,
                 self._on_transition,
+                queueing=queueing,
             )
             raise
         except asyncio.CancelledError:
@@ -181,6 +256,12 @@ class Account:
         if response.body is None:
             response.probe = call.probe
             response.tokens = tokens
+            response.queued = queued
+            response.prompt_tokens = len(call.body) // BYTES_PER_TOKEN
+            streaming = instance.streaming + 1
+            instance.streaming = streaming
+            if streaming > instance.capacity_seen:
+                instance.capacity_seen = streaming
             inner = response.on_finish  # a layer further in (the attempt's span) ends it too
             if inner is None:
                 response.on_finish = self._stream_finished
@@ -209,4 +290,5 @@ class Account:
             instance.latency.observe_whole(
                 response.first_at - response.started_at, completion_tokens(response.body)
             )
+            _learning(call.pool, instance)
         return response

@@ -27,7 +27,13 @@ class Call:
     deadline: float  # event-loop time by which the whole exchange must end
     task: asyncio.Task[Any]  # the request's task: what a deadline or a disconnect cancels
     attempts: int = 0
+    # The attempt after which the retry tier allows no other (a retry on a lone instance may
+    # still come): that one is not given up on early (see `attempt_timeouts`' `final`).
+    last_attempt: int = 1
     tried: list[InstanceState] = field(default_factory=list)
+    # Instances that refused this request's connection: no retry goes back to them while any
+    # other instance could take it, isolated ones included (panic routing).
+    refused: list[InstanceState] = field(default_factory=list)
     instance: InstanceState | None = None  # of the current attempt
     k: float = 1.0  # the deviation multiplier of the pool's current retry tier
     probe: bool = False  # the current attempt is its isolated instance's one probe

@@ -1,29 +1,51 @@
 """The layer that sets one attempt's timeouts from its instance's latency prediction.
 
 Inside the retry loop, so each attempt gets the timeouts of the instance it goes to, with the
-`k` of the pool's current tier (see `gateway.core.timeouts.attempt_timeouts` for the rule).
+`k` of the pool's current tier (see `gateway.core.timeouts.attempt_timeouts` for the rule), and
+with what the gateway knows of the load it put there: its other attempts on the instance
+against what the instance was seen serving at once, and the prompt's size. An instance that
+has not learned its own figures is timed from its pool's (a prior), never from the static
+initial guess alone while its peers know better.
 """
 
 from __future__ import annotations
 
-from gateway.core.timeouts import attempt_timeouts
+import asyncio
+
+from gateway.core.timeouts import Load
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.response import UpstreamResponse
 
 _NO_GENERATION = "/v1/embeddings"  # nothing is generated: only the prefill counts
+# Bytes of a request body per prompt token, roughly (as admission estimates KV needs).
+BYTES_PER_TOKEN = 4
 
 
-async def deadline(call: Call, next_handler: Handler) -> UpstreamResponse:
-    instance = call.instance
-    assert instance is not None, "the pick layer runs first"
-    policy = call.pool.policy.timeouts
-    facts = call.facts
-    call.timeouts = attempt_timeouts(
-        instance.latency,
-        policy,
-        call.k,
-        stream=facts.stream,
-        max_tokens=0 if call.path == _NO_GENERATION else facts.max_tokens,
-        jitter_s=call.pool.rng.uniform(0.0, policy.jitter) if policy.jitter else 0.0,
-    )
-    return await next_handler(call)
+class DeadlineLayer:
+    def __init__(self) -> None:
+        self._clock = asyncio.get_running_loop().time
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        instance = call.instance
+        assert instance is not None, "the pick layer runs first"
+        pool = call.pool
+        policy = pool.policy.timeouts
+        facts = call.facts
+        now = self._clock()
+        call.timeouts = pool.timeouts_for(
+            instance,
+            call.k,
+            now,
+            stream=facts.stream,
+            max_tokens=0 if call.path == _NO_GENERATION else facts.max_tokens,
+            jitter_s=pool.rng.uniform(0.0, policy.jitter) if policy.jitter else 0.0,
+            # The account layer counted this attempt in already; attempts given up on may still
+            # hold the engine's slots.
+            load=Load(
+                instance.in_flight - 1 + instance.ghosts_at(now),
+                instance.capacity_seen,
+                len(call.body) // BYTES_PER_TOKEN,
+            ),
+            final=call.attempts >= call.last_attempt,
+        )
+        return await next_handler(call)

@@ -6,6 +6,7 @@ import asyncio
 
 from gateway.core.balancer import choose, load_cost, slow_start_weight
 from gateway.core.breaker import ADMITTING
+from gateway.core.panic import least_bad
 from gateway.errors import NoInstanceAvailable
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import InstanceState, PoolState
@@ -21,10 +22,14 @@ class Pick:
     Retry-After; in pools with admission control also below its concurrency limit, with room
     in its KV-token budget for the request, and not saturated by vLLM's account. An isolated
     instance whose isolation ran out takes the attempt as its one probe (a real request)
-    first. When every healthy instance was tried, is paused or is full, one of those
-    is used rather than failing; when none is healthy and admitting, the client is
-    told at once (503 + Retry-After): no waiting on a dead pool; unless the pool's policy says
-    `breaker.when_none_available: panic`, and then every instance is a candidate again.
+    first. An instance that refused this request's connection is not asked again while any
+    other one could take it. When every healthy instance was tried, is paused or is full, one
+    of those is used rather than failing. When none is healthy and admitting, the pool panics
+    (the default, `breaker.when_none_available: panic`, as Envoy's panic threshold): the
+    attempt goes to the least bad instance that still answers (healthy but isolated first,
+    then unhealthy ones whose health check got an answer), untried ones first; only when no
+    instance answers at all is the client told at once (503 + Retry-After). With
+    `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
     def __init__(self) -> None:
@@ -40,8 +45,11 @@ class Pick:
         fresh: list[InstanceState] = []
         admitting: list[InstanceState] = []
         probe = None
+        refused = call.refused
         for inst in pool.routable:
             breaker = inst.breaker
+            if refused and inst in refused:
+                continue  # it refused this request's connection a moment ago
             if breaker.state == ADMITTING:
                 admitting.append(inst)
                 limiter = inst.limiter
@@ -60,14 +68,19 @@ class Pick:
             instance = probe
         elif admitting:
             instance = _balance(pool, fresh or admitting, now)
-        elif pool.policy.breaker.when_none_available == "panic":
-            untried = [i for i in pool.instances if i not in tried]
-            instance = _balance(pool, untried or pool.instances, now)
         else:
-            raise NoInstanceAvailable(
-                f"no instance of pool {pool.name!r} is available",
-                retry_after_s=_retry_after_s(pool, now),
-            )
+            panic = None
+            if pool.policy.breaker.when_none_available == "panic":
+                panic = _least_bad(pool, tried, refused)
+            if panic is None and refused:
+                # Nothing else at all: the refusing instances again (they may be restarting).
+                panic = [i for i in refused if i.health.healthy] or None
+            if panic is None:
+                raise NoInstanceAvailable(
+                    f"no instance of pool {pool.name!r} is available",
+                    retry_after_s=_retry_after_s(pool, now),
+                )
+            instance = _balance(pool, panic, now)
         call.probe = probe is not None
         call.instance = instance
         tried.append(instance)
@@ -94,6 +107,20 @@ def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> In
     chosen = choose(candidates, cost, pool.rng)
     assert chosen is not None
     return chosen
+
+
+def _least_bad(
+    pool: PoolState, tried: list[InstanceState], refused: list[InstanceState]
+) -> list[InstanceState] | None:
+    return least_bad(pool.instances, _healthy, _answered, tried, refused)
+
+
+def _healthy(inst: InstanceState) -> bool | None:
+    return inst.health.healthy
+
+
+def _answered(inst: InstanceState) -> bool:
+    return inst.health.answered
 
 
 def _retry_after_s(pool: PoolState, now: float) -> float:

@@ -3,10 +3,15 @@
 Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`);
 an attempt whose outcome `retries.on` lists is retried on another instance when one is left,
 after exponential backoff with full jitter, if the retry budget and the request's deadline
-allow. A Retry-After from a backend keeps new attempts off that instance until it passes. The
-upstream's own error answer is relayed unchanged when no retry is allowed. Everything here
-happens before a byte reaches the client: the transport returns at the first byte, and the
-relay (the commit point) starts only after this loop has returned.
+allow. A lone instance (a pool of one, or one whose other instances cannot take traffic) is
+retried itself after a transient failure (an error status, an OOM, a reset before the first
+byte), up to the most retries any tier allows: the tiers hold retries back when a
+high failure rate says failing over would land on other failing instances, but a transient
+failure of the only instance left is best met by asking it again (never by giving up while
+going direct would have worked). A Retry-After from a backend keeps new attempts off that
+instance until it passes. The upstream's own error answer is relayed unchanged when no retry
+is allowed. Everything here happens before a byte reaches the client: the transport returns at
+the first byte, and the relay (the commit point) starts only after this loop has returned.
 """
 
 from __future__ import annotations
@@ -17,11 +22,17 @@ import time
 from opentelemetry import trace
 
 from gateway.core.backoff import backoff_s, retry_after_s
+from gateway.core.breaker import ADMITTING
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.stats import outcome_label
+
+# What a lone instance is asked again for: it answered, or reset before the first byte, and may
+# well answer the next time (503, 429 after its Retry-After, an OOM, a restart). A refusal or a
+# hang is not met with more of the same.
+_TRANSIENT = frozenset(("status", "oom", "reset"))
 
 
 class Retry:
@@ -37,6 +48,7 @@ class Retry:
         pool.budget.record_request(clock())
         tier = pool.tiers.choose(pool.failure.rate)
         call.k = tier.k
+        call.last_attempt = tier.max_retries + 1
         retries_policy = pool.policy.retries
         while True:
             response: UpstreamResponse | None = None
@@ -49,13 +61,23 @@ class Retry:
             except UpstreamError as error:
                 failure = error
                 outcome = error.outcome
+                if outcome.kind == "connect_failure" and call.instance is not None:
+                    call.refused.append(call.instance)
             now = clock()
             wait_s = 0.0
             if response is not None:
                 wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
+            max_retries = tier.max_retries
+            if (
+                max_retries < pool.tiers.most_retries
+                and outcome.kind in _TRANSIENT
+                and _lone(pool, call, now)
+            ):
+                max_retries = pool.tiers.most_retries
+                call.last_attempt = max_retries + 1
             allowed = (
                 outcome.retryable(pool.retry_on)
-                and call.attempts - 1 < tier.max_retries
+                and call.attempts - 1 < max_retries
                 and now < call.deadline
             )
             if allowed:
@@ -90,6 +112,21 @@ class Retry:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:
                 await asyncio.sleep(delay)
+
+
+def _lone(pool: PoolState, call: Call, now: float) -> bool:
+    """Whether no instance but the one that just failed can take the retry (those that refused
+    this request's connection do not count)."""
+    failed = call.instance
+    refused = call.refused
+    return not any(
+        inst is not failed
+        and inst not in refused
+        and inst.breaker.state == ADMITTING
+        and inst.not_before <= now
+        and not inst.saturated
+        for inst in pool.routable
+    )
 
 
 def _honour_retry_after(

@@ -10,23 +10,110 @@ Deadlines fire up to one tick late; LLM timeouts are hundreds of milliseconds an
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.tasks import cancel_and_wait
 
+# A stall that the whole instance shares (none of its streams got a byte since this one's wait
+# began) is the engine pausing, not this stream failing: a prefill, a long batch step, a CPU
+# taken by something else. It may last this many idle timeouts before the stream is cut.
+INSTANCE_STALL_GRACE = 8.0
+
+
+class Holder(Protocol):
+    """The instance an attempt runs on, as far as its pauses go (see `InstanceState`): `holds`
+    prompts in flight whose prefill will pause everything on it, the latest time they should
+    be done by, when the first of the current ones was sent and when the last one was done,
+    when it last sent a byte on any attempt, and how many attempts it has in flight."""
+
+    holds: int
+    hold_until: float
+    hold_started_at: float
+    hold_released_at: float
+    progress_at: float
+    in_flight: int
+
 
 class Deadline:
-    __slots__ = ("at", "fired", "phase", "task")
+    __slots__ = (
+        "at",
+        "base_at",
+        "credit_s",
+        "fired",
+        "holder",
+        "holding",
+        "idle_s",
+        "phase",
+        "task",
+        "waiting_since",
+    )
 
-    def __init__(self, task: asyncio.Task[Any], at: float, phase: str) -> None:
+    def __init__(
+        self,
+        task: asyncio.Task[Any],
+        at: float,
+        phase: str,
+        holder: Holder | None = None,
+        since: float = 0.0,
+    ) -> None:
         self.task = task
         self.at = at  # event-loop time; moved forward by the owner as the attempt progresses
+        self.base_at = at  # where the owner put it, before any pause of its instance
+        self.credit_s = 0.0  # pauses of its instance credited to its first-byte wait
         self.phase = phase  # what the attempt is waiting for: first_byte, body, idle, total
         self.fired = False
+        self.holder = holder
+        self.holding = False  # its own prompt is one of the holder's holds
+        self.idle_s = 0.0  # the idle timeout, while phase is "idle"
+        self.waiting_since = since  # since when it waits for its first byte or next chunk
 
     def move(self, at: float, phase: str) -> None:
-        self.at = at
+        self.at = self.base_at = at
         self.phase = phase
+
+    def held_until(self, now: float, tick_s: float) -> float:
+        """When an expired deadline may really fire, given the pauses of its instance.
+
+        Waiting for a first byte: not while a prompt sent to the same instance is being
+        prefilled (the engine runs nothing else meanwhile), and later by as long as such
+        prefills took during this wait (unless its own prompt is the one being prefilled: its
+        deadline already counts that).
+
+        Waiting for the next chunk of a stream: not while such a prompt is being prefilled,
+        not before a whole idle timeout after the last one got its first byte, and not before
+        `INSTANCE_STALL_GRACE` idle timeouts while the instance, busy with other attempts, has
+        sent nothing on any of them for half an idle timeout or more (a stall of every stream
+        is the engine's pause; one stream stalling while the others go on is that stream's
+        failure, and so is the stall of a stream that has the instance to itself).
+        """
+        at = self.at
+        holder = self.holder
+        if holder is None:
+            return at
+        phase = self.phase
+        if phase == "first_byte":
+            if self.holding:
+                return at
+            released = holder.hold_released_at
+            paused = released - max(holder.hold_started_at, self.waiting_since)
+            if paused > 0:
+                self.credit_s += paused
+                self.waiting_since = released  # each pause is credited once
+            due = self.base_at + self.credit_s
+            if holder.holds > 0:
+                return max(due, now + tick_s)
+            return due
+        if phase != "idle":
+            return at
+        if holder.holds > 0:
+            at = max(at, holder.hold_until, now + tick_s)
+        idle_s = self.idle_s
+        at = max(at, holder.hold_released_at + idle_s)
+        quiet_since = max(holder.progress_at, self.waiting_since)
+        if holder.in_flight > 1 and now - quiet_since >= idle_s / 2:
+            # The instance has been quiet on every attempt for a while, not just on this one.
+            at = max(at, quiet_since + INSTANCE_STALL_GRACE * idle_s)
+        return at
 
 
 class Watchdog:
@@ -45,8 +132,15 @@ class Watchdog:
             await cancel_and_wait([self._task])
             self._task = None
 
-    def arm(self, task: asyncio.Task[Any], at: float, phase: str) -> Deadline:
-        deadline = Deadline(task, at, phase)
+    def arm(
+        self,
+        task: asyncio.Task[Any],
+        at: float,
+        phase: str,
+        holder: Holder | None = None,
+        since: float = 0.0,
+    ) -> Deadline:
+        deadline = Deadline(task, at, phase, holder, since)
         if not self._live:
             self._armed.set()
         self._live.add(deadline)
@@ -58,11 +152,17 @@ class Watchdog:
     def sweep(self, now: float) -> int:
         """Cancel the task of every deadline past `now`; returns how many fired."""
         expired = [d for d in self._live if d.at <= now]
+        fired = 0
         for deadline in expired:
+            held = deadline.held_until(now, self._tick_s)
+            if held > now:
+                deadline.at = held  # a prefill pause the gateway saw coming: wait it out
+                continue
+            fired += 1
             self._live.discard(deadline)
             deadline.fired = True
             deadline.task.cancel()
-        return len(expired)
+        return fired
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

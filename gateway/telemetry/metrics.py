@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 from gateway.core.admission import CLASSES
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
 from gateway.core.histogram import Histogram
-from gateway.core.timeouts import attempt_timeouts
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -232,6 +231,12 @@ class GatewayCollector(Collector):
             "Times each instance was isolated here (its own trips, operators, shared decisions)",
             labels=labels,
         )
+        timeouts = CounterMetricFamily(
+            "gateway_instance_timeouts",
+            "Attempts each instance timed out, by phase (connect, first_byte, idle, total) and "
+            "whether it was blamed (false: it waited behind a busy instance that kept working)",
+            labels=[*labels, "phase", "blamed"],
+        )
         probes = CounterMetricFamily(
             "gateway_probes",
             "Probes of isolated instances, by result",
@@ -257,7 +262,6 @@ class GatewayCollector(Collector):
         now = asyncio.get_running_loop().time()
         for pool in self._gateway.registry.pools.values():
             k = pool.tiers.choose(pool.failure.rate).k
-            policy = pool.policy.timeouts
             for inst in pool.instances:
                 ids = [pool.name, inst.name]
                 current = inst.breaker.state
@@ -271,12 +275,10 @@ class GatewayCollector(Collector):
                 isolations.add_metric(ids, inst.breaker.isolations)
                 for result, count in inst.stats.probes.items():
                     probes.add_metric([*ids, result], count)
-                stream = attempt_timeouts(
-                    inst.latency, policy, k, stream=True, max_tokens=None, jitter_s=0.0
-                )
-                whole = attempt_timeouts(
-                    inst.latency, policy, k, stream=False, max_tokens=None, jitter_s=0.0
-                )
+                for (phase, blamed), count in inst.stats.timeouts.items():
+                    timeouts.add_metric([*ids, phase, "true" if blamed else "false"], count)
+                stream = pool.timeouts_for(inst, k, now, stream=True, max_tokens=None)
+                whole = pool.timeouts_for(inst, k, now, stream=False, max_tokens=None)
                 for phase, seconds in (
                     ("connect", stream.connect_s),
                     ("stream_first_byte", stream.first_byte_s),
@@ -290,12 +292,14 @@ class GatewayCollector(Collector):
                     ("ttfb", latency.ttfb),
                     ("gap", latency.gap),
                     ("per_token", latency.per_token),
+                    ("prefill_per_token", latency.prefill),
+                    ("service", latency.service),
                 ):
                     if estimate.samples:
                         ewma.add_metric([*ids, name, "mean"], estimate.mean)
                         ewma.add_metric([*ids, name, "deviation"], estimate.deviation)
                 peak.add_metric(ids, inst.peak.peek(now))
-        yield from (state, healthy, in_flight, attempts, ooms, isolations, probes)
+        yield from (state, healthy, in_flight, attempts, ooms, isolations, probes, timeouts)
         yield from (timeout, ewma, peak)
 
     def _pools(self) -> Iterator[Metric]:

@@ -69,11 +69,14 @@ class HealthChecker:
                 await response.read()
                 passed = response.status == 200
                 reason = f"HTTP {response.status}"
+                answered = True
         except TimeoutError:
             passed, reason = False, f"no answer within {policy.timeout:g}s"
+            answered = False
         except aiohttp.ClientError as exc:
             passed, reason = False, type(exc).__name__
-        change = instance.health.record(self._clock(), passed, reason)
+            answered = False
+        change = instance.health.record(self._clock(), passed, reason, answered)
         if change is not None:
             pool.refresh_routable()
             cold = instance.health.cold_start_s

@@ -11,14 +11,15 @@ from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.core.balancer import PeakEwma
-from gateway.core.breaker import BreakerState, PoolBreakers
+from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.histogram import Histogram
-from gateway.core.latency import LatencyState
+from gateway.core.latency import LatencyState, pool_prior
 from gateway.core.tiers import TierTable
+from gateway.core.timeouts import NO_LOAD, AttemptTimeouts, Load, attempt_timeouts
 from gateway.ingress.auth import ClientAuth
 from gateway.ingress.routes import PROXY_ROUTES
 from gateway.upstream.stats import InstanceStats, PoolStats
@@ -36,8 +37,15 @@ class InstanceState:
         "base_url",
         "breaker",
         "budget",
+        "capacity_seen",
         "failures",
+        "ghosts",
+        "ghosts_until",
         "health",
+        "hold_released_at",
+        "hold_started_at",
+        "hold_until",
+        "holds",
         "in_flight",
         "latency",
         "limiter",
@@ -46,9 +54,11 @@ class InstanceState:
         "not_before",
         "peak",
         "pool_name",
+        "progress_at",
         "requests",
         "saturated",
         "stats",
+        "streaming",
         "urls",
         "vllm_cache_usage",
         "vllm_waiting",
@@ -76,6 +86,24 @@ class InstanceState:
             path: URL(policy.url).with_path(base_path + path) for path in PROXY_ROUTES
         }
         self.in_flight = 0
+        # Streams past their first byte, and the most seen at once: how many requests the
+        # instance serves at a time (an engine's slots; those beyond wait for a first byte).
+        self.streaming = 0
+        self.capacity_seen = 0
+        # Attempts given up on before their first byte, which the engine may still be running
+        # or holding in its queue until it notices (llama.cpp notices only once a slot takes
+        # them): counted as in flight until `ghosts_until`.
+        self.ghosts = 0
+        self.ghosts_until = 0.0
+        # Event-loop time of the last byte it sent on any attempt: proof that it works.
+        self.progress_at = -1.0
+        # Prompts sent to it whose prefill will pause its running streams (`holds` of them in
+        # flight, the latest first-byte deadline among them), and when the last one ended:
+        # idle deadlines of its streams wait for those pauses (`Watchdog`).
+        self.holds = 0
+        self.hold_until = 0.0
+        self.hold_started_at = -1.0
+        self.hold_released_at = -1.0
         self.requests = 0  # attempts sent
         self.failures = 0  # attempts that failed through the instance's fault
         self.latency = LatencyState(smoothing)
@@ -95,6 +123,30 @@ class InstanceState:
         self.vllm_cache_usage: float | None = None
         self.saturated = False
 
+    def abandoned(self, now: float, for_s: float) -> None:
+        """An attempt was given up on before its first byte: count it for `for_s` more."""
+        self.ghosts = self.ghosts_at(now) + 1
+        self.ghosts_until = max(self.ghosts_until, now + for_s)
+
+    def ghosts_at(self, now: float) -> int:
+        return self.ghosts if now < self.ghosts_until else 0
+
+    def hold(self, now: float, until: float) -> None:
+        """A prompt long enough to pause the streams was sent; it will prefill by `until`."""
+        if self.holds == 0:
+            self.hold_started_at = now
+        self.holds += 1
+        if until > self.hold_until:
+            self.hold_until = until
+
+    def release_hold(self, now: float) -> None:
+        """That prompt's first byte came (its prefill is over), or its attempt ended."""
+        self.holds -= 1
+        if self.holds <= 0:
+            self.holds = 0
+            self.hold_until = 0.0
+            self.hold_released_at = now
+
 
 class PoolState:
     """A pool's instances and the decisions it keeps about them as a whole."""
@@ -109,6 +161,8 @@ class PoolState:
         "name",
         "next_index",
         "policy",
+        "prior",
+        "prior_at",
         "retry_on",
         "rng",
         "routable",
@@ -134,12 +188,20 @@ class PoolState:
         self.credential_headers: tuple[tuple[str, str], ...] = ()
         self.strip_headers: frozenset[str] = frozenset()
         self.set_upstream_headers(client_auth)
-        self.breakers = PoolBreakers(policy.breaker, [inst.name for inst in policy.instances])
+        self.breakers = PoolBreakers(
+            policy.breaker,
+            [inst.name for inst in policy.instances],
+            unavailable=self.unavailable_admitting,
+        )
         self.instances = [
             _new_instance(name, inst, policy, self.breakers[inst.name], now)
             for inst in policy.instances
         ]
         self.next_index = 0
+        # The pool's latency figures for instances that have not learned their own, and when
+        # they were last worked out (they move slowly: once a second is plenty).
+        self.prior: LatencyState | None = None
+        self.prior_at = -1.0
         self.failure = FailureRateState(policy.retries.failure_smoothing)
         self.tiers = TierTable(policy.retries.tiers)
         self.budget = RetryBudget.from_policy(policy.retries.budget)
@@ -182,6 +244,7 @@ class PoolState:
             policy.breaker,
             [inst.name for inst in policy.instances],
             existing={name: inst.breaker for name, inst in kept.items()},
+            unavailable=self.unavailable_admitting,
         )
         previous = self.policy
         admission, was = policy.admission, previous.admission
@@ -197,8 +260,7 @@ class PoolState:
                 added.append(inst)
                 instances.append(inst)
                 continue
-            for ewma in (inst.latency.ttfb, inst.latency.gap, inst.latency.per_token):
-                ewma.smoothing = policy.timeouts.smoothing
+            inst.latency.set_smoothing(policy.timeouts.smoothing)
             if not health.enabled:
                 if previous.health.enabled:
                     inst.health = HealthState.assumed_healthy(now)
@@ -236,6 +298,59 @@ class PoolState:
         self.refresh_routable()
         return added
 
+    def latency_prior(self, now: float) -> LatencyState:
+        """What the pool's learned instances say about one that has not learned (cached 1 s)."""
+        prior = self.prior
+        if prior is None or now - self.prior_at >= 1.0:
+            policy = self.policy.timeouts
+            prior = pool_prior(
+                (inst.latency for inst in self.instances), policy.min_samples, policy.smoothing
+            )
+            self.prior = prior
+            self.prior_at = now
+        return prior
+
+    def timeouts_for(
+        self,
+        inst: InstanceState,
+        k: float,
+        now: float,
+        *,
+        stream: bool,
+        max_tokens: int | None,
+        jitter_s: float = 0.0,
+        load: Load = NO_LOAD,
+        final: bool = False,
+    ) -> AttemptTimeouts:
+        """The timeouts an attempt on `inst` gets (`attempt_timeouts`), from its own figures or,
+        while they are young, its pool's prior."""
+        policy = self.policy.timeouts
+        latency = inst.latency
+        prior = self.latency_prior(now) if latency.young(policy.min_samples) else None
+        return attempt_timeouts(
+            latency,
+            policy,
+            k,
+            stream=stream,
+            max_tokens=max_tokens,
+            jitter_s=jitter_s,
+            prior=prior,
+            load=load,
+            final=final,
+        )
+
+    def unavailable_admitting(self, now: float, besides: str = "") -> int:
+        """How many instances but `besides` whose breakers admit cannot take traffic at `now`
+        all the same (unhealthy or not checked yet, paused by a Retry-After, saturated): the
+        pool's isolation cap counts them as out (`PoolBreakers`)."""
+        return sum(
+            1
+            for inst in self.instances
+            if inst.name != besides
+            and inst.breaker.state == ADMITTING
+            and not _otherwise_available(inst, now)
+        )
+
     def refresh_routable(self) -> None:
         """Recompute the healthy instances (on every change of a health verdict)."""
         self.routable = [inst for inst in self.instances if inst.health.healthy]
@@ -245,6 +360,10 @@ class PoolState:
         """An instance came back, got unsaturated or was restored: tell whoever waits."""
         for listener in self.capacity_listeners:
             listener()
+
+
+def _otherwise_available(inst: InstanceState, now: float) -> bool:
+    return inst.health.healthy is True and inst.not_before <= now and not inst.saturated
 
 
 def _new_instance(

@@ -48,6 +48,8 @@ class UpstreamResponse:
         "on_finish",
         "outcome",
         "probe",
+        "prompt_tokens",
+        "queued",
         "started_at",
         "status",
         "tail",
@@ -78,7 +80,7 @@ class UpstreamResponse:
         self._watchdog = watchdog
         self._loop_time = clock
         self.started_at = started_at
-        self.first_at = self.last_at = clock()
+        self.first_at = self.last_at = instance.progress_at = clock()
         self.max_gap_s: float | None = None
         self.tail = body if body is not None else first_chunk
         status = raw.status
@@ -89,6 +91,8 @@ class UpstreamResponse:
         self.on_finish: FinishHook | None = None
         self.probe = False  # this attempt is its isolated instance's probe
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
+        self.prompt_tokens = 0  # its request's estimated prompt size
+        self.queued = False  # it was sent to an instance already full (waited for a slot)
 
     def header(self, name: str) -> str | None:
         return self._raw.headers.get(name)
@@ -102,6 +106,8 @@ class UpstreamResponse:
         now = self._loop_time()
         if now + idle_s < end_at:
             deadline.move(now + idle_s, "idle")
+            deadline.idle_s = idle_s
+            deadline.waiting_since = now
         else:
             deadline.move(end_at, "total")
         try:
@@ -119,7 +125,7 @@ class UpstreamResponse:
             gap = arrived - self.last_at
             if self.max_gap_s is None or gap > self.max_gap_s:
                 self.max_gap_s = gap
-            self.last_at = arrived
+            self.last_at = self.instance.progress_at = arrived
             self.tail = chunk
         return chunk
 

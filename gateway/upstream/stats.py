@@ -29,13 +29,19 @@ _CLASSES = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
 class InstanceStats:
-    """Per instance: attempts by outcome, probes by result."""
+    """Per instance: attempts by outcome, probes by result, timeouts by phase and blame (a
+    timeout that was queueing behind a busy instance is not blamed on it)."""
 
-    __slots__ = ("attempts", "probes")
+    __slots__ = ("attempts", "probes", "timeouts")
 
     def __init__(self) -> None:
         self.attempts: dict[str, int] = {}
         self.probes: dict[str, int] = {}  # "succeeded" / "failed"
+        self.timeouts: dict[tuple[str, bool], int] = {}  # (phase, blamed)
+
+    def timeout(self, phase: str, blamed: bool) -> None:
+        key = (phase, blamed)
+        self.timeouts[key] = self.timeouts.get(key, 0) + 1
 
     def attempt(self, outcome: Outcome, probe: bool) -> None:
         label = outcome_label(outcome)

@@ -74,8 +74,14 @@ class Transport:
         wait_s = timeouts.first_byte_s
         started_at = self._loop_time()
         deadline = self._watchdog.arm(
-            call.task, min(started_at + wait_s, call.deadline), "first_byte"
+            call.task, min(started_at + wait_s, call.deadline), "first_byte", instance, started_at
         )
+        # A prompt whose prefill will pause the instance's streams longer than they tolerate:
+        # their deadlines wait until its first byte (or its own deadline).
+        holds = timeouts.pause_s > 0.0
+        if holds:
+            instance.hold(started_at, deadline.at)
+            deadline.holding = True
         pool = call.pool
         sent = call.headers
         if pool.strip_headers:  # the pool's credential in place of the client's keys
@@ -125,6 +131,9 @@ class Transport:
         except Exception as exc:
             self._abandon(raw, deadline)
             raise map_upstream_exception(exc, phase=deadline.phase) from exc
+        finally:
+            if holds:
+                instance.release_hold(self._loop_time())
 
     def _abandon(self, raw: UpstreamResponseHead | None, deadline: Deadline) -> None:
         """Undo an attempt that failed before reaching the client."""

@@ -17,7 +17,7 @@ import aiohttp
 
 from gateway.config.models import VllmSignalsPolicy
 from gateway.core.concurrency import vllm_saturated
-from gateway.core.vllm_metrics import read_vllm_load
+from gateway.core.vllm_metrics import read_running, read_vllm_load
 from gateway.tasks import cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
@@ -83,6 +83,10 @@ class VllmLoadScraper:
                 if response.status == 200:
                     page = await response.content.read(MAX_PAGE_BYTES)
                     waiting, usage = read_vllm_load(page)
+                    running = read_running(page)
+                    if waiting and running and running > instance.capacity_seen:
+                        # Requests wait inside the engine: it runs all it can at once.
+                        instance.capacity_seen = int(running)
                 else:
                     self.failures += 1
         except (TimeoutError, aiohttp.ClientError):
