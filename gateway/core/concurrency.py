@@ -273,11 +273,16 @@ class TokenBudget:
         return f"TokenBudget(used={self.used}, budget={self.budget})"
 
 
+def prompt_tokens(prompt_bytes: int) -> int:
+    """A request body's prompt size in tokens, roughly: `⌈prompt_bytes / 4⌉` (about four bytes
+    a token); negative counts as 0."""
+    return -(-max(0, prompt_bytes) // 4)
+
+
 def estimate_tokens(prompt_bytes: int, max_tokens: int | None, assumed_max_tokens: int) -> int:
-    """A request's KV-cache need: `⌈prompt_bytes / 4⌉` (about four bytes a token) plus
-    `max_tokens`, or `assumed_max_tokens` when the request sets none (None). Negative inputs
-    count as 0."""
-    prompt = -(-max(0, prompt_bytes) // 4)
+    """A request's KV-cache need: `prompt_tokens(prompt_bytes)` plus `max_tokens`, or
+    `assumed_max_tokens` when the request sets none (None). Negative inputs count as 0."""
+    prompt = prompt_tokens(prompt_bytes)
     completion = assumed_max_tokens if max_tokens is None else max_tokens
     return prompt + max(0, completion)
 

@@ -21,7 +21,6 @@ from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
-from gateway.pipeline.deadline import BYTES_PER_TOKEN
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -257,7 +256,7 @@ class Account:
             response.probe = call.probe
             response.tokens = tokens
             response.queued = queued
-            response.prompt_tokens = len(call.body) // BYTES_PER_TOKEN
+            response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
             streaming = instance.streaming + 1
             instance.streaming = streaming
             if streaming > instance.capacity_seen:

@@ -40,6 +40,7 @@ class Call:
     timeouts: AttemptTimeouts | None = None  # of the current attempt
     priority: Priority | None = None  # x-gateway-priority; None: the pool's default
     tokens: int = 0  # its estimated KV-cache need, in pools that budget tokens
+    prompt_tokens: int = 0  # its prompt's estimated size (set by the deadline layer)
     # Where admission reserved those tokens, until the first attempt takes them over.
     reserved: InstanceState | None = None
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.core.concurrency import prompt_tokens
 from gateway.core.timeouts import Load
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.response import UpstreamResponse
 
 _NO_GENERATION = "/v1/embeddings"  # nothing is generated: only the prefill counts
-# Bytes of a request body per prompt token, roughly (as admission estimates KV needs).
-BYTES_PER_TOKEN = 4
 
 
 class DeadlineLayer:
@@ -32,6 +31,8 @@ class DeadlineLayer:
         policy = pool.policy.timeouts
         facts = call.facts
         now = self._clock()
+        if not call.prompt_tokens:
+            call.prompt_tokens = prompt_tokens(len(call.body))
         call.timeouts = pool.timeouts_for(
             instance,
             call.k,
@@ -44,7 +45,7 @@ class DeadlineLayer:
             load=Load(
                 instance.in_flight - 1 + instance.ghosts_at(now),
                 instance.capacity_seen,
-                len(call.body) // BYTES_PER_TOKEN,
+                call.prompt_tokens,
             ),
             final=call.attempts >= call.last_attempt,
         )

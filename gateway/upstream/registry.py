@@ -286,6 +286,7 @@ class PoolState:
         self.policy = policy
         self.breakers = breakers
         self.instances = instances
+        self.prior = None  # worked out again from the new instances and settings
         self.failure.smoothing = retries.failure_smoothing
         if retries.tiers != was_retries.tiers:
             self.tiers = TierTable(retries.tiers)
