@@ -194,3 +194,33 @@ def test_the_last_attempt_waits_longer_but_never_past_the_unlearned_timeout() ->
     assert timeouts(LatencyState(0.85), final=True).first_byte_s == POLICY.initial
     whole = timeouts(LatencyState(0.85), stream=False, max_tokens=10, final=True)
     assert whole.first_byte_s == pytest.approx(POLICY.initial + 10 * POLICY.initial_per_token)
+
+
+def test_the_prefill_line_separates_the_fixed_cost_from_the_per_token_one() -> None:
+    # A GPU-like instance: 100 ms whatever the prompt, plus 0.1 ms per prompt token.
+    state = LatencyState(0.85)
+    for i in range(40):
+        tokens = 100 + 400 * (i % 5)
+        state.observe_stream(0.1 + 0.0001 * tokens, 0.05, 1.0, 10, prompt_tokens=tokens)
+    assert state.fit.slope() == pytest.approx(0.0001)
+    # A 5,000-token prompt costs its 0.5 s of prefill, not 5,000 times the ratio (about 0.4 ms).
+    long = timeouts(state, load=Load(0, 4, 5000))
+    assert long.first_byte_s == pytest.approx(
+        max(state.ttfb.mean, 5000 * 0.0001) + state.ttfb.deviation
+    )
+
+
+def test_a_backend_whose_first_byte_ignores_the_prompt_announces_no_pause() -> None:
+    state = LatencyState(0.85)
+    for i in range(40):
+        state.observe_stream(0.05, 0.01, 0.3, 10, prompt_tokens=64 + 448 * (i % 2))
+    assert state.fit.slope() == 0.0
+    result = timeouts(state, load=Load(0, 4, 2000))
+    assert result.pause_s == 0.0 and result.first_byte_s == 0.25  # the floor
+
+
+def test_prompts_of_one_size_cannot_tell_a_slope_and_only_long_ones_pause_the_streams() -> None:
+    state = streams(20, 0.2, 0.05, 1.0, prompt_tokens=100)
+    assert state.fit.slope() is None
+    assert timeouts(state, load=Load(0, 4, 150)).pause_s == 0.0  # not twice the usual size
+    assert timeouts(state, load=Load(0, 4, 1500)).pause_s > 0.0

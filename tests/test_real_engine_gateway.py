@@ -40,6 +40,7 @@ class Outcome:
     chunk_times: list[float] = field(default_factory=list)
     attempts: str | None = None
     instance: str | None = None
+    sent_at: float = 0.0
 
     @property
     def max_gap_s(self) -> float:
@@ -48,6 +49,7 @@ class Outcome:
 
 
 def stream(url: str, body: dict[str, Any], out: Outcome, started: threading.Event) -> None:
+    out.sent_at = time.monotonic()
     try:
         with (
             httpx.Client(timeout=180.0) as http,
@@ -189,6 +191,19 @@ def test_busy_engines_with_long_prompts_are_not_broken(
             "max_gap_s": round(max(o.max_gap_s for o in shorts), 2),
             "retried": sum(o.attempts not in (None, "1") for o in shorts + longs),
             "errors": [o.error for o in shorts + longs if o.error],
+            # For a stream that failed: where, after how many chunks, its gaps.
+            "broken": [
+                {
+                    "instance": o.instance,
+                    "chunks": len(o.chunk_times),
+                    "gaps": [round(b - a, 2) for a, b in itertools.pairwise(o.chunk_times)][-5:],
+                    "since_long_s": [
+                        round(o.chunk_times[-1] - t, 2) for t in (lo.sent_at for lo in longs)
+                    ],
+                }
+                for o in shorts
+                if o.error
+            ],
         },
         "instances": {
             name: {

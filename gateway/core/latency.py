@@ -7,6 +7,45 @@ from collections.abc import Iterable
 from gateway.core.ewma import Ewma
 
 
+class PrefillFit:
+    """How an instance's time to first byte grows with the prompt: an exponentially weighted
+    least-squares line `ttfb ≈ a + b·prompt_tokens` over the streams it took at once.
+
+    `slope()` is `b` (seconds per prompt token, at least 0) once the prompts seen differ enough
+    to tell (their spread at least a quarter of their mean), else None: prompts all of one size
+    say nothing of the cost of a longer one. `mean_tokens` is the typical prompt size. On a GPU
+    the fixed cost dominates short prompts, so the slope, not the ratio of the two, is what a
+    long prompt adds; a backend whose first byte does not depend on the prompt has a slope of 0.
+    """
+
+    __slots__ = ("mean_cross", "mean_tokens", "mean_tokens_sq", "mean_ttfb", "samples", "weight")
+
+    def __init__(self, smoothing: float) -> None:
+        self.weight = smoothing
+        self.samples = 0
+        self.mean_tokens = self.mean_ttfb = self.mean_tokens_sq = self.mean_cross = 0.0
+
+    def observe(self, tokens: float, ttfb_s: float) -> None:
+        if self.samples == 0:
+            self.mean_tokens, self.mean_ttfb = tokens, ttfb_s
+            self.mean_tokens_sq, self.mean_cross = tokens * tokens, tokens * ttfb_s
+        else:
+            a = self.weight
+            b = 1.0 - a
+            self.mean_tokens = a * self.mean_tokens + b * tokens
+            self.mean_ttfb = a * self.mean_ttfb + b * ttfb_s
+            self.mean_tokens_sq = a * self.mean_tokens_sq + b * tokens * tokens
+            self.mean_cross = a * self.mean_cross + b * tokens * ttfb_s
+        self.samples += 1
+
+    def slope(self) -> float | None:
+        mean = self.mean_tokens
+        variance = self.mean_tokens_sq - mean * mean
+        if self.samples < 3 or variance <= (0.25 * mean) ** 2:
+            return None
+        return max(0.0, (self.mean_cross - mean * self.mean_ttfb) / variance)
+
+
 class LatencyState:
     """Per-instance latency estimators, all with history weight `smoothing`.
 
@@ -17,9 +56,10 @@ class LatencyState:
       scheduling hiccup;
     - `per_token`: seconds per generated token, from either kind of response;
     - `prefill`: seconds to the first byte per prompt token of a stream the instance took at
-      once (not queued behind others): what a long prompt will cost it, and how long it will
-      pause the streams it is already decoding. Short prompts make it an overestimate (their
-      fixed cost is spread over few tokens), which errs on the safe side;
+      once (not queued behind others), and `fit`, the line through those first bytes by prompt
+      size (`PrefillFit`): what a long prompt will cost it, and how long it will pause the
+      streams it is already decoding. The ratio overestimates (short prompts' fixed cost is
+      spread over few tokens), which errs on the safe side when the line cannot be told;
     - `service`: how long a whole exchange occupies the instance, from the request to the last
       byte: what a request queued behind a full instance waits for each turn.
 
@@ -29,13 +69,14 @@ class LatencyState:
     an instance slower than its peers is not cut forever before it could teach anything.
     """
 
-    __slots__ = ("gap", "per_token", "prefill", "prior_timeouts", "service", "ttfb")
+    __slots__ = ("fit", "gap", "per_token", "prefill", "prior_timeouts", "service", "ttfb")
 
     def __init__(self, smoothing: float) -> None:
         self.ttfb = Ewma(smoothing)
         self.gap = Ewma(smoothing)
         self.per_token = Ewma(smoothing)
         self.prefill = Ewma(smoothing)
+        self.fit = PrefillFit(smoothing)
         self.service = Ewma(smoothing)
         self.prior_timeouts = 0
 
@@ -46,6 +87,7 @@ class LatencyState:
     def set_smoothing(self, smoothing: float) -> None:
         for estimate in self.estimators:
             estimate.smoothing = smoothing
+        self.fit.weight = smoothing
 
     def observe_stream(
         self,
@@ -73,6 +115,7 @@ class LatencyState:
         self.service.observe(total_s)
         if prompt_tokens > 0 and not queued:
             self.prefill.observe(ttfb_s / prompt_tokens)
+            self.fit.observe(prompt_tokens, ttfb_s)
         self.prior_timeouts = 0
 
     def observe_whole(self, total_s: float, tokens: int | None) -> None:

@@ -70,6 +70,9 @@ FINAL_ATTEMPT_HEADROOM = 4.0
 # samples do (each errs high, see `LatencyState.prefill`), or a long prompt in a busy pool would
 # go without its prefill for long.
 PREFILL_MIN_SAMPLES = 3
+# A prompt this many times the instance's usual size is a long one, whose prefill is a pause
+# its running streams have not learned to expect.
+LARGE_PROMPT = 2.0
 # Positions in `LatencyState.estimators`.
 _TTFB, _GAP, _PER_TOKEN, _PREFILL, _SERVICE = range(5)
 # An instance timed from its pool's prior gets this multiple of the pool's figures (doubled
@@ -116,8 +119,10 @@ def attempt_timeouts(
     and the prefill and service estimates count as 0. Every result is clamped to
     `[policy.floor, policy.ceiling]`.
 
-    - the prompt's own prefill: `prefill = p·prefill_pred·(1 + h)` with `p = load.prompt_tokens`
-      and `h = policy.token_headroom` (a long prompt waits for its prefill before any byte);
+    - the prompt's own prefill: `prefill = p·rate·(1 + h)` with `p = load.prompt_tokens`,
+      `h = policy.token_headroom` and `rate` the slope of the instance's first byte on its
+      prompt size (`PrefillFit`) or, where it cannot be told, `prefill_pred` (a long prompt
+      waits for its prefill before any byte);
     - the queue the gateway itself put on the instance: with `c = max(1, load.capacity)` and
       `n = load.in_flight + 1` (this attempt included), `waves = ceil((n - c) / c)` when
       `n > c`, else 0; `queue = waves · (service_pred + k·service_dev)`: each wave waits for a
@@ -137,9 +142,10 @@ def attempt_timeouts(
       `max(first_byte, min(FINAL_ATTEMPT_HEADROOM · first_byte, static))`, where `static` is
       what it would be with nothing learned (`policy.initial`, plus the tokens at
       `initial_per_token` for a whole answer);
-    - `pause = prefill` when it exceeds the stream idle timeout (`gap_pred + k·gap_dev +
-      jitter`, clamped), else 0: a pause this prompt will impose on the instance's running
-      streams beyond what they tolerate anyway;
+    - `pause = prefill` when the prompt is at least `LARGE_PROMPT` times the instance's usual
+      size and `prefill` exceeds the stream idle timeout (`gap_pred + k·gap_dev + jitter`,
+      clamped), else 0: a pause this prompt will impose on the instance's running streams
+      beyond what they tolerate anyway;
     - `connect = policy.connect`, fixed.
     """
     floor = policy.floor
@@ -159,16 +165,24 @@ def attempt_timeouts(
     gap_pred, gap_dev = gap if gap is not None else (policy.initial, 0.0)
     idle = min(max(gap_pred + k * gap_dev + jitter_s, floor), ceiling)
     extra_s = jitter_s
-    pause_s = 0.0
+    pause_s = holds_s = 0.0
     if load is not NO_LOAD:
-        prefill = _learned(
-            latency.estimators[_PREFILL],
-            prior.prefill if prior is not None else None,
-            min(min_samples, PREFILL_MIN_SAMPLES),
-            headroom,
-        )
-        if prefill is not None and load.prompt_tokens > 0:
-            pause_s = load.prompt_tokens * prefill[0] * (1.0 + policy.token_headroom)
+        prompt = load.prompt_tokens
+        rate = latency.fit.slope()
+        if rate is None:
+            ratio = _learned(
+                latency.estimators[_PREFILL],
+                prior.prefill if prior is not None else None,
+                min(min_samples, PREFILL_MIN_SAMPLES),
+                headroom,
+            )
+            rate = ratio[0] if ratio is not None else None
+        if rate is not None and prompt > 0:
+            pause_s = prompt * rate * (1.0 + policy.token_headroom)
+            # Only a prompt well beyond the usual ones pauses the streams more than they are
+            # used to: usual prefills are in the gaps the idle timeout learned.
+            large = prompt >= LARGE_PROMPT * latency.fit.mean_tokens
+            holds_s = pause_s if large and pause_s > idle else 0.0
         capacity = max(1, load.capacity)
         waiting = load.in_flight + 1 - capacity
         if waiting > 0:
@@ -176,8 +190,6 @@ def attempt_timeouts(
             if service is not None:
                 waves = -(-waiting // capacity)
                 extra_s += waves * (service[0] + k * service[1])
-    # Only a pause longer than the streams' idle timeout threatens them.
-    holds_s = pause_s if pause_s > idle else 0.0
     if stream:
         first_byte = max(ttfb_pred, pause_s) + k * ttfb_dev + extra_s
         if final:

@@ -139,8 +139,10 @@ def _record(
 
 
 def _abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: float) -> None:
-    """A first-byte timeout leaves the request with the engine until it notices: count it as
-    in flight for about as long as an exchange takes there (or as long as it was waited on)."""
+    """A first-byte timeout of an attempt that waited in the engine's queue leaves it there
+    until the engine notices (llama.cpp: once a slot takes it): count it as in flight for about
+    as long as an exchange takes there (or as long as it was waited on). One that had a slot is
+    dropped by the engine at once."""
     if outcome.phase == "first_byte":
         service = instance.latency.service
         instance.abandoned(now, service.mean + service.deviation if service.samples else waited_s)
@@ -149,14 +151,12 @@ def _abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: 
 def _queueing(instance: InstanceState, queued: bool, started: float, now: float) -> bool:
     """Whether a first-byte timeout was queueing: the attempt was sent to an instance already
     serving all it was seen to serve at once, or the instance is that full now, and it sent
-    bytes on other attempts since, or was prefilling a long prompt the gateway sent it (it
-    works; it is busy). An instance with room to spare, or one that went silent, is blamed."""
+    bytes on other attempts since (it works; it is busy). An instance with room to spare, or
+    one that went silent, is blamed."""
     # (Its own attempt has already left `in_flight`.)
     load = instance.in_flight + 1 + instance.ghosts_at(now)
     busy = queued or load >= max(1, instance.capacity_seen)
-    return busy and (
-        instance.progress_at > started or instance.holds > 0 or instance.hold_released_at > started
-    )
+    return busy and instance.progress_at > started
 
 
 def _learning(pool: PoolState, instance: InstanceState) -> None:
@@ -234,7 +234,7 @@ class Account:
             now = self._clock()
             outcome = error.outcome
             queueing = outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
-            if outcome.kind == "timeout":
+            if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
             _record(
                 call.pool,
