@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-propagation bench-admission bench-operations loadtest system-deps clean
+.PHONY: install engine test lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
 
 install: $(STAMP)
 
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 system-deps:
 	@./scripts/install-system-deps
 
-test: install system-deps
+# llama.cpp's server, the real inference engine some tests run; built once per machine, cached.
+engine: install
+	./scripts/install-llama-server
+
+test: install system-deps engine
 	$(BIN)/pytest -q
 
 lint: install
@@ -50,6 +54,13 @@ SCENARIO ?= chaos-mix
 loadtest: install
 	$(BIN)/python -m loadtests.chaos $(SCENARIO) $(if $(REQUESTS),--requests $(REQUESTS)) \
 		$(if $(RATE),--rate $(RATE))
+
+# Every scenario at pools of 1, 2 and 3 instances, direct vs gateway, in one table (~300 requests
+# per cell); in loadtests/out/matrix-<time>/. SCENARIOS=a,b and SIZES=1,2 narrow it.
+loadtest-matrix: install
+	$(BIN)/python -m loadtests.matrix $(if $(REQUESTS),--requests $(REQUESTS)) \
+		$(if $(RATE),--rate $(RATE)) $(if $(SCENARIOS),--scenarios $(SCENARIOS)) \
+		$(if $(SIZES),--sizes $(SIZES))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
