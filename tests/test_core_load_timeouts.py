@@ -67,10 +67,10 @@ def test_each_timeout_under_the_prior_doubles_its_headroom_until_a_success() -> 
     prior = pool_prior([streams(20, 1.0, 0.5, 2.0)], 10, 0.85)
     fresh = LatencyState(0.85)
     first = timeouts(fresh, prior=prior).first_byte_s
-    fresh.prior_timeouts = 2
+    fresh.timeouts_in_row = 2
     assert timeouts(fresh, prior=prior).first_byte_s == pytest.approx(4 * first)
     fresh.observe_stream(5.0, 1.0, 6.0, 10)  # it answered: back to the plain headroom
-    assert fresh.prior_timeouts == 0
+    assert fresh.timeouts_in_row == 0
     assert timeouts(fresh, prior=prior).first_byte_s == pytest.approx(first)
 
 
@@ -224,3 +224,19 @@ def test_prompts_of_one_size_cannot_tell_a_slope_and_only_long_ones_pause_the_st
     assert state.fit.slope() is None
     assert timeouts(state, load=Load(0, 4, 150)).pause_s == 0.0  # not twice the usual size
     assert timeouts(state, load=Load(0, 4, 1500)).pause_s > 0.0
+
+
+def test_timeouts_in_row_back_the_last_attempt_off_until_an_answer() -> None:
+    # An instance that turned slower: its learned time would cut every attempt.
+    state = streams(20, 0.4, 0.05, 1.0)
+    learned = timeouts(state).first_byte_s
+    for n in (1, 2, 3):
+        state.timeouts_in_row = n
+        assert timeouts(state).first_byte_s == learned  # a retry elsewhere is still better
+        last = timeouts(state, final=True).first_byte_s
+        assert last == pytest.approx(FINAL_ATTEMPT_HEADROOM * learned * 2**n)
+    state.timeouts_in_row = 10
+    # Never past the unlearned timeout.
+    assert timeouts(state, final=True).first_byte_s == POLICY.initial
+    state.observe_stream(1.0, 0.05, 2.0, 10)
+    assert state.timeouts_in_row == 0

@@ -64,12 +64,14 @@ class LatencyState:
       byte: what a request queued behind a full instance waits for each turn.
 
     Record only successful responses (a timed-out attempt has no latency, only a lower bound).
-    `prior_timeouts` counts the timeouts of attempts timed from the pool's prior while the
-    instance's own estimates were too young: each doubles the headroom the next one gets, so
-    an instance slower than its peers is not cut forever before it could teach anything.
+    `timeouts_in_row` counts the first-byte timeouts since the instance's last answer: each
+    doubles the first-byte time of the next attempt timed from the pool's prior, or of the next
+    last attempt (as TCP backs its retransmission timeout off), so an instance that turned
+    slower than it was, or is slower than the peers it is timed from, is not cut forever before
+    it could teach its new pace.
     """
 
-    __slots__ = ("fit", "gap", "per_token", "prefill", "prior_timeouts", "service", "ttfb")
+    __slots__ = ("fit", "gap", "per_token", "prefill", "service", "timeouts_in_row", "ttfb")
 
     def __init__(self, smoothing: float) -> None:
         self.ttfb = Ewma(smoothing)
@@ -78,7 +80,7 @@ class LatencyState:
         self.prefill = Ewma(smoothing)
         self.fit = PrefillFit(smoothing)
         self.service = Ewma(smoothing)
-        self.prior_timeouts = 0
+        self.timeouts_in_row = 0
 
     @property
     def estimators(self) -> tuple[Ewma, Ewma, Ewma, Ewma, Ewma]:
@@ -116,7 +118,7 @@ class LatencyState:
         if prompt_tokens > 0 and not queued:
             self.prefill.observe(ttfb_s / prompt_tokens)
             self.fit.observe(prompt_tokens, ttfb_s)
-        self.prior_timeouts = 0
+        self.timeouts_in_row = 0
 
     def observe_whole(self, total_s: float, tokens: int | None) -> None:
         """Record a finished non-streamed response.
@@ -135,7 +137,7 @@ class LatencyState:
         else:
             self.ttfb.observe(total_s)
         self.service.observe(total_s)
-        self.prior_timeouts = 0
+        self.timeouts_in_row = 0
 
     def just_learned(self, min_samples: int) -> bool:
         """Whether an estimate has exactly `min_samples` samples: it was just learned, and a

@@ -79,7 +79,7 @@ _TTFB, _GAP, _PER_TOKEN, _PREFILL, _SERVICE = range(5)
 # after each timeout it has under the prior): a new or restarted instance is rescued from a
 # hang within a small multiple of what its peers take, never left on the static initial value.
 PRIOR_HEADROOM = 3.0
-_MAX_PRIOR_DOUBLINGS = 6
+_MAX_DOUBLINGS = 6
 
 
 def _learned(
@@ -114,7 +114,7 @@ def attempt_timeouts(
     For an estimator with at least `min_samples` samples (the prefill rate: at least
     `min(min_samples, PREFILL_MIN_SAMPLES)`), `pred` and `dev` are its mean and deviation.
     With fewer, the pool's `prior` stands in (see `pool_prior`) when it has learned that
-    estimate, with `h = PRIOR_HEADROOM · 2^prior_timeouts` times its mean and deviation; else
+    estimate, with `h = PRIOR_HEADROOM · 2^timeouts_in_row` times its mean and deviation; else
     `pred = policy.initial` (`policy.initial_per_token` for the per-token rate) and `dev = 0`,
     and the prefill and service estimates count as 0. Every result is clamped to
     `[policy.floor, policy.ceiling]`.
@@ -137,11 +137,14 @@ def attempt_timeouts(
       never time out. `idle = None`. (The deviations add as independent errors would.) When
       only non-streamed responses taught the instance (`ttfb` unlearned, `per_token` learned),
       `ttfb_pred = ttfb_dev = 0`: their per-token rate already includes the prefill.
-    - `final`: no retry may follow this attempt, so giving up early gains nothing and a busy
-      instance's late answer is worth waiting for: `first_byte` becomes
-      `max(first_byte, min(FINAL_ATTEMPT_HEADROOM · first_byte, static))`, where `static` is
+    - `final` (no retry may follow this attempt, so giving up early gains nothing and a busy
+      instance's late answer is worth waiting for): with `n = latency.timeouts_in_row` first-
+      byte timeouts in a row on an instance timed from its own figures (0 for one timed from
+      the prior, whose headroom counts them already), `s = FINAL_ATTEMPT_HEADROOM · 2^n` and
+      `first_byte` becomes `max(first_byte, min(s · first_byte, static))`, where `static` is
       what it would be with nothing learned (`policy.initial`, plus the tokens at
-      `initial_per_token` for a whole answer);
+      `initial_per_token` for a whole answer): an instance that turned slower than it was
+      learns its new pace from the requests that have nowhere else to go;
     - `pause = prefill` when the prompt is at least `LARGE_PROMPT` times the instance's usual
       size and `prefill` exceeds the stream idle timeout (`gap_pred + k·gap_dev + jitter`,
       clamped), else 0: a pause this prompt will impose on the instance's running streams
@@ -151,7 +154,8 @@ def attempt_timeouts(
     floor = policy.floor
     ceiling = policy.ceiling
     min_samples = policy.min_samples
-    headroom = PRIOR_HEADROOM * 2.0 ** min(latency.prior_timeouts, _MAX_PRIOR_DOUBLINGS)
+    backoff = 2.0 ** min(latency.timeouts_in_row, _MAX_DOUBLINGS)
+    headroom = PRIOR_HEADROOM * backoff
 
     def estimate(index: int) -> tuple[float, float] | None:
         own = latency.estimators[index]
@@ -190,10 +194,17 @@ def attempt_timeouts(
             if service is not None:
                 waves = -(-waiting // capacity)
                 extra_s += waves * (service[0] + k * service[1])
+    # The last attempt is stretched, the more after timeouts in a row (the prior's headroom
+    # has those already), never past what an unlearned instance gets. Earlier attempts keep
+    # their learned time: a retry elsewhere beats waiting on an instance that turned slow.
+    stretch = 1.0
+    if final:
+        own = ttfb is not None and latency.ttfb.samples >= min_samples
+        stretch = FINAL_ATTEMPT_HEADROOM * (backoff if own else 1.0)
     if stream:
         first_byte = max(ttfb_pred, pause_s) + k * ttfb_dev + extra_s
-        if final:
-            first_byte = max(first_byte, min(FINAL_ATTEMPT_HEADROOM * first_byte, policy.initial))
+        if stretch > 1.0:
+            first_byte = max(first_byte, min(stretch * first_byte, policy.initial))
         return AttemptTimeouts(min(max(first_byte, floor), ceiling), idle, policy.connect, holds_s)
     n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
     per_token = estimate(_PER_TOKEN)
@@ -206,7 +217,7 @@ def attempt_timeouts(
     first_byte = (
         max(ttfb_pred, pause_s) + tokens_s + k * math.hypot(ttfb_dev, n * tok_dev) + extra_s
     )
-    if final:
+    if stretch > 1.0:
         static = policy.initial + n * policy.initial_per_token * (1.0 + policy.token_headroom)
-        first_byte = max(first_byte, min(FINAL_ATTEMPT_HEADROOM * first_byte, static))
+        first_byte = max(first_byte, min(stretch * first_byte, static))
     return AttemptTimeouts(min(max(first_byte, floor), ceiling), None, policy.connect, holds_s)

@@ -82,8 +82,8 @@ def _timed_out(
             "repeats": held_back,
         }
         log.warning("upstream timeout", extra={"fields": fields})
-    if instance.latency.young(pool.policy.timeouts.min_samples):
-        instance.latency.prior_timeouts += 1  # the next attempt gets more headroom
+    if phase == "first_byte" and not queueing:
+        instance.latency.timeouts_in_row += 1  # the next attempt there waits longer
 
 
 def _record(
