@@ -720,3 +720,27 @@ def test_cli_anthropic_model(
     records = list(read_records(out))
     assert {r.kind for r in records if r.model == "m2"} == {"messages"}
     assert {r.model for r in records} == {"m1", "m2"}
+
+
+def test_long_prompts_take_their_share_and_leave_the_rest_alone() -> None:
+    plain_spec = WorkloadSpec(models=["m1", "m2"], seed=5, prompt_tokens=(4, 32))
+    spec = dataclasses.replace(plain_spec, long_prompt_share=0.1, long_prompt_tokens=300)
+    first = list(itertools.islice(plans(spec), 5_000))
+    assert first == list(itertools.islice(plans(spec), 5_000))
+    long = [p for p in first if p.prompt_tokens == 300]
+    assert len(long) / 5_000 == pytest.approx(0.1, abs=0.015)
+    for plan in long:
+        text = json.loads(plan.body)
+        prompt = text["messages"][0]["content"] if plan.kind == "chat" else text["prompt"]
+        assert len(prompt.split()) == 300
+    # Drawn apart: every other request is exactly as without long prompts, body included, and
+    # a long one differs from it in its prompt only.
+    plain = list(itertools.islice(plans(plain_spec), 5_000))
+    for without, with_long in zip(plain, first, strict=True):
+        if with_long.prompt_tokens == 300:
+            fields = ("seq", "model", "kind", "stream", "max_tokens")
+            assert [getattr(with_long, f) for f in fields] == [getattr(without, f) for f in fields]
+        else:
+            assert with_long == without
+    with pytest.raises(ValueError, match="long_prompt_share"):
+        dataclasses.replace(plain_spec, long_prompt_share=1.5)

@@ -1,4 +1,9 @@
-"""The processes of one chaos run: fake backend instances, TCP fault proxies, the gateway.
+"""The processes of one chaos run: backend instances, TCP fault proxies, the gateway.
+
+Instances are fake vLLM servers, or real engines (llama.cpp's server, see
+loadtests/chaos/engines.py) when the scenario's backend says `engine:`. A real engine has no
+fault knobs (the fake's `/_fake/` control endpoints): the scenario refuses `set`/`clear` steps
+for it, and the knob methods here refuse its instances.
 
 Each instance keeps its port for the whole run, so a killed or stopped instance can be started
 again where clients and the gateway expect it. Instances that a scenario degrades at the network
@@ -17,6 +22,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +31,9 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtests.chaos.scenario import Scenario
+from loadtests.chaos.engines import EngineLauncher
+from loadtests.chaos.scenario import EngineBackendSpec, Scenario
+from loadtests.engine.server import Engine
 from loadtests.procs import ManagedProcess, gateway_process, python_module
 from loadtests.redis_server import RedisServer
 
@@ -44,9 +53,11 @@ class Instance:
     pool: str
     models: list[str]
     port: int
-    argv: list[str]
-    proc: ManagedProcess | None = None
+    argv: list[str]  # a fake backend's command line (empty for an engine)
+    proc: ManagedProcess | None = None  # a fake backend's process
     proxy: ManagedProcess | None = None
+    launcher: EngineLauncher | None = None  # set for a real engine ...
+    engine: Engine | None = None  # ... and its process while started
     starts: list[float] = field(default_factory=list)  # run-clock times it was (re)started
 
     @property
@@ -66,8 +77,15 @@ class Instance:
         return f"http://127.0.0.1:{self.proxy.port('control')}"
 
     @property
+    def popen(self) -> subprocess.Popen[str] | subprocess.Popen[bytes] | None:
+        """The backend's process, fake or engine."""
+        handle = self.engine if self.launcher is not None else self.proc
+        return None if handle is None else handle.proc
+
+    @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.proc.poll() is None
+        popen = self.popen
+        return popen is not None and popen.poll() is None
 
 
 class Cluster:
@@ -86,6 +104,12 @@ class Cluster:
             for i in range(spec.instances):
                 name = f"{pool}-{i}"
                 port = free_port()
+                if isinstance(backend, EngineBackendSpec):
+                    launcher = EngineLauncher(name, backend, port, spec.models[0], workdir)
+                    self.instances[name] = Instance(
+                        name, pool, list(spec.models), port, [], launcher=launcher
+                    )
+                    continue
                 argv = python_module(
                     "loadtests.fake_vllm",
                     *("--port", str(port), "--name", name, "--models", ",".join(spec.models)),
@@ -103,8 +127,10 @@ class Cluster:
         if self.scenario.uses_redis():
             self.redis = RedisServer()
             self.redis_starts.append(0.0)
+        self._start_engines()
         for inst in self.instances.values():
-            inst.proc = ManagedProcess(inst.argv)
+            if inst.launcher is None:
+                inst.proc = ManagedProcess(inst.argv)
             inst.starts.append(0.0)
             if inst.name in self._proxied:
                 inst.proxy = ManagedProcess(
@@ -114,6 +140,21 @@ class Cluster:
                         *("--control-port", "0", "--seed", str(self.scenario.seed)),
                     )
                 )
+
+    def _start_engines(self) -> None:
+        """Every engine at once (each takes a second or more to load its model); each one that
+        started is recorded before any failure is raised, so that `close` stops it."""
+        engines = [inst for inst in self.instances.values() if inst.launcher is not None]
+        if not engines:
+            return
+
+        def start(inst: Instance) -> None:
+            assert inst.launcher is not None
+            inst.engine = inst.launcher.start()
+
+        with ThreadPoolExecutor(len(engines)) as pool:
+            for future in [pool.submit(start, inst) for inst in engines]:
+                future.result()
 
     def start_gateway(self) -> str:
         policy_path = self.workdir / "gateway-policy.yaml"
@@ -155,8 +196,13 @@ class Cluster:
         procs = [self.gateway] if self.gateway else []
         for inst in self.instances.values():
             procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
+        # Killed, not stopped: llama-server can hang in its shutdown while a stream is open.
+        engines = [inst.engine for inst in self.instances.values() if inst.engine is not None]
         try:
-            await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+            await asyncio.gather(
+                *(asyncio.to_thread(p.stop) for p in procs),
+                *(asyncio.to_thread(e.kill) for e in engines),
+            )
         finally:
             # After the gateway, which hands its probe leases back to Redis as it exits.
             await self.stop_redis(kill=False)
@@ -166,16 +212,23 @@ class Cluster:
 
     # --- fault actions -------------------------------------------------------------------
 
+    def _fake(self, name: str) -> Instance:
+        """The instance, which must be a fake backend: only it has fault knobs."""
+        inst = self.instances[name]
+        if inst.launcher is not None:
+            raise RuntimeError(f"{name} is a real engine: it has no fault knobs to set or clear")
+        return inst
+
     async def set_faults(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
         """Merge knobs into an instance's faults; returns their previous values (to revert)."""
-        inst = self.instances[name]
+        inst = self._fake(name)
         before = (await self._http.get(f"{inst.backend_url}/_fake/faults")).json()
         response = await self._http.post(f"{inst.backend_url}/_fake/faults", json=knobs)
         response.raise_for_status()
         return {key: before.get(key) for key in knobs}
 
     async def clear_faults(self, name: str) -> None:
-        inst = self.instances[name]
+        inst = self._fake(name)
         (await self._http.post(f"{inst.backend_url}/_fake/reset")).raise_for_status()
 
     async def set_network(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -187,24 +240,32 @@ class Cluster:
 
     def signal(self, name: str, sig: int) -> None:
         inst = self.instances[name]
-        if inst.running and inst.proc is not None:
-            os.kill(inst.proc.pid, sig)
+        popen = inst.popen
+        if popen is not None and popen.poll() is None:
+            os.kill(popen.pid, sig)
 
     async def stop(self, name: str, *, kill: bool) -> None:
         inst = self.instances[name]
-        if inst.proc is None:
+        popen = inst.popen
+        if popen is None:
             return
         if kill:
             self.signal(name, signal.SIGKILL)
-            await asyncio.to_thread(inst.proc.proc.wait)
-        else:
+            await asyncio.to_thread(popen.wait)
+        elif inst.engine is not None:
+            # SIGTERM, then SIGKILL after a few seconds: a streaming engine may never exit.
+            await asyncio.to_thread(inst.engine.stop)
+        elif inst.proc is not None:
             await asyncio.to_thread(inst.proc.stop)
 
     async def start(self, name: str, now: float) -> None:
         inst = self.instances[name]
         if inst.running:
             await self.stop(name, kill=False)
-        inst.proc = await asyncio.to_thread(ManagedProcess, inst.argv)
+        if inst.launcher is not None:
+            inst.engine = await asyncio.to_thread(inst.launcher.start)
+        else:
+            inst.proc = await asyncio.to_thread(ManagedProcess, inst.argv)
         inst.starts.append(now)
 
     # --- the Redis of shared decisions ---------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from loadtests.chaos.cluster import Cluster
-from loadtests.chaos.scenario import Scenario
+from loadtests.chaos.scenario import EngineBackendSpec, Scenario
 from loadtests.chaos.timeline import Timeline
 from loadtests.ledger import JsonlWriter
 from loadtests.loadgen import LoadStats, Progress, Target, WorkloadSpec, run_load
@@ -55,6 +55,8 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
             max_tokens=workload.max_tokens,
             seed=scenario.seed,
             anthropic_models=scenario.anthropic_models(),
+            long_prompt_share=workload.long_prompt_share,
+            long_prompt_tokens=workload.long_prompt_tokens,
         )
         progress = Progress()
         progress.start_clock()
@@ -120,11 +122,7 @@ def _write_meta(
         "loadgen_cpu_s": stats.cpu_s,
         "loadgen_peak_rss_mb": stats.peak_rss_mib,
         "loadgen": stats.as_dict(),
-        "time_compression": {
-            "ttft_s": scenario.backend.ttft,
-            "per_token_s": scenario.backend.per_token,
-            "tokens_per_event": scenario.backend.tokens_per_event,
-        },
+        **_backend_meta(scenario),
         "instances": {
             inst.name: {"pool": inst.pool, "models": inst.models, "starts": inst.starts}
             for inst in cluster.instances.values()
@@ -139,6 +137,20 @@ def _write_meta(
         meta["gateway_counters"] = gateway_counters(state)
         meta["gateway_state"] = state
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _backend_meta(scenario: Scenario) -> dict[str, Any]:
+    backend = scenario.backend
+    if isinstance(backend, EngineBackendSpec):
+        # Real engines run at their own speed: there is no time compression to state.
+        return {"engine": backend.model_dump(mode="json")}
+    return {
+        "time_compression": {
+            "ttft_s": backend.ttft,
+            "per_token_s": backend.per_token,
+            "tokens_per_event": backend.tokens_per_event,
+        }
+    }
 
 
 def gateway_counters(state: dict[str, Any]) -> dict[str, Any]:

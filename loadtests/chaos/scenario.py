@@ -4,6 +4,11 @@ A fault happens at a time (`at: 30s`, or `at: 25%` of the planned run, so a scen
 the request count) or at a request number (`at_request: 5000`), and may revert by itself after
 `for:`. The same scenario and seed give the same sequence of faults and requests.
 
+A scenario's instances are fake vLLM servers by default (`backend:` sets their time
+compression), or real engines with `backend: {engine: llama.cpp, preset: slow, slots: 4}`:
+llama.cpp's server on a generated model (loadtests/engine). A real engine has no fault knobs, so
+its instances take the process actions and `network`, never `set` or `clear`.
+
 The reserved target `redis` is the Redis through which the gateway shares isolation decisions
 (started with the backends when a step targets it or the scenario says `shared: true`); it takes
 the process actions (kill, stop, start, restart, freeze, thaw) and `pause`, which no instance
@@ -16,7 +21,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from gateway.config.units import Duration, parse_duration
 
@@ -124,6 +137,53 @@ class BackendSpec(_Strict):
     tokens_per_event: Annotated[int, Field(ge=1)] = 32
 
 
+# Steps that need the fake backend's fault knobs (its /_fake/ control endpoints).
+KNOB_ACTIONS = ("set", "clear")
+
+
+class EngineBackendSpec(_Strict):
+    """Real engines: one llama.cpp server per instance, on a generated model (loadtests/engine),
+    at its real speed: nothing is compressed, one thread per engine."""
+
+    engine: Literal["llama.cpp"]
+    preset: str = "slow"  # a model of loadtests.engine.model.PRESETS
+    slots: Annotated[int, Field(ge=1, le=64)] = 4  # --parallel: sequences decoded together
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_fake_knobs(cls, data: Any) -> Any:
+        # Said plainly here: "extra inputs are not permitted" would not tell why.
+        fake = sorted(set(data) & set(BackendSpec.model_fields)) if isinstance(data, dict) else []
+        if fake:
+            raise ValueError(
+                f"{', '.join(fake)}: knob(s) of the fake backend; an engine backend runs at its "
+                "real speed and takes only `preset` and `slots`"
+            )
+        return data
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        # Imported here: the model module pulls in numpy and gguf, which a fake run never needs.
+        from loadtests.engine.model import PRESETS
+
+        if value not in PRESETS:
+            raise ValueError(f"unknown engine preset {value!r}: one of {', '.join(PRESETS)}")
+        return value
+
+
+def _backend_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return "engine" if "engine" in value else "fake"
+    return "engine" if isinstance(value, EngineBackendSpec) else "fake"
+
+
+Backend = Annotated[
+    Annotated[BackendSpec, Tag("fake")] | Annotated[EngineBackendSpec, Tag("engine")],
+    Discriminator(_backend_kind),
+]
+
+
 Protocol = Literal["openai", "anthropic"]
 
 
@@ -142,6 +202,10 @@ class ScenarioWorkload(_Strict):
     max_tokens: tuple[int, int] = (512, 4096)
     arrival: Literal["poisson", "fixed"] = "poisson"
     concurrency_cap: Annotated[int, Field(ge=0)] = 0
+    # A share of requests whose prompt is `long_prompt_tokens` long instead of `prompt_tokens`
+    # (drawn apart: 0 leaves the request sequence exactly as without it).
+    long_prompt_share: Annotated[float, Field(ge=0, le=1)] = 0.0
+    long_prompt_tokens: Annotated[int, Field(ge=1)] = 1500
     client_timeout: Duration = 30.0  # what a client without the gateway would wait at most
 
 
@@ -152,7 +216,7 @@ class Scenario(_Strict):
     rate: Annotated[float, Field(gt=0)] = 200.0
     requests: Annotated[int, Field(gt=0)] = 2000
     time_limit: Duration | None = None
-    backend: BackendSpec = BackendSpec()
+    backend: Backend = BackendSpec()
     pools: dict[str, PoolSpec] = Field(min_length=1)
     workload: ScenarioWorkload = ScenarioWorkload()
     gateway: dict[str, Any] = Field(default_factory=dict)  # merged into every pool's policy
@@ -167,7 +231,21 @@ class Scenario(_Strict):
         for step in self.faults:
             if step.target not in names:
                 raise ValueError(f"fault target {step.target!r} is not an instance of the scenario")
+        if self.engine is not None:
+            for step in self.faults:
+                if step.action in KNOB_ACTIONS or (step.target != REDIS and step.set):
+                    raise ValueError(
+                        f"fault step `{step.action}` on {step.target!r}: an engine backend "
+                        f"({self.engine.engine}) has no fault knobs, so `set`/`clear` do not "
+                        "apply; use the process actions (kill, stop, start, restart, freeze, "
+                        "thaw) or `network`"
+                    )
         return self
+
+    @property
+    def engine(self) -> EngineBackendSpec | None:
+        """The real-engine backend, or None for fake vLLM instances."""
+        return self.backend if isinstance(self.backend, EngineBackendSpec) else None
 
     def instance_names(self) -> list[str]:
         return [f"{pool}-{i}" for pool, spec in self.pools.items() for i in range(spec.instances)]

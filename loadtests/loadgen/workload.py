@@ -13,6 +13,11 @@ field of the sequence exactly as it was without one.
 Models named in `anthropic_models` are sent with Anthropic's Messages API (kind "messages",
 `POST /v1/messages`), streamed or not as drawn; the draws are the same as for any other model,
 so a spec without such models gives exactly the sequence it gave before they existed.
+
+A `long_prompt_share` of requests get a prompt of `long_prompt_tokens` instead of one drawn from
+`prompt_tokens` (on a real engine, a prefill that pauses every stream decoding there). Whether a
+request is long is drawn from its own seeded generator too, so a share of 0 leaves the sequence
+exactly as it was without the option.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class WorkloadSpec:
     priorities: tuple[tuple[str, float], ...] = ()
     # Models sent with Anthropic's Messages API (kind "messages"); each must be in `models`.
     anthropic_models: tuple[str, ...] = ()
+    long_prompt_share: float = 0.0
+    long_prompt_tokens: int = 1500
 
     def __post_init__(self) -> None:
         # Frozen: the normalised mix replaces the given one in place.
@@ -79,13 +86,22 @@ class WorkloadSpec:
         unknown = [m for m in self.anthropic_models if m not in self.models]
         if unknown:
             raise ValueError(f"anthropic models not among the models: {', '.join(unknown)}")
-        for name in ("chat_share", "stream_share"):
+        for name in ("chat_share", "stream_share", "long_prompt_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1")
         for name in ("prompt_tokens", "max_tokens"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be a range 1 <= low <= high, got {low}:{high}")
+        if self.long_prompt_tokens < 1:
+            raise ValueError("long_prompt_tokens must be >= 1")
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request of this spec can have."""
+        if self.long_prompt_share > 0:
+            return max(self.prompt_tokens[1], self.long_prompt_tokens)
+        return self.prompt_tokens[1]
 
 
 def normalise_priorities(mix: Iterable[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
@@ -142,7 +158,7 @@ class PromptText:
 def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
     """The endless request sequence of `spec`; the same spec gives the same sequence."""
     rng = random.Random(spec.seed)
-    prompt = PromptText(spec.prompt_tokens[1], spec.seed)
+    prompt = PromptText(spec.longest_prompt, spec.seed)
     model_json = [json.dumps(m).encode() for m in spec.models]
     anthropic = [m in spec.anthropic_models for m in spec.models]
     p_low, p_high = spec.prompt_tokens
@@ -151,6 +167,7 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
     priority_rng = random.Random(f"priority-{spec.seed}")
     classes = [name for name, _ in spec.priorities]
     bounds = _cumulative([share for _, share in spec.priorities])
+    long_rng = random.Random(f"long-prompt-{spec.seed}")  # likewise
     seq = 0
     while True:
         index = seq % len(spec.models)
@@ -159,7 +176,12 @@ def plans(spec: WorkloadSpec) -> Iterator[RequestPlan]:
         stream = rng.random() < spec.stream_share
         n_prompt = rng.randint(p_low, p_high)
         n_max = rng.randint(m_low, m_high)
-        start = rng.randint(0, prompt.max_words)
+        # Over the short prompts' range whatever the text's length: a wider range would take
+        # other bits from `rng` and change every later draw.
+        start = rng.randint(0, p_high)
+        if spec.long_prompt_share and long_rng.random() < spec.long_prompt_share:
+            n_prompt = spec.long_prompt_tokens
+            start = long_rng.randint(0, prompt.max_words)
         kind: Kind
         if anthropic[index]:
             kind = "messages"

@@ -106,8 +106,13 @@ def header(run: Run) -> list[str]:
     date = run.date.strftime("%Y-%m-%d %H:%M UTC") if run.date else NA
     lines.append(f"- **Scenario**: `{name}`, seed `{seed if seed is not None else NA}`")
     lines.append(f"- **Run date**: {date}")
-    compression = compression_text(_first_meta(run, "time_compression"))
-    lines.append(f"- **Time compression**: {compression}")
+    engine = _first_meta(run, "engine")
+    if isinstance(engine, dict):
+        # Real engines: their own timings, nothing compressed.
+        lines.append(f"- **Backend**: {engine_text(engine)}")
+    else:
+        compression = compression_text(_first_meta(run, "time_compression"))
+        lines.append(f"- **Time compression**: {compression}")
     modes = list(run.modes.values())
     if not modes:
         lines += ["", "**No mode was run**: neither `direct/` nor `gateway/` exists.", ""]
@@ -145,6 +150,14 @@ def header(run: Run) -> list[str]:
             )
     lines.append("")
     return lines
+
+
+def engine_text(value: dict[str, Any]) -> str:
+    name = value.get("engine") or NA
+    return (
+        f"real engine {name}, `{value.get('preset', NA)}` model, {value.get('slots', NA)} slots "
+        "per instance (no time compression)"
+    )
 
 
 def compression_text(value: Any) -> str:
