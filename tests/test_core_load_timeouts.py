@@ -240,3 +240,24 @@ def test_timeouts_in_row_back_the_last_attempt_off_until_an_answer() -> None:
     assert timeouts(state, final=True).first_byte_s == POLICY.initial
     state.observe_stream(1.0, 0.05, 2.0, 10)
     assert state.timeouts_in_row == 0
+
+
+def test_a_queue_that_does_not_move_is_not_waited_on() -> None:
+    state = streams(20, 0.5, 0.05, 4.0)
+    turn = state.service.mean + state.service.deviation
+    moving = timeouts(state, load=Load(8, 4, 0, quiet_s=0.1))
+    frozen = timeouts(state, load=Load(8, 4, 0, quiet_s=turn + 0.1))
+    assert moving.first_byte_s == pytest.approx(timeouts(state).first_byte_s + 2 * turn)
+    assert frozen.first_byte_s == timeouts(state).first_byte_s
+
+
+def test_idle_timeouts_in_row_back_the_idle_timeout_off_until_a_stream_ends() -> None:
+    state = streams(20, 0.1, 0.3, 1.0)
+    idle = timeouts(state).idle_s
+    assert idle is not None
+    state.idle_timeouts_in_row = 2
+    assert timeouts(state).idle_s == pytest.approx(4 * idle)
+    state.idle_timeouts_in_row = 20  # at most 2^6, never past the unlearned timeout
+    assert timeouts(state).idle_s == pytest.approx(min(64 * idle, POLICY.initial))
+    state.observe_stream(0.1, 1.2, 5.0, 10)
+    assert state.idle_timeouts_in_row == 0

@@ -68,10 +68,21 @@ class LatencyState:
     doubles the first-byte time of the next attempt timed from the pool's prior, or of the next
     last attempt (as TCP backs its retransmission timeout off), so an instance that turned
     slower than it was, or is slower than the peers it is timed from, is not cut forever before
-    it could teach its new pace.
+    it could teach its new pace. `idle_timeouts_in_row` does the same for the idle timeout of
+    its streams: the largest gaps are learned only from streams that end, and a stream cut
+    short after its first byte cannot be retried.
     """
 
-    __slots__ = ("fit", "gap", "per_token", "prefill", "service", "timeouts_in_row", "ttfb")
+    __slots__ = (
+        "fit",
+        "gap",
+        "idle_timeouts_in_row",
+        "per_token",
+        "prefill",
+        "service",
+        "timeouts_in_row",
+        "ttfb",
+    )
 
     def __init__(self, smoothing: float) -> None:
         self.ttfb = Ewma(smoothing)
@@ -81,6 +92,7 @@ class LatencyState:
         self.fit = PrefillFit(smoothing)
         self.service = Ewma(smoothing)
         self.timeouts_in_row = 0
+        self.idle_timeouts_in_row = 0
 
     @property
     def estimators(self) -> tuple[Ewma, Ewma, Ewma, Ewma, Ewma]:
@@ -119,6 +131,7 @@ class LatencyState:
             self.prefill.observe(ttfb_s / prompt_tokens)
             self.fit.observe(prompt_tokens, ttfb_s)
         self.timeouts_in_row = 0
+        self.idle_timeouts_in_row = 0
 
     def observe_whole(self, total_s: float, tokens: int | None) -> None:
         """Record a finished non-streamed response.

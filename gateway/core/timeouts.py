@@ -53,12 +53,14 @@ class Load:
 
     `in_flight`: the gateway's other attempts on the instance; `capacity`: how many it was
     seen serving at once (streams past their first byte; 0 when never seen, taken as 1);
-    `prompt_tokens`: this request's estimated prompt size.
+    `prompt_tokens`: this request's estimated prompt size; `quiet_s`: how long since the
+    instance last sent a byte on any attempt.
     """
 
     in_flight: int = 0
     capacity: int = 0
     prompt_tokens: int = 0
+    quiet_s: float = 0.0
 
 
 NO_LOAD = Load()
@@ -126,9 +128,14 @@ def attempt_timeouts(
     - the queue the gateway itself put on the instance: with `c = max(1, load.capacity)` and
       `n = load.in_flight + 1` (this attempt included), `waves = ceil((n - c) / c)` when
       `n > c`, else 0; `queue = waves · (service_pred + k·service_dev)`: each wave waits for a
-      whole exchange to end and free a slot;
+      whole exchange to end and free a slot; 0 when the instance has been quiet
+      (`load.quiet_s`) for longer than one such exchange: a queue that does not move is no
+      reason to wait;
     - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`,
-      `idle = gap_pred + k·gap_dev + jitter` (`gap` is the largest gap of a stream);
+      `idle = gap_pred + k·gap_dev + jitter` (`gap` is the largest gap of a stream), doubled
+      for each of the instance's `idle_timeouts_in_row` (never past `policy.initial`): an
+      instance whose streams all turned slower would otherwise have every stream cut, and
+      never finish one to learn from;
     - non-streamed (the first byte is the whole generation):
       `first_byte = max(ttfb_pred, prefill) + m·tok_pred·(1 + h) + k·sqrt(ttfb_dev² +
       (m·tok_dev)²) + queue + jitter`, with `m = max(0, max_tokens)` (0 for an embedding), or
@@ -167,7 +174,11 @@ def attempt_timeouts(
     ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (policy.initial, 0.0)
     gap = estimate(_GAP)
     gap_pred, gap_dev = gap if gap is not None else (policy.initial, 0.0)
-    idle = min(max(gap_pred + k * gap_dev + jitter_s, floor), ceiling)
+    idle = gap_pred + k * gap_dev + jitter_s
+    if latency.idle_timeouts_in_row:
+        backed_off = idle * 2.0 ** min(latency.idle_timeouts_in_row, _MAX_DOUBLINGS)
+        idle = max(idle, min(backed_off, policy.initial))
+    idle = min(max(idle, floor), ceiling)
     extra_s = jitter_s
     pause_s = holds_s = 0.0
     if load is not NO_LOAD:
@@ -192,8 +203,12 @@ def attempt_timeouts(
         if waiting > 0:
             service = estimate(_SERVICE)
             if service is not None:
-                waves = -(-waiting // capacity)
-                extra_s += waves * (service[0] + k * service[1])
+                turn_s = service[0] + k * service[1]
+                # A queue is worth waiting on only while it moves: an instance that sent
+                # nothing for longer than an exchange takes is not serving it (frozen, hung).
+                if load.quiet_s <= turn_s:
+                    waves = -(-waiting // capacity)
+                    extra_s += waves * turn_s
     # The last attempt is stretched, the more after timeouts in a row (the prior's headroom
     # has those already), never past what an unlearned instance gets. Earlier attempts keep
     # their learned time: a retry elsewhere beats waiting on an instance that turned slow.

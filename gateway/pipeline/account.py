@@ -84,6 +84,8 @@ def _timed_out(
         log.warning("upstream timeout", extra={"fields": fields})
     if phase == "first_byte" and not queueing:
         instance.latency.timeouts_in_row += 1  # the next attempt there waits longer
+    elif phase == "idle":
+        instance.latency.idle_timeouts_in_row += 1  # and its next streams' gaps
 
 
 def _record(

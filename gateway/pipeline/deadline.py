@@ -46,7 +46,10 @@ class DeadlineLayer:
                 instance.in_flight - 1 + instance.ghosts_at(now),
                 instance.capacity_seen,
                 call.prompt_tokens,
+                now - instance.progress_at,
             ),
-            final=call.attempts >= call.last_attempt,
+            # No retry may follow, or none could go anywhere else: giving up early on a slow
+            # answer only turns it into an error.
+            final=call.attempts >= call.last_attempt or pool.alone(instance, now, call.refused),
         )
         return await next_handler(call)

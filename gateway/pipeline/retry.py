@@ -3,9 +3,10 @@
 Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`);
 an attempt whose outcome `retries.on` lists is retried on another instance when one is left,
 after exponential backoff with full jitter, if the retry budget and the request's deadline
-allow. A lone instance (a pool of one, or one whose other instances cannot take traffic) is
-retried itself after a transient failure (an error status, an OOM, a reset before the first
-byte), up to the most retries any tier allows: the tiers hold retries back when a
+allow (a refused connection is sent elsewhere without spending the budget: it cost no
+instance any work). A lone instance (a pool of one, or one whose other instances cannot take
+traffic) is retried itself after a transient failure (an error status, an OOM, a reset before
+the first byte), up to the most retries any tier allows: the tiers hold retries back when a
 high failure rate says failing over would land on other failing instances, but a transient
 failure of the only instance left is best met by asking it again (never by giving up while
 going direct would have worked). A Retry-After from a backend keeps new attempts off that
@@ -22,7 +23,6 @@ import time
 from opentelemetry import trace
 
 from gateway.core.backoff import backoff_s, retry_after_s
-from gateway.core.breaker import ADMITTING
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import PoolState
@@ -33,6 +33,11 @@ from gateway.upstream.stats import outcome_label
 # well answer the next time (503, 429 after its Retry-After, an OOM, a restart). A refusal or a
 # hang is not met with more of the same.
 _TRANSIENT = frozenset(("status", "oom", "reset"))
+
+
+# An instance that refused the connection or dropped it before answering is likely down or
+# going down (killed, restarting): a retry goes elsewhere while anything else can take it.
+_CONNECTION_LOST = frozenset(("connect_failure", "reset"))
 
 
 class Retry:
@@ -61,7 +66,7 @@ class Retry:
             except UpstreamError as error:
                 failure = error
                 outcome = error.outcome
-                if outcome.kind == "connect_failure" and call.instance is not None:
+                if outcome.kind in _CONNECTION_LOST and call.instance is not None:
                     call.refused.append(call.instance)
             now = clock()
             wait_s = 0.0
@@ -71,7 +76,8 @@ class Retry:
             if (
                 max_retries < pool.tiers.most_retries
                 and outcome.kind in _TRANSIENT
-                and _lone(pool, call, now)
+                and call.instance is not None
+                and pool.alone(call.instance, now, call.refused)
             ):
                 max_retries = pool.tiers.most_retries
                 call.last_attempt = max_retries + 1
@@ -86,7 +92,10 @@ class Retry:
                 )
                 delay = max(delay, wait_s)
                 allowed = now + delay < call.deadline
-                if allowed and not pool.budget.try_spend(now):
+                # A refused connection did no work anywhere: sending the request elsewhere
+                # adds no load (Finagle's requeues), and each instance refuses it once at most.
+                requeue = outcome.kind == "connect_failure"
+                if allowed and not requeue and not pool.budget.try_spend(now):
                     allowed = False
                     pool.stats.budget_exhausted += 1
                     if self._traced:
@@ -112,21 +121,6 @@ class Retry:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:
                 await asyncio.sleep(delay)
-
-
-def _lone(pool: PoolState, call: Call, now: float) -> bool:
-    """Whether no instance but the one that just failed can take the retry (those that refused
-    this request's connection do not count)."""
-    failed = call.instance
-    refused = call.refused
-    return not any(
-        inst is not failed
-        and inst not in refused
-        and inst.breaker.state == ADMITTING
-        and inst.not_before <= now
-        and not inst.saturated
-        for inst in pool.routable
-    )
 
 
 def _honour_retry_after(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -338,6 +338,20 @@ class PoolState:
             prior=prior,
             load=load,
             final=final,
+        )
+
+    def alone(
+        self, instance: InstanceState, now: float, refused: Sequence[InstanceState] = ()
+    ) -> bool:
+        """Whether no instance but `instance` can take a request at `now` (healthy, admitting,
+        not paused, not saturated; those in `refused` do not count)."""
+        return not any(
+            inst is not instance
+            and inst.breaker.state == ADMITTING
+            and inst.not_before <= now
+            and not inst.saturated
+            and inst not in refused
+            for inst in self.routable
         )
 
     def unavailable_admitting(self, now: float, besides: str = "") -> int:

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from gateway.upstream.h1 import UpstreamResponseHead
     from gateway.upstream.registry import InstanceState
 
+# A stream is stalled when a gap runs this many times past its own largest one so far (or past
+# the instance's learned idle timeout, whichever is longer): an instance that turned slow keeps
+# its streams going rather than having them cut one gap in.
+STREAM_PACE = 3.0
+
 FinishHook = Callable[["UpstreamResponse", "UpstreamError | None"], None]
 
 
@@ -100,10 +105,15 @@ class UpstreamResponse:
     async def next_chunk(self, idle_s: float, end_at: float) -> bytes:
         """The next piece of the body as it arrives (b"" at the end); raises UpstreamError.
 
-        Waits at most `idle_s` for it, and never past `end_at` (the exchange's deadline).
+        Waits at most `idle_s` for it, or `STREAM_PACE` times the stream's largest gap so far
+        if that is longer, and never past `end_at` (the exchange's deadline).
         """
         deadline = self._deadline
         now = self._loop_time()
+        paced = self.max_gap_s
+        if paced is not None and STREAM_PACE * paced > idle_s:
+            # The stream's own pace: a stall is a gap well beyond the ones it already had.
+            idle_s = STREAM_PACE * paced
         if now + idle_s < end_at:
             deadline.move(now + idle_s, "idle")
             deadline.idle_s = idle_s
