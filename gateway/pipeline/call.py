@@ -31,10 +31,10 @@ class Call:
     # still come): that one is not given up on early (see `attempt_timeouts`' `final`).
     last_attempt: int = 1
     tried: list[InstanceState] = field(default_factory=list)
-    # Instances that refused this request's connection or dropped it before answering: no
-    # retry goes back to them while any other instance could take it, isolated ones included
-    # (panic routing).
-    refused: list[InstanceState] = field(default_factory=list)
+    # Instances that refused this request's connection, dropped it before answering or let it
+    # time out: no retry goes back to them while any other instance could take it, isolated
+    # ones included (panic routing).
+    avoid: list[InstanceState] = field(default_factory=list)
     instance: InstanceState | None = None  # of the current attempt
     k: float = 1.0  # the deviation multiplier of the pool's current retry tier
     probe: bool = False  # the current attempt is its isolated instance's one probe

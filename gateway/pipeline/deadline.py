@@ -50,6 +50,6 @@ class DeadlineLayer:
             ),
             # No retry may follow, or none could go anywhere else: giving up early on a slow
             # answer only turns it into an error.
-            final=call.attempts >= call.last_attempt or pool.alone(instance, now, call.refused),
+            final=call.attempts >= call.last_attempt or pool.alone(instance, now, call.avoid),
         )
         return await next_handler(call)

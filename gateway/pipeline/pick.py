@@ -22,14 +22,14 @@ class Pick:
     Retry-After; in pools with admission control also below its concurrency limit, with room
     in its KV-token budget for the request, and not saturated by vLLM's account. An isolated
     instance whose isolation ran out takes the attempt as its one probe (a real request)
-    first. An instance that refused this request's connection is not asked again while any
-    other one could take it. When every healthy instance was tried, is paused or is full, one
-    of those is used rather than failing. When none is healthy and admitting, the pool panics
-    (the default, `breaker.when_none_available: panic`, as Envoy's panic threshold): the
-    attempt goes to the least bad instance that still answers (healthy but isolated first,
-    then unhealthy ones whose health check got an answer), untried ones first; only when no
-    instance answers at all is the client told at once (503 + Retry-After). With
-    `fail_fast`, nothing healthy and admitting is a 503 at once.
+    first. An instance that refused this request's connection, dropped it or let it time out
+    is not asked again while any other one could take it. When every healthy instance was
+    tried, is paused or is full, one of those is used rather than failing. When none is
+    healthy and admitting, the pool panics (the default, `breaker.when_none_available:
+    panic`, as Envoy's panic threshold): the attempt goes to the least bad instance that
+    still answers (healthy but isolated first, then unhealthy ones whose health check got an
+    answer), untried ones first; only when no instance answers at all is the client told at
+    once (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
     def __init__(self) -> None:
@@ -45,11 +45,11 @@ class Pick:
         fresh: list[InstanceState] = []
         admitting: list[InstanceState] = []
         probe = None
-        refused = call.refused
+        avoid = call.avoid
         for inst in pool.routable:
             breaker = inst.breaker
-            if refused and inst in refused:
-                continue  # it refused this request's connection a moment ago
+            if avoid and inst in avoid:
+                continue  # it refused, dropped or sat on this request a moment ago
             if breaker.state == ADMITTING:
                 admitting.append(inst)
                 limiter = inst.limiter
@@ -71,10 +71,10 @@ class Pick:
         else:
             panic = None
             if pool.policy.breaker.when_none_available == "panic":
-                panic = _least_bad(pool, tried, refused)
-            if panic is None and refused:
-                # Nothing else at all: the refusing instances again (they may be restarting).
-                panic = [i for i in refused if i.health.healthy] or None
+                panic = _least_bad(pool, tried, avoid)
+            if panic is None and avoid:
+                # Nothing else at all: those instances again (they may be restarting).
+                panic = [i for i in avoid if i.health.healthy] or None
             if panic is None:
                 raise NoInstanceAvailable(
                     f"no instance of pool {pool.name!r} is available",
@@ -110,9 +110,9 @@ def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> In
 
 
 def _least_bad(
-    pool: PoolState, tried: list[InstanceState], refused: list[InstanceState]
+    pool: PoolState, tried: list[InstanceState], avoid: list[InstanceState]
 ) -> list[InstanceState] | None:
-    return least_bad(pool.instances, _healthy, _answered, tried, refused)
+    return least_bad(pool.instances, _healthy, _answered, tried, avoid)
 
 
 def _healthy(inst: InstanceState) -> bool | None:

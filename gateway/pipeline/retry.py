@@ -36,8 +36,9 @@ _TRANSIENT = frozenset(("status", "oom", "reset"))
 
 
 # An instance that refused the connection or dropped it before answering is likely down or
-# going down (killed, restarting): a retry goes elsewhere while anything else can take it.
-_CONNECTION_LOST = frozenset(("connect_failure", "reset"))
+# going down (killed, restarting), and one that let it time out is likely hung or swamped: a
+# retry goes elsewhere while anything else can take it, an isolated instance included.
+_AVOID_AFTER = frozenset(("connect_failure", "reset", "timeout"))
 
 
 class Retry:
@@ -66,8 +67,8 @@ class Retry:
             except UpstreamError as error:
                 failure = error
                 outcome = error.outcome
-                if outcome.kind in _CONNECTION_LOST and call.instance is not None:
-                    call.refused.append(call.instance)
+                if outcome.kind in _AVOID_AFTER and call.instance is not None:
+                    call.avoid.append(call.instance)
             now = clock()
             wait_s = 0.0
             if response is not None:
@@ -77,7 +78,7 @@ class Retry:
                 max_retries < pool.tiers.most_retries
                 and outcome.kind in _TRANSIENT
                 and call.instance is not None
-                and pool.alone(call.instance, now, call.refused)
+                and pool.alone(call.instance, now, call.avoid)
             ):
                 max_retries = pool.tiers.most_retries
                 call.last_attempt = max_retries + 1

@@ -341,16 +341,16 @@ class PoolState:
         )
 
     def alone(
-        self, instance: InstanceState, now: float, refused: Sequence[InstanceState] = ()
+        self, instance: InstanceState, now: float, avoid: Sequence[InstanceState] = ()
     ) -> bool:
         """Whether no instance but `instance` can take a request at `now` (healthy, admitting,
-        not paused, not saturated; those in `refused` do not count)."""
+        not paused, not saturated; those in `avoid` do not count)."""
         return not any(
             inst is not instance
             and inst.breaker.state == ADMITTING
             and inst.not_before <= now
             and not inst.saturated
-            and inst not in refused
+            and inst not in avoid
             for inst in self.routable
         )
 
