@@ -248,3 +248,23 @@ pools:
     finally:
         gateway.stop()
         stop_backends(backends)
+
+
+def test_a_retry_leaves_an_instance_that_let_it_time_out_for_an_isolated_one(
+    pair: tuple[dict[str, Backend], Gateway],
+) -> None:
+    backends, gateway = pair
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        for i in range(40):  # both learn their pace (a hang is then given up on in seconds)
+            assert http.post("/v1/chat/completions", json=body(i)).status_code == 200
+        backends["a"].reset()
+        # b is isolated by its operator; a is the only instance admitting, and it hangs.
+        isolate = f"{gateway.admin_url}/admin/instances/chat/b/isolate"
+        httpx.post(isolate, timeout=5).raise_for_status()
+        backends["a"].set_faults(hang_rate=1.0)
+        reply = http.post("/v1/chat/completions", json=body(1))
+        # Asking a again would hang again: the retry went to b, which answers.
+        assert reply.status_code == 200
+        assert reply.headers["x-gateway-instance"] == "b"
+        assert reply.headers["x-gateway-attempts"] == "2"
+        assert [r["outcome"] for r in backends["a"].requests(wait_for=1)] == ["cancelled"]
