@@ -75,6 +75,7 @@ class _Instance:
         self.hold_released_at = -1.0
         self.progress_at = -1.0
         self.in_flight = 1
+        self.idle_stretch = 1.0
 
 
 async def test_an_idle_deadline_waits_out_a_prefill_the_gateway_sent() -> None:
@@ -167,6 +168,23 @@ async def test_a_stall_the_whole_instance_shares_gets_a_longer_grace() -> None:
     lone.task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await lone.task
+    task.uncancel()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_cut_on_the_instance_backs_off_the_waits_already_running() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    instance = _Instance()
+    instance.progress_at = 0.95  # its other streams go on, slowly
+    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline.move(1.0, "idle")
+    deadline.idle_s, deadline.waiting_since = 0.3, 0.7
+    instance.idle_stretch = 4.0  # two of its streams were cut: it turned slower
+    assert watchdog.sweep(now=1.0) == 0 and deadline.at == pytest.approx(0.7 + 1.2)
+    assert watchdog.sweep(now=1.9) == 1
     task.uncancel()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

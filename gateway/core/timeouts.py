@@ -81,7 +81,7 @@ _TTFB, _GAP, _PER_TOKEN, _PREFILL, _SERVICE = range(5)
 # after each timeout it has under the prior): a new or restarted instance is rescued from a
 # hang within a small multiple of what its peers take, never left on the static initial value.
 PRIOR_HEADROOM = 3.0
-_MAX_DOUBLINGS = 6
+MAX_DOUBLINGS = 6
 
 
 def _learned(
@@ -161,7 +161,7 @@ def attempt_timeouts(
     floor = policy.floor
     ceiling = policy.ceiling
     min_samples = policy.min_samples
-    backoff = 2.0 ** min(latency.timeouts_in_row, _MAX_DOUBLINGS)
+    backoff = 2.0 ** min(latency.timeouts_in_row, MAX_DOUBLINGS)
     headroom = PRIOR_HEADROOM * backoff
 
     def estimate(index: int) -> tuple[float, float] | None:
@@ -176,7 +176,7 @@ def attempt_timeouts(
     gap_pred, gap_dev = gap if gap is not None else (policy.initial, 0.0)
     idle = gap_pred + k * gap_dev + jitter_s
     if latency.idle_timeouts_in_row:
-        backed_off = idle * 2.0 ** min(latency.idle_timeouts_in_row, _MAX_DOUBLINGS)
+        backed_off = idle * 2.0 ** min(latency.idle_timeouts_in_row, MAX_DOUBLINGS)
         idle = max(idle, min(backed_off, policy.initial))
     idle = min(max(idle, floor), ceiling)
     extra_s = jitter_s

@@ -33,6 +33,11 @@ class Holder(Protocol):
     progress_at: float
     in_flight: int
 
+    @property
+    def idle_stretch(self) -> float:
+        """How far its streams' idle timeouts are backed off now (1: not at all)."""
+        ...
+
 
 class Deadline:
     __slots__ = (
@@ -79,7 +84,9 @@ class Deadline:
         prefills took during this wait (unless its own prompt is the one being prefilled: its
         deadline already counts that).
 
-        Waiting for the next chunk of a stream: not while such a prompt is being prefilled,
+        Waiting for the next chunk of a stream: not before its idle timeout times the instance's
+        current `idle_stretch` (backed off after cuts of its other streams), not while such a
+        prompt is being prefilled,
         not before a whole idle timeout after the last one got its first byte, and not before
         `INSTANCE_STALL_GRACE` idle timeouts while the instance, busy with other attempts, has
         sent nothing on any of them for half an idle timeout or more (a stall of every stream
@@ -108,6 +115,11 @@ class Deadline:
         if holder.holds > 0:
             at = max(at, holder.hold_until, now + tick_s)
         idle_s = self.idle_s
+        stretch = holder.idle_stretch
+        if stretch > 1.0:
+            # Streams on the instance were cut since this wait began: it turned slower, and
+            # the waits already running get the backed-off timeout too.
+            at = max(at, self.waiting_since + idle_s * stretch)
         at = max(at, holder.hold_released_at + idle_s)
         quiet_since = max(holder.progress_at, self.waiting_since)
         if holder.in_flight > 1 and now - quiet_since >= idle_s / 2:

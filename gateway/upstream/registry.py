@@ -19,7 +19,13 @@ from gateway.core.health import HealthState
 from gateway.core.histogram import Histogram
 from gateway.core.latency import LatencyState, pool_prior
 from gateway.core.tiers import TierTable
-from gateway.core.timeouts import NO_LOAD, AttemptTimeouts, Load, attempt_timeouts
+from gateway.core.timeouts import (
+    MAX_DOUBLINGS,
+    NO_LOAD,
+    AttemptTimeouts,
+    Load,
+    attempt_timeouts,
+)
 from gateway.ingress.auth import ClientAuth
 from gateway.ingress.routes import PROXY_ROUTES
 from gateway.upstream.stats import InstanceStats, PoolStats
@@ -122,6 +128,12 @@ class InstanceState:
         self.vllm_waiting: float | None = None
         self.vllm_cache_usage: float | None = None
         self.saturated = False
+
+    @property
+    def idle_stretch(self) -> float:
+        """How far its streams' idle timeouts are backed off after cuts (see LatencyState)."""
+        cuts = self.latency.idle_timeouts_in_row
+        return 2.0 ** min(cuts, MAX_DOUBLINGS) if cuts else 1.0
 
     def abandoned(self, now: float, for_s: float) -> None:
         """An attempt was given up on before its first byte: count it for `for_s` more."""
