@@ -29,6 +29,9 @@ def delays_ms(result: dict[str, Any], change: str) -> list[float]:
     return values
 
 
+CLOCK_SLACK_MS = 1.0
+
+
 def test_small_run_in_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "propagation.json"
     argv = ["--replicas", "3", "--rounds", "3", "--ttl", str(TTL_S), "--json", str(out)]
@@ -49,7 +52,11 @@ def test_small_run_in_both_modes(tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert summary["each_replica"]["count"] == 3 * 2  # the origin is not counted
             values = delays_ms(result, change)
             assert values
-            insane = [value for value in values if not 0.0 <= value <= round_timeout_ms]
+            # Each replica's change time is rebuilt from its wall clock and its event loop's
+            # clock (`state_since` in /admin/state), which the loop reads once per iteration:
+            # two replicas' times can be off by a fraction of a millisecond either way, so a
+            # replica that followed within that looks a hair early. Anything else is wrong.
+            insane = [value for value in values if not -CLOCK_SLACK_MS <= value <= round_timeout_ms]
             assert not insane, (mode, change, insane, result["rounds"])
         assert f"| {mode} | isolate | 3 | 0 |" in report
         assert f"| {mode} | restore | 3 | 0 |" in report
