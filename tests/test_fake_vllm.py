@@ -229,7 +229,7 @@ def test_hang_fault_holds_headers_until_the_client_leaves(client: httpx.Client) 
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         client.post("/v1/chat/completions", json=chat(), timeout=0.3)
-    assert time.monotonic() - started >= 0.3
+    assert time.monotonic() - started >= 0.29
     [record] = ended_log(client, 1)
     assert record["fault"] == "hang"
     assert record["outcome"] == "cancelled"
@@ -292,7 +292,9 @@ def test_slow_factor_scales_latency(client: httpx.Client) -> None:
     set_faults(client, ttft=0.05, per_token=0.0, slow_factor=4)
     started = time.monotonic()
     assert client.post("/v1/chat/completions", json=chat()).status_code == 200
-    assert time.monotonic() - started >= 0.2
+    # 4 × 0.05 s; an event loop may wake a timer a few milliseconds early, and
+    # anything well above the unscaled 0.05 s shows the factor was applied.
+    assert time.monotonic() - started >= 0.15
 
 
 def test_random_faults_are_reproducible_after_reset(client: httpx.Client) -> None:
