@@ -279,3 +279,29 @@ def test_anthropic_mix_short_run(tmp_path: Path) -> None:
     section = report.split("## Per model", 1)[1].split("\n## ", 1)[0]
     assert "`llama-3.1-8b`" in section
     assert "`claude-sonnet-4` (Messages API)" in section
+
+
+async def test_a_restart_cut_short_by_the_end_of_the_run_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """The run ends (the timeline is cancelled) while an instance is being started again: the
+    process that start brings up is recorded and stopped by `close`, not left running."""
+    scenario = Scenario.model_validate(
+        {"name": "x", "pools": {"chat": {"models": ["m"], "instances": 1}}}
+    )
+    cluster = Cluster(scenario, tmp_path)
+    try:
+        await asyncio.to_thread(cluster.start_all)
+        inst = cluster.instances["chat-0"]
+        first = inst.popen
+        await cluster.stop("chat-0", kill=True)
+        restart = asyncio.create_task(cluster.start("chat-0", 1.0))
+        await asyncio.sleep(0.05)  # the start is under way in its thread
+        restart.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await restart
+    finally:
+        await cluster.close()
+    second = inst.popen
+    assert second is not None and second is not first
+    assert second.poll() is not None

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,9 @@ class Cluster:
         self.redis: RedisServer | None = None
         self.redis_starts: list[float] = []  # run-clock times Redis was (re)started
         self._http = httpx.AsyncClient(timeout=5.0)
+        # Process starts still running in a thread: `close` waits for them, so that a start the
+        # run's end cancelled still has its process stopped.
+        self._launches: set[asyncio.Future[None]] = set()
         backend = scenario.backend
         proxied = {step.target for step in scenario.faults if step.action == "network"}
         index = 0
@@ -193,6 +197,8 @@ class Cluster:
 
     async def close(self) -> None:
         await self._http.aclose()
+        if self._launches:
+            await asyncio.gather(*self._launches, return_exceptions=True)
         procs = [self.gateway] if self.gateway else []
         for inst in self.instances.values():
             procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
@@ -262,11 +268,24 @@ class Cluster:
         inst = self.instances[name]
         if inst.running:
             await self.stop(name, kill=False)
-        if inst.launcher is not None:
-            inst.engine = await asyncio.to_thread(inst.launcher.start)
-        else:
-            inst.proc = await asyncio.to_thread(ManagedProcess, inst.argv)
+
+        def launch() -> None:
+            if inst.launcher is not None:
+                inst.engine = inst.launcher.start()
+            else:
+                inst.proc = ManagedProcess(inst.argv)
+
+        await self._launch(launch)
         inst.starts.append(now)
+
+    async def _launch(self, start: Callable[[], None]) -> None:
+        """Run `start` (which records the process it starts) in a thread to its end, even when
+        the step awaiting it is cancelled: the thread cannot be stopped, and a process it starts
+        after the caller gave up would otherwise outlive the run."""
+        launch = asyncio.ensure_future(asyncio.to_thread(start))
+        self._launches.add(launch)
+        launch.add_done_callback(self._launches.discard)
+        await asyncio.shield(launch)
 
     # --- the Redis of shared decisions ---------------------------------------------------
 
@@ -299,7 +318,7 @@ class Cluster:
         """Start Redis again on its port, empty (stopping it first if it still runs)."""
         redis = self._redis()
         await self.stop_redis(kill=False)
-        await asyncio.to_thread(redis.start)
+        await self._launch(redis.start)
         self.redis_starts.append(now)
 
     async def pause_redis(self, seconds: float) -> None:
