@@ -11,6 +11,7 @@ import sys
 from collections.abc import Awaitable
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from pydantic import ValidationError
@@ -305,3 +306,56 @@ async def test_a_restart_cut_short_by_the_end_of_the_run_leaves_no_process(
     second = inst.popen
     assert second is not None and second is not first
     assert second.poll() is not None
+
+
+async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_end_of_for(
+    tmp_path: Path,
+) -> None:
+    """A kill with `for:` brings a fake backend back when the step says, not when a new
+    interpreter has finished starting: the replacement boots during the kill, with its port
+    closed until the end of the step, and serves from then on."""
+    scenario = Scenario.model_validate(
+        {
+            "name": "x",
+            "pools": {"chat": {"models": ["m"], "instances": 1}},
+            "faults": [{"target": "chat-0", "action": "kill", "at": "0s", "for": "1s"}],
+        }
+    )
+    cluster = Cluster(scenario, tmp_path)
+    events = JsonlWriter(tmp_path / "events.jsonl", flush_every=1)
+    try:
+        await asyncio.to_thread(cluster.start_all)
+        inst = cluster.instances["chat-0"]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeline = Timeline(
+            cluster,
+            scenario.faults,
+            planned_s=10.0,
+            clock=lambda: loop.time() - started,
+            events=events,
+        )
+
+        async def serves_at(t: float) -> bool:
+            await asyncio.sleep(t - (loop.time() - started))
+            try:
+                async with httpx.AsyncClient(timeout=0.5) as client:
+                    return (await client.get(f"{inst.backend_url}/health")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _, during = await asyncio.wait_for(
+            asyncio.gather(timeline.run(_NoRequests()), serves_at(0.6)), timeout=30
+        )
+        assert not timeline.errors
+        assert during is False
+        assert await serves_at(0.0)
+        assert inst.popen is not None and "--serve-at" in inst.popen.args
+        assert inst.starts[-1] == pytest.approx(1.0)
+    finally:
+        events.close()
+        await cluster.close()
+    logged = list(read_events(tmp_path / "events.jsonl"))
+    assert [(e.action, e.target) for e in logged] == [("kill", "chat-0"), ("start", "chat-0")]
+    assert logged[1].t >= 1.0
+    assert not inst.running

@@ -292,7 +292,7 @@ def test_slow_factor_scales_latency(client: httpx.Client) -> None:
     set_faults(client, ttft=0.05, per_token=0.0, slow_factor=4)
     started = time.monotonic()
     assert client.post("/v1/chat/completions", json=chat()).status_code == 200
-    # 4 × 0.05 s; an event loop may wake a timer a few milliseconds early, and
+    # 4 x 0.05 s; an event loop may wake a timer a few milliseconds early, and
     # anything well above the unscaled 0.05 s shows the factor was applied.
     assert time.monotonic() - started >= 0.15
 
@@ -456,3 +456,16 @@ async def test_engine_queues_beyond_max_running_and_fails_kv_overflow_as_oom(
         assert gauge(metrics, "vllm:kv_cache_usage_perc", "m1") == 0
         await client.post("/_fake/reset")
         assert (await client.get("/_fake/engine")).json()["ooms"] == 0
+
+
+def test_serve_at_opens_the_port_no_earlier_than_asked() -> None:
+    serve_at = time.time() + 1.0
+    proc = ManagedProcess(
+        python_module("loadtests.fake_vllm", "--port", "0", "--serve-at", f"{serve_at:.3f}")
+    )
+    try:
+        assert time.time() >= serve_at - 0.01  # READY comes once the port is open
+        response = httpx.get(f"http://127.0.0.1:{proc.port()}/health", timeout=5)
+        assert response.status_code == 200
+    finally:
+        proc.stop()

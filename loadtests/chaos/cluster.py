@@ -264,16 +264,25 @@ class Cluster:
         elif inst.proc is not None:
             await asyncio.to_thread(inst.proc.stop)
 
-    async def start(self, name: str, now: float) -> None:
+    def boots_ahead(self, name: str) -> bool:
+        """Whether `start` can boot the instance ahead of time and open its port at a given
+        moment (fake backends can; an engine loads its model only when started)."""
+        return self.instances[name].launcher is None
+
+    async def start(self, name: str, now: float, *, serve_at: float | None = None) -> None:
+        """Start the instance again (stopping it first if it runs); with `serve_at` (Unix
+        seconds, fake backends only), it opens its port at that moment, not when booted, so that
+        the direct and the gateway run of a scenario get it back at the same time."""
         inst = self.instances[name]
         if inst.running:
             await self.stop(name, kill=False)
+        argv = inst.argv if serve_at is None else [*inst.argv, "--serve-at", f"{serve_at:.3f}"]
 
         def launch() -> None:
             if inst.launcher is not None:
                 inst.engine = inst.launcher.start()
             else:
-                inst.proc = ManagedProcess(inst.argv)
+                inst.proc = ManagedProcess(argv)
 
         await self._launch(launch)
         inst.starts.append(now)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from gateway.server import bind_listener
@@ -58,6 +59,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="log the exact x-api-key and authorization of /v1/messages requests "
         "(also FAKE_VLLM_RECORD_CREDENTIALS=1); by default only presence and a short hash",
     )
+    parser.add_argument(
+        "--serve-at",
+        type=float,
+        help="wall-clock time (Unix seconds) to open the port at: a restart that comes back at a "
+        "known moment, whatever the interpreter's start-up costs on a busy machine",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -99,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_slowdown=args.batch_slowdown,
         record_credentials=args.record_credentials,
     )
+    if args.serve_at is not None:
+        time.sleep(max(0.0, args.serve_at - time.time()))
     sock = bind_listener(args.host, args.port)
     server_config = rig_config(build_app(config), args.log_level)
     logging.getLogger("uvicorn.error").addFilter(_IntendedAbort())
