@@ -520,3 +520,120 @@ def test_a_success_resets_the_consecutive_failures() -> None:
     for now, failed in [(1.0, True), (1.1, True), (1.2, False), (1.3, True), (1.4, True)]:
         assert b.record(now, failed, False, rng) is None
     assert b.record(1.5, True, False, rng) is not None
+
+
+# -- the worse instance takes the place ---------------------------------------------------------
+
+
+def test_a_tripping_instance_that_answers_nothing_takes_the_place_of_one_that_answers() -> None:
+    # a (50x slow) ran out of time first and was isolated; a retry sent there since was answered.
+    # b (frozen) then trips too, having answered nothing since before: a is let back, b goes out.
+    pool = PoolBreakers(POLICY, ["a", "b"], jitter=0.0)
+    a, b = pool["a"], pool["b"]
+    ok(b, 0.0)
+    trip_on_timeouts(a, 1.0)
+    assert a.state == ISOLATED
+    assert ok(a, 1.5) is None and a.state == ISOLATED  # counted for nothing but the evidence
+    transition = trip_on_timeouts(b, 2.0)
+    assert (transition.instance, transition.to, transition.suppressed) == ("b", ISOLATED, False)
+    assert transition.displaced == Transition("a", ISOLATED, ADMITTING, "let back: b is worse")
+    assert (a.state, b.state) == (ADMITTING, ISOLATED)
+    assert a.try_admit(2.0) and not b.try_admit(2.0)
+    assert pool.isolated_count() == 1
+    # b never answers: a's next trips are refused, not swapped back.
+    marker = trip_on_timeouts(a, 3.0)
+    assert marker.suppressed and marker.displaced is None and b.state == ISOLATED
+
+
+def test_an_instance_that_was_answering_when_isolated_is_let_back_for_one_that_was_not() -> None:
+    # a (slow, failing 30 %) went out on its error rate while still answering; b froze before
+    # that and trips on timeouts: b has answered nothing for longer, so b goes out instead.
+    policy = BreakerPolicy(consecutive_failures=10_000, min_requests=5)
+    pool = PoolBreakers(policy, ["a", "b"], jitter=0.0)
+    a, b = pool["a"], pool["b"]
+    ok(b, 0.5)
+    for _ in range(4):
+        ok(a, 1.0)
+    transition = fail(a, 1.1)  # 1 of 5
+    assert transition is not None and transition.reason.startswith("error rate")
+    assert a.state == ISOLATED
+    transition = trip_on_timeouts(b, 2.0)
+    assert transition.to == ISOLATED and transition.displaced is not None
+    assert (a.state, b.state) == (ADMITTING, ISOLATED)
+
+
+def test_an_instance_that_cannot_take_traffic_anyway_is_not_let_back() -> None:
+    # a went out, then its health checks failed too: letting it back would not make room.
+    down: set[str] = set()
+    pool = PoolBreakers(
+        POLICY,
+        ["a", "b", "c"],
+        jitter=0.0,
+        unavailable=lambda now, name: len({n for n in down - {name} if pool[n].state == ADMITTING}),
+    )
+    a, b = pool["a"], pool["b"]
+    trip_on_timeouts(a, 1.0)
+    ok(a, 1.5)
+    down.add("a")
+    marker = trip_on_timeouts(b, 2.0)
+    assert marker.suppressed and marker.displaced is None
+    assert (a.state, b.state) == (ISOLATED, ADMITTING)
+
+
+def test_no_place_is_taken_for_an_instance_that_answered_later_than_the_isolated_one() -> None:
+    pool = PoolBreakers(POLICY, ["a", "b"], jitter=0.0)
+    a, b = pool["a"], pool["b"]
+    trip_on_timeouts(a, 1.0)
+    ok(a, 1.2)
+    ok(b, 1.5)  # b answered after a did: both answer; the first to go stays out
+    marker = trip_on_timeouts(b, 2.0)
+    assert marker.suppressed and (a.state, b.state) == (ISOLATED, ADMITTING)
+
+
+def test_an_error_rate_trip_takes_no_place() -> None:
+    # A share of failures is not "answers nothing": such trips never displace anyone.
+    pool = PoolBreakers(POLICY, ["a", "b"], jitter=0.0)
+    a, b = pool["a"], pool["b"]
+    for _ in range(17):
+        ok(b, 0.1)
+    trip_on_timeouts(a, 0.2)
+    ok(a, 0.3)
+    for _ in range(3):
+        assert fail(b, 1.0) is None  # 3/20 is not above 15 %
+    marker = fail(b, 1.0)
+    assert marker is not None and marker.suppressed and marker.displaced is None
+    assert marker.reason.startswith("error rate")
+    assert (a.state, b.state) == (ISOLATED, ADMITTING)
+
+
+def test_operator_isolations_and_probes_keep_their_place() -> None:
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0)
+    a, b, c = pool["a"], pool["b"], pool["c"]
+    assert a.isolate(0.0, RNG) is not None  # the operator's: fills the cap of 1
+    ok(a, 0.5)
+    assert trip_on_timeouts(b, 1.0).suppressed and a.forced
+
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0)
+    a, b, c = pool["a"], pool["b"], pool["c"]
+    trip_on_timeouts(a, 0.0)
+    assert a.try_admit(POLICY.isolation + 1) and a.state == PROBING
+    ok(a, POLICY.isolation + 1.5)  # not the probe's result: a stays PROBING
+    assert a.state == PROBING
+    assert trip_on_timeouts(b, POLICY.isolation + 2).suppressed
+    assert c.state == ADMITTING
+
+
+def test_no_place_is_taken_when_the_pool_would_still_be_over_its_cap() -> None:
+    # c stops taking traffic (unhealthy) after a went out: letting a back would not make room
+    # for b, so a stays out and b stays in.
+    down: set[str] = set()
+    pool = PoolBreakers(
+        POLICY, ["a", "b", "c"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+    )
+    a, b = pool["a"], pool["b"]
+    trip_on_timeouts(a, 1.0)
+    ok(a, 1.5)
+    down.add("c")
+    marker = trip_on_timeouts(b, 2.0)
+    assert marker.suppressed and marker.displaced is None
+    assert (a.state, b.state) == (ISOLATED, ADMITTING)

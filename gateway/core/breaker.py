@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from gateway.config.models import BreakerPolicy
@@ -47,6 +47,8 @@ class Transition:
     reason: str
     until: float | None = None
     suppressed: bool = False
+    # An isolation that took another one's place: that one's lift, to apply and share first.
+    displaced: Transition | None = None
 
 
 def isolation_cap(fraction: float, size: int) -> int:
@@ -138,11 +140,13 @@ class BreakerState:
         "_guard",
         "_isolation_s",
         "_jitter",
+        "_make_room",
         "_max_isolation_s",
         "_min_requests",
         "_timeout_limit",
         "_window",
         "_window_s",
+        "answered_at",
         "changed_at",
         "consecutive_failures",
         "consecutive_timeouts",
@@ -162,6 +166,7 @@ class BreakerState:
         instance: str = "",
         may_isolate: Callable[[float, str], bool] | None = None,
         jitter: float = JITTER,
+        make_room: MakeRoom | None = None,
     ) -> None:
         if not 0.0 <= jitter < 1.0:
             raise ValueError(f"jitter must be in [0, 1), got {jitter}")
@@ -180,28 +185,38 @@ class BreakerState:
         self.suppressed_isolations = 0
         self.consecutive_timeouts = 0
         self.consecutive_failures = 0
+        # When an attempt on it last ended well, in any state (answers while isolated are not
+        # counted, but they show which isolated instance works: see PoolBreakers).
+        self.answered_at = -_INF
         self._admitting_since = -_INF
         self._jitter = jitter
         self._window_s = policy.window
         # first: results, second: failures
         self._window = WindowPair(max(1, math.ceil(policy.window)))
-        self._settings(policy, may_isolate)
+        self._settings(policy, may_isolate, make_room)
 
     def reconfigure(
-        self, policy: BreakerPolicy, may_isolate: Callable[[float, str], bool] | None
+        self,
+        policy: BreakerPolicy,
+        may_isolate: Callable[[float, str], bool] | None,
+        make_room: MakeRoom | None = None,
     ) -> None:
         """Take a reloaded policy's settings (and the new pool's guard), keeping the state:
         ISOLATED stays isolated until its `isolated_until`, the streak and counts stay. The
         window keeps its counts unless its length changed (then it starts empty)."""
-        self._settings(policy, may_isolate)
+        self._settings(policy, may_isolate, make_room)
         if max(1, math.ceil(policy.window)) != max(1, math.ceil(self._window_s)):
             self._window = WindowPair(max(1, math.ceil(policy.window)))
         self._window_s = policy.window
 
     def _settings(
-        self, policy: BreakerPolicy, may_isolate: Callable[[float, str], bool] | None
+        self,
+        policy: BreakerPolicy,
+        may_isolate: Callable[[float, str], bool] | None,
+        make_room: MakeRoom | None,
     ) -> None:
         self._guard = may_isolate
+        self._make_room = make_room
         self._timeout_limit = policy.consecutive_timeouts
         self._failure_limit = policy.consecutive_failures
         self._error_rate = policy.error_rate
@@ -242,6 +257,8 @@ class BreakerState:
         `failed`: the instance is to blame; `timeout`: that failure was a timeout (implies
         `failed`); `probe`: this attempt was the probe `try_admit` let through.
         """
+        if not (failed or timeout):
+            self.answered_at = now
         if self.state != ADMITTING:
             if probe and self.state == PROBING:
                 return self._probe_result(now, failed or timeout, timeout, rng)
@@ -258,11 +275,15 @@ class BreakerState:
         if timeout:
             self.consecutive_timeouts += 1
             if self.consecutive_timeouts >= self._timeout_limit:
-                return self._trip(now, rng, f"{self.consecutive_timeouts} consecutive timeouts")
+                return self._trip(
+                    now, rng, f"{self.consecutive_timeouts} consecutive timeouts", in_a_row=True
+                )
         else:
             self.consecutive_timeouts = 0
         if self.consecutive_failures >= self._failure_limit:
-            return self._trip(now, rng, f"{self.consecutive_failures} consecutive failures")
+            return self._trip(
+                now, rng, f"{self.consecutive_failures} consecutive failures", in_a_row=True
+            )
         results = window.first_total
         if results >= self._min_requests:
             failures = window.second_total
@@ -409,9 +430,17 @@ class BreakerState:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _trip(self, now: float, rng: random.Random, reason: str) -> Transition:
+    def _trip(
+        self, now: float, rng: random.Random, reason: str, in_a_row: bool = False
+    ) -> Transition:
         guard = self._guard
         if guard is not None and not guard(now, self.instance):
+            make_room = self._make_room
+            if in_a_row and make_room is not None:
+                displaced = make_room(now, self)
+                if displaced is not None and guard(now, self.instance):
+                    isolated = self._isolate(now, rng, reason, ADMITTING)
+                    return replace(isolated, displaced=displaced)
             # Counters stay: the next failure asks again, and isolates once there is room.
             self.suppressed_isolations += 1
             return Transition(
@@ -457,6 +486,9 @@ class BreakerState:
         self._window.clear()
 
 
+MakeRoom = Callable[[float, "BreakerState"], "Transition | None"]
+
+
 class PoolBreakers:
     """A pool's breakers and its guard rail, Envoy's ejection cap, counted over availability.
 
@@ -470,6 +502,19 @@ class PoolBreakers:
     A refused trip is not an error: the breaker stays ADMITTING, its `suppressed_isolations`
     rises and `record` returns a `suppressed` Transition. Operator isolations ignore the cap
     (but count toward it).
+
+    **The worse one goes out.** The first instance to trip takes the room, and it need not be
+    the worst: with one instance 50x slow and another frozen, the slow one may run out of time
+    first and the frozen one is then kept. So a trip on consecutive failures or timeouts that
+    the cap refuses may take the place of an automatic isolation (`make_room`): of the ISOLATED
+    instances (not an operator's, not one being probed) that answered well later than the
+    tripping instance last did (`answered_at`, before their isolation or since, through a retry
+    or a panic request sent there), the one that answered last is let back (`lift`, its
+    Transition in `displaced`) and the tripping one isolated, if the pool is then within its
+    cap (an instance let back that cannot take traffic for another reason, say unhealthy, would
+    still count: then nothing changes). Of two bad instances, the one out is the one that has
+    answered nothing for longer. An error-rate trip never takes a place: such an instance still
+    answers between failures.
 
     Counting the out instances walks the pool: trips are rare, and a count kept by hand could
     drift from the states it mirrors.
@@ -497,9 +542,11 @@ class PoolBreakers:
         for name in instances:
             kept = existing.get(name) if existing is not None else None
             if kept is None:
-                self.breakers[name] = BreakerState(policy, name, self.may_isolate, jitter)
+                self.breakers[name] = BreakerState(
+                    policy, name, self.may_isolate, jitter, self.make_room
+                )
             else:
-                kept.reconfigure(policy, self.may_isolate)
+                kept.reconfigure(policy, self.may_isolate, self.make_room)
                 self.breakers[name] = kept
 
     def __getitem__(self, instance: str) -> BreakerState:
@@ -523,6 +570,33 @@ class PoolBreakers:
             return False
         unavailable = self.unavailable
         return unavailable is None or out + unavailable(now, instance) < self.cap
+
+    def make_room(self, now: float, tripping: BreakerState) -> Transition | None:
+        """Let back the isolated instance that `tripping` is worse than (see the class
+        docstring), if releasing it makes room for `tripping`; its lift, or None."""
+        best: BreakerState | None = None
+        for breaker in self.breakers.values():
+            if (
+                breaker is tripping
+                or breaker.state != ISOLATED
+                or breaker.forced
+                or breaker.answered_at <= tripping.answered_at
+            ):
+                continue
+            if best is None or breaker.answered_at > best.answered_at:
+                best = breaker
+        if best is None:
+            return None
+        # Would the pool have room with `best` back? Asked with it admitting, since the count
+        # of instances unavailable for other reasons covers admitting ones only.
+        best.state = ADMITTING
+        try:
+            room = self.may_isolate(now, tripping.instance)
+        finally:
+            best.state = ISOLATED
+        if not room:
+            return None
+        return best.lift(now, f"let back: {tripping.instance} is worse")
 
     @property
     def suppressed_isolations(self) -> int:
