@@ -31,3 +31,20 @@ def test_thresholds_in_both_directions() -> None:
 def test_assumed_healthy_without_checks() -> None:
     state = HealthState.assumed_healthy(5.0)
     assert state.healthy is True and state.cold_start_s == 0.0
+
+
+def test_in_doubt_while_checks_disagree_with_the_verdict() -> None:
+    state = HealthState(0.0, healthy_threshold=2, unhealthy_threshold=2)
+    assert not state.in_doubt  # unknown, nothing passed yet
+    state.record(1.0, True, "HTTP 200")
+    assert state.healthy is None and state.in_doubt  # one pass of two: check again soon
+    state.record(2.0, True, "HTTP 200")
+    assert state.healthy is True and not state.in_doubt
+    state.record(3.0, False, "no answer within 1s")
+    assert state.healthy is True and state.in_doubt
+    state.record(4.0, False, "no answer within 1s")
+    assert state.healthy is False and not state.in_doubt
+    state.record(5.0, True, "HTTP 200")
+    assert state.healthy is False and state.in_doubt
+    state.record(6.0, False, "HTTP 503")
+    assert not state.in_doubt

@@ -3,8 +3,10 @@ with nothing healthy answers at once (503 + Retry-After)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -112,3 +114,36 @@ def test_health_lifecycle(gateway: Gateway, backends: dict[str, Backend]) -> Non
         backends[name].set_faults(unhealthy=False)
     assert wait_until(lambda: health_of(gateway, "h0")["healthy"] is True, timeout_s=5)
     assert set(served_by(gateway, 2)) <= {"h0", "h1"}
+
+
+def test_a_request_that_times_out_brings_the_next_check_forward(tmp_path: Path) -> None:
+    """A frozen instance (SIGSTOP: connections open, nothing answers) is known down from the
+    checks a timed-out request asks for, every `fast_interval` while in doubt, long before the
+    next round of a 60 s interval."""
+    started = start_backends(("q0", "q1"), ["qm"], "--ttft", "0", "--per-token", "0")
+    policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  qp:
+    models: [qm]
+    instances: [{instances_yaml(started)}]
+    health: {{interval: 60s, fast_interval: 100ms, timeout: 300ms, unhealthy_threshold: 2}}
+    timeouts: {{initial: 300ms, floor: 300ms}}
+"""
+    gw = start_gateway(tmp_path / "policy.yaml", policy)
+    frozen = started["q1"].proc
+    try:
+        assert health_of(gw, "q1", "qp")["healthy"] is True
+        frozen.signal(signal.SIGSTOP)
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            body = {"model": "qm", "max_tokens": 2}
+            # Round robin of two: one of the first few lands on q1, times out, is retried on q0.
+            statuses = [http.post("/v1/chat/completions", json=body).status_code for _ in range(4)]
+        assert statuses == [200] * 4
+        assert wait_until(lambda: health_of(gw, "q1", "qp")["healthy"] is False, timeout_s=30)
+        assert health_of(gw, "q1", "qp")["reason"] == "no answer within 0.3s"
+        assert health_of(gw, "q0", "qp")["healthy"] is True
+    finally:
+        frozen.signal(signal.SIGCONT)
+        gw.stop()
+        stop_backends(started)

@@ -200,6 +200,9 @@ class HealthPolicy(Strict):
     enabled: bool = True
     path: UrlPath = "/health"
     interval: Duration = Field(default=2.0, gt=0)
+    # Sooner while the verdict is in doubt, and right after a request timed out there or could
+    # not connect (no sooner than this after the previous check): HAProxy's fastinter.
+    fast_interval: Duration = Field(default=0.5, gt=0)
     timeout: Duration = Field(default=1.0, gt=0)
     healthy_threshold: int = Field(default=1, ge=1)
     unhealthy_threshold: int = Field(default=2, ge=1)

@@ -64,6 +64,15 @@ class HealthState:
         self._unhealthy_threshold = unhealthy_threshold
 
     @property
+    def in_doubt(self) -> bool:
+        """Whether the last checks disagree with the verdict without having overturned it
+        yet (a healthy instance failed a check, an unhealthy one passed one): the next check
+        should come soon (HAProxy's `fastinter`)."""
+        if self.healthy is True:
+            return self._fails > 0
+        return self._passes > 0
+
+    @property
     def cold_start_s(self) -> float | None:
         return None if self.first_healthy is None else self.first_healthy - self.first_seen
 

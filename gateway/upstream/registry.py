@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import ssl
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ class InstanceState:
         "ghosts",
         "ghosts_until",
         "health",
+        "health_wanted",
         "hold_released_at",
         "hold_started_at",
         "hold_until",
@@ -114,6 +116,9 @@ class InstanceState:
         self.failures = 0  # attempts that failed through the instance's fault
         self.latency = LatencyState(smoothing)
         self.health = health
+        # Set when a request saw a sign that it may be down (a timeout, a refused or broken
+        # connection): its health checker checks it early.
+        self.health_wanted = asyncio.Event()
         self.breaker = breaker
         # Peak-EWMA of attempt durations: the balancer's latency, quick to see a slowdown.
         self.peak = PeakEwma(now)
