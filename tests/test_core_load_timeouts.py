@@ -242,6 +242,37 @@ def test_timeouts_in_row_back_the_last_attempt_off_until_an_answer() -> None:
     assert state.timeouts_in_row == 0
 
 
+def test_the_last_attempt_is_stretched_from_the_floor_when_the_learned_time_is_below_it() -> None:
+    # Learned 10 ms: four times that is still under the 250 ms floor, which a 50x slowdown
+    # (500 ms) exceeds; the last attempt waits four floors.
+    state = streams(20, 0.01, 0.001, 0.05)
+    assert timeouts(state).first_byte_s == POLICY.floor
+    assert timeouts(state, final=True).first_byte_s == pytest.approx(
+        FINAL_ATTEMPT_HEADROOM * POLICY.floor
+    )
+    whole = timeouts(state, stream=False, max_tokens=0)
+    assert timeouts(state, stream=False, max_tokens=0, final=True).first_byte_s == (
+        pytest.approx(FINAL_ATTEMPT_HEADROOM * whole.first_byte_s)
+    )
+
+
+def test_attempts_timed_out_together_back_off_once() -> None:
+    # Fifty attempts sent at once to a frozen instance all time out: one round, one doubling.
+    state = streams(20, 0.4, 0.05, 1.0)
+    sent = [timeouts(state, final=True) for _ in range(50)]
+    assert {t.backoff for t in sent} == {0}
+    for attempt in sent:
+        state.timed_out(attempt.backoff)
+    assert state.timeouts_in_row == 1
+    # The next round waited twice as long, and doubles it again when it times out too.
+    again = timeouts(state, final=True)
+    assert again.backoff == 1
+    assert again.first_byte_s == pytest.approx(2 * sent[0].first_byte_s)
+    state.timed_out(again.backoff)
+    state.timed_out(sent[0].backoff)  # a straggler of the first round changes nothing
+    assert state.timeouts_in_row == 2
+
+
 def test_a_queue_that_does_not_move_is_not_waited_on() -> None:
     state = streams(20, 0.5, 0.05, 4.0)
     turn = state.service.mean + state.service.deviation

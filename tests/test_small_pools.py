@@ -8,6 +8,7 @@ compares the success rates of the two in the same run.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,34 @@ def test_a_retry_leaves_an_instance_that_let_it_time_out_for_an_isolated_one(
         assert reply.headers["x-gateway-instance"] == "b"
         assert reply.headers["x-gateway-attempts"] == "2"
         assert [r["outcome"] for r in backends["a"].requests(wait_for=1)] == ["cancelled"]
+
+
+# -- a pool of two gone gray: one instance 50x slow, the other frozen ------------------------
+
+
+def test_a_slow_instance_and_a_frozen_one_serve_through_the_slow_one(
+    pair: tuple[dict[str, Backend], Gateway],
+) -> None:
+    """Whichever runs out of time first, the frozen one ends up out (the slow one, answering
+    retries, is let back in its place, or the frozen one's checks fail first) and every request
+    is served by the slow one. Direct, half of them would hang on the frozen one."""
+    backends, gateway = pair
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        for i in range(30):  # both learn their pace
+            assert http.post("/v1/chat/completions", json=body(i)).status_code == 200
+        backends["a"].set_faults(slow_factor=50)
+        frozen = backends["b"].proc
+        frozen.signal(signal.SIGSTOP)
+        try:
+            results = [succeeded(http, gateway.url, body(i)) for i in range(30)]
+            b = instance_state(gateway, "b")
+            a = instance_state(gateway, "a")
+        finally:
+            frozen.signal(signal.SIGCONT)
+    print(f"slow and frozen: {sum(results)}/30 served; a {a['state']}, b {b['state']}")
+    # Direct, every other request would hang on b. The first one or two after both turned may
+    # spend their attempts before the gateway can tell which is which.
+    assert sum(results) >= 27
+    # b cannot take traffic; a can (or, b out by its health checks, is the least bad one left).
+    assert b["state"] == "ISOLATED" or b["health"]["healthy"] is False
+    assert a["state"] == "ADMITTING" or b["state"] != "ISOLATED"

@@ -64,13 +64,15 @@ class LatencyState:
       byte: what a request queued behind a full instance waits for each turn.
 
     Record only successful responses (a timed-out attempt has no latency, only a lower bound).
-    `timeouts_in_row` counts the first-byte timeouts since the instance's last answer: each
-    doubles the first-byte time of the next attempt timed from the pool's prior, or of the next
-    last attempt (as TCP backs its retransmission timeout off), so an instance that turned
-    slower than it was, or is slower than the peers it is timed from, is not cut forever before
-    it could teach its new pace. `idle_timeouts_in_row` does the same for the idle timeout of
-    its streams: the largest gaps are learned only from streams that end, and a stream cut
-    short after its first byte cannot be retried.
+    `timeouts_in_row` counts the first-byte timeouts in a row since the instance's last answer,
+    one per round (`timed_out`): each doubles the first-byte time of the next attempt timed
+    from the pool's prior, or of the next last attempt (as TCP backs its retransmission timeout
+    off), so an instance that turned slower than it was, or is slower than the peers it is
+    timed from, is not cut forever before it could teach its new pace. A round is an attempt
+    that waited the time backed off so far: fifty attempts sent at once to a frozen instance
+    and timed out together double it once, not fifty times. `idle_timeouts_in_row` does the
+    same for the idle timeout of its streams: the largest gaps are learned only from streams
+    that end, and a stream cut short after its first byte cannot be retried.
     """
 
     __slots__ = (
@@ -97,6 +99,11 @@ class LatencyState:
     @property
     def estimators(self) -> tuple[Ewma, Ewma, Ewma, Ewma, Ewma]:
         return (self.ttfb, self.gap, self.per_token, self.prefill, self.service)
+
+    def timed_out(self, backoff: int) -> None:
+        """An attempt whose first-byte time was doubled `backoff` times (its
+        `AttemptTimeouts.backoff`) got no first byte: the next ones double once more than it."""
+        self.timeouts_in_row = max(self.timeouts_in_row, backoff + 1)
 
     def set_smoothing(self, smoothing: float) -> None:
         for estimate in self.estimators:

@@ -45,6 +45,8 @@ class AttemptTimeouts:
     idle_s: float | None
     connect_s: float
     pause_s: float = 0.0
+    # The instance's `timeouts_in_row` when this was worked out (see LatencyState.timed_out).
+    backoff: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,8 @@ def attempt_timeouts(
       instance's late answer is worth waiting for): with `n = latency.timeouts_in_row` first-
       byte timeouts in a row on an instance timed from its own figures (0 for one timed from
       the prior, whose headroom counts them already), `s = FINAL_ATTEMPT_HEADROOM · 2^n` and
-      `first_byte` becomes `max(first_byte, min(s · first_byte, static))`, where `static` is
+      `first_byte` becomes `max(first_byte, min(s · max(first_byte, policy.floor), static))`
+      (stretched from what it would wait anyway, the floor included), where `static` is
       what it would be with nothing learned (`policy.initial`, plus the tokens at
       `initial_per_token` for a whole answer): an instance that turned slower than it was
       learns its new pace from the requests that have nowhere else to go;
@@ -161,7 +164,8 @@ def attempt_timeouts(
     floor = policy.floor
     ceiling = policy.ceiling
     min_samples = policy.min_samples
-    backoff = 2.0 ** min(latency.timeouts_in_row, MAX_DOUBLINGS)
+    doublings = min(latency.timeouts_in_row, MAX_DOUBLINGS)
+    backoff = 2.0**doublings
     headroom = PRIOR_HEADROOM * backoff
 
     def estimate(index: int) -> tuple[float, float] | None:
@@ -219,8 +223,13 @@ def attempt_timeouts(
     if stream:
         first_byte = max(ttfb_pred, pause_s) + k * ttfb_dev + extra_s
         if stretch > 1.0:
-            first_byte = max(first_byte, min(stretch * first_byte, policy.initial))
-        return AttemptTimeouts(min(max(first_byte, floor), ceiling), idle, policy.connect, holds_s)
+            # Stretched from what it would wait anyway (the floor included): four times a
+            # learned 10 ms is still far below the floor, and would stretch nothing.
+            stretched = stretch * max(first_byte, floor)
+            first_byte = max(first_byte, min(stretched, policy.initial))
+        return AttemptTimeouts(
+            min(max(first_byte, floor), ceiling), idle, policy.connect, holds_s, doublings
+        )
     n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
     per_token = estimate(_PER_TOKEN)
     tok_pred, tok_dev = per_token if per_token is not None else (policy.initial_per_token, 0.0)
@@ -234,5 +243,7 @@ def attempt_timeouts(
     )
     if stretch > 1.0:
         static = policy.initial + n * policy.initial_per_token * (1.0 + policy.token_headroom)
-        first_byte = max(first_byte, min(stretch * first_byte, static))
-    return AttemptTimeouts(min(max(first_byte, floor), ceiling), None, policy.connect, holds_s)
+        first_byte = max(first_byte, min(stretch * max(first_byte, floor), static))
+    return AttemptTimeouts(
+        min(max(first_byte, floor), ceiling), None, policy.connect, holds_s, doublings
+    )

@@ -58,13 +58,20 @@ OnTransition = Callable[[str, Transition], None]
 
 
 _OVERLOAD = frozenset(("timeout", "oom"))
+# Failures that may mean the instance is down, not just busy or wrong: a health check tells.
+_SIGNS_OF_DOWN = frozenset(("timeout", "connect_failure", "reset"))
 # Statuses that say "too busy": 529 is Anthropic's overloaded_error.
 _BUSY = frozenset((429, 503, 529))
 _STREAM_ERROR = Outcome.from_error("protocol")
 
 
 def _timed_out(
-    pool: PoolState, instance: InstanceState, outcome: Outcome, now: float, queueing: bool
+    pool: PoolState,
+    instance: InstanceState,
+    outcome: Outcome,
+    now: float,
+    queueing: bool,
+    backoff: int,
 ) -> None:
     """Count and log a timeout, per instance and phase (one line per 10 s per pair)."""
     phase = outcome.phase or "deadline"
@@ -83,7 +90,7 @@ def _timed_out(
         }
         log.warning("upstream timeout", extra={"fields": fields})
     if phase == "first_byte" and not queueing:
-        instance.latency.timeouts_in_row += 1  # the next attempt there waits longer
+        instance.latency.timed_out(backoff)  # the next attempt there waits longer
     elif phase == "idle":
         instance.latency.idle_timeouts_in_row += 1  # and its next streams' gaps
 
@@ -98,6 +105,7 @@ def _record(
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
     queueing: bool = False,
+    backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
@@ -116,7 +124,7 @@ def _record(
             limiter.record(now, first_byte_s, instance.in_flight)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
-        _timed_out(pool, instance, outcome, now, queueing)
+        _timed_out(pool, instance, outcome, now, queueing, backoff)
         if queueing and not probe:
             return
     if outcome.kind == "ok":
@@ -125,6 +133,8 @@ def _record(
         instance.peak.observe(now, elapsed_s)
     if failed:
         instance.failures += 1
+        if outcome.kind in _SIGNS_OF_DOWN:
+            instance.health_wanted.set()  # its checker looks at once, not at the next round
     elif outcome.kind != "ok" and not probe:
         return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
     transition = instance.breaker.record(
@@ -137,6 +147,8 @@ def _record(
                 load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
             )
             instance.peak.observe(now, failure_penalty_s(elapsed_s, others))
+        if transition.displaced is not None:
+            on_transition(pool.name, transition.displaced)
         on_transition(pool.name, transition)
 
 
@@ -247,6 +259,7 @@ class Account:
                 call.probe,
                 self._on_transition,
                 queueing=queueing,
+                backoff=call.timeouts.backoff if call.timeouts is not None else 0,
             )
             raise
         except asyncio.CancelledError:
