@@ -72,6 +72,30 @@ def gzip_stream_cut(sock: socket.socket) -> None:
     time.sleep(0.2)
 
 
+def status_600(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 600 Beyond\r\ncontent-length: 2\r\n\r\nhi")
+
+
+def two_answers(sock: socket.socket) -> None:
+    # One read holding a whole answer and then another nobody asked for.
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 7\r\n\r\n"
+        b'{"a":1}HTTP/1.1 500 Oops\r\nx-second: yes\r\ncontent-length: 4\r\n\r\noops'
+    )
+
+
+def with_trailers(sock: socket.socket) -> None:
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"trailer: x-checksum\r\n\r\n" + chunk(b'{"a":1}') + b"0\r\nx-checksum: abc\r\n\r\n"
+    )
+
+
+def too_many_fields(sock: socket.socket) -> None:
+    fields = b"".join(b"x-field-%d: v\r\n" % i for i in range(101))
+    sock.sendall(b"HTTP/1.1 200 OK\r\n" + fields + b"content-length: 2\r\n\r\nhi")
+
+
 SCRIPTS = {
     "partial-event": partial_event,
     "control-char-header": control_char_header,
@@ -81,6 +105,10 @@ SCRIPTS = {
     "trickled-headers": trickled_headers,
     "trickled-stream": trickled_stream,
     "gzip-stream-cut": gzip_stream_cut,
+    "status-600": status_600,
+    "two-answers": two_answers,
+    "with-trailers": with_trailers,
+    "too-many-fields": too_many_fields,
 }
 
 
@@ -170,3 +198,30 @@ def test_compressed_stream_is_aborted_not_corrupted(client: httpx.Client) -> Non
         client.stream("POST", "/v1/chat/completions", json=post("gzip-stream-cut")) as response,
     ):
         b"".join(response.iter_bytes())
+
+
+@pytest.mark.parametrize("model", ["status-600", "too-many-fields"])
+def test_a_malformed_answer_is_a_502_never_an_empty_reply(client: httpx.Client, model: str) -> None:
+    response = client.post("/v1/chat/completions", json={"model": model, "messages": []})
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_protocol_error"
+    assert response.headers["x-gateway-error"] == "upstream_protocol_error"
+
+
+def test_only_the_first_of_two_answers_in_one_read_reaches_the_client(
+    client: httpx.Client,
+) -> None:
+    response = client.post("/v1/chat/completions", json={"model": "two-answers", "messages": []})
+    assert response.status_code == 200
+    assert response.content == b'{"a":1}'
+    assert "x-second" not in response.headers
+    # The tainted connection was not pooled: the next request gets its own answer.
+    again = client.post("/v1/chat/completions", json={"model": "no-content", "messages": []})
+    assert again.status_code == 204
+
+
+def test_trailers_never_reach_the_client(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json={"model": "with-trailers", "messages": []})
+    assert response.status_code == 200
+    assert response.content == b'{"a":1}'
+    assert "x-checksum" not in response.headers

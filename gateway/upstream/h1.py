@@ -9,6 +9,12 @@ does, and no more:
 - `POST` with a body held in memory, head and body written in one call;
 - responses framed by Content-Length, chunked, or the connection's end; read whole or chunk
   by chunk as they arrive (reading pauses above `_HIGH_WATER` bytes not yet taken);
+- exactly one response per request: the status and headers are taken when the head is
+  complete; bytes after the response's end (a second message, a body longer than its
+  Content-Length, a stray byte) are never parsed into it and taint the connection, which is
+  then closed, never pooled; trailers are dropped; only `chunked` as the final transfer coding
+  is read; a head beyond `MAX_HEAD_BYTES` or `MAX_HEAD_FIELDS`, a status outside 100-599, a
+  header name with whitespace before its colon, or a body on a 1xx answer is a protocol error;
 - connections reused only after a complete response that allows it, and dropped after
   `keepalive_s` idle, before the backend drops them (a POST written into a connection the
   backend is closing could not be replayed safely). An idle connection the backend closes
@@ -47,6 +53,20 @@ _HIGH_WATER: Final = 256 * 1024
 # Distinct instance URLs remembered with their request-line parts; past it, forgotten at once.
 _MAX_TARGETS: Final = 4096
 
+# A response head larger than this, or with more fields, is refused (nginx's default for a
+# proxied head is 4-8 KiB; Envoy's 60 KiB and 100 headers). Bounded, the parser's cost for a
+# header value arriving in pieces (quadratic in its size) stays small.
+MAX_HEAD_BYTES: Final = 64 * 1024
+MAX_HEAD_FIELDS: Final = 100
+
+
+_WHITESPACE: Final = b" \t"
+
+
+class _Extra(Exception):
+    """Raised from the parser's callbacks: bytes after the response's end."""
+
+
 Origin = tuple[str, str, int, int]  # scheme, host, port, id of the TLS context (0: none)
 
 
@@ -59,7 +79,8 @@ class Headers:
         self.raw = raw
         by_name: dict[str, str] = {}
         for name, value in raw:
-            by_name.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+            # Values without the whitespace around them (RFC 9110 5.5): `Content-Length: 5 `.
+            by_name.setdefault(name.decode("latin-1").lower(), value.decode("latin-1").strip())
         self._by_name = by_name
 
     @overload
@@ -86,6 +107,10 @@ class _Connection(asyncio.Protocol):
         self._parser.set_dangerous_leniencies(lenient_headers=True)
         # The response being read.
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._status = 0  # of the head being read, or read
+        self._head_done = False  # the final (not 1xx) head is complete: headers are fixed
+        self._head_bytes = 0  # received while the head was incomplete
+        self._fields_size = 0  # of the head's fields (one read may hold a whole large head)
         self._head: asyncio.Future[None] | None = None  # resolved once its headers are in
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -94,6 +119,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False  # the whole response arrived
         self.keep_alive = False  # and the connection may carry another request
         self._until_close = False  # no Content-Length, not chunked: it ends with the connection
+        self._eof = False  # the upstream ended the connection in order (see eof_received)
         self.error: Exception | None = None  # the connection broke (or the bytes made no sense)
         self.idle_since = 0.0
 
@@ -106,24 +132,48 @@ class _Connection(asyncio.Protocol):
         if self._head is None:  # bytes while no request is out: nothing can be trusted here
             self._fail(UpstreamProtocolError("the upstream sent bytes nobody asked for"))
             return
+        if self.complete:  # after the response's end: not part of it, and not for the next
+            self._taint()
+            return
+        head_done = self._head_done
+        if not head_done:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("the upstream switched protocols"))
+            return
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Extra):
+                self._taint()
+            elif isinstance(cause, UpstreamProtocolError):
+                self._fail(cause)
+            else:
+                self._fail(UpstreamProtocolError("the upstream's response could not be read"))
+            return
         except httptools.HttpParserError:
             # Not the parser's message: it can quote raw upstream bytes back to the client.
             self._fail(UpstreamProtocolError("the upstream sent an invalid HTTP response"))
+            return
+        if not head_done and not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
+            self._fail(UpstreamProtocolError("the upstream's response head is too large"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self._pool.forget(self)
         if self.complete or self._head is None:
             return  # idle, or its response was whole: nothing lost
-        if self._until_close and self._head.done() and exc is None:
+        if self._until_close and self._head.done() and exc is None and self._eof:
             self.on_message_complete()
             return
         phase = "body" if self._head.done() else "first_byte"
         self._fail(UpstreamReset(f"the upstream closed the connection ({phase})"), close=False)
+
+    def eof_received(self) -> None:
+        """An orderly end: a FIN, or over TLS a close_notify (a TLS connection cut without one
+        is not reported here, so a body framed by the connection's end is then not whole)."""
+        self._eof = True
 
     def pause_writing(self) -> None:
         """The request body is written in one call; a full send buffer only delays it."""
@@ -133,27 +183,51 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Extra  # a second message in the same read: the parser stops here
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_done:
+            return  # a trailer: dropped (the client's headers were sent long ago)
+        if not name or name[-1] in _WHITESPACE:
+            # RFC 9112 5.1: never guess which field `Content-Length :` meant to be.
+            raise UpstreamProtocolError("the upstream sent a header name with whitespace")
+        if len(self._raw_headers) >= MAX_HEAD_FIELDS:
+            raise UpstreamProtocolError("the upstream's response head has too many fields")
+        self._fields_size += len(name) + len(value) + 4  # ": " and CRLF
+        if self._fields_size > MAX_HEAD_BYTES:
+            raise UpstreamProtocolError("the upstream's response head is too large")
         self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self._parser.get_status_code() < 200:
+        status = self._parser.get_status_code()
+        if not 100 <= status <= 599:
+            raise UpstreamProtocolError("the upstream sent an invalid status code")
+        self._status = status
+        if status < 200:
             self._raw_headers = []  # an interim answer (100 Continue): the real one follows
             return
-        length = chunked = False
+        length = False
+        codings: list[bytes] = []
         for name, value in self._raw_headers:
             lower = name.lower()
             if lower == b"content-length":
                 length = True
-            elif lower == b"transfer-encoding" and b"chunked" in value.lower():
-                chunked = True
-        status = self._parser.get_status_code()
-        self._until_close = not (length or chunked) and status not in (204, 304)
+            elif lower == b"transfer-encoding":
+                codings.extend(c.strip() for c in value.lower().split(b",") if c.strip())
+        if codings and (codings[-1] != b"chunked" or b"chunked" in codings[:-1]):
+            # RFC 9112 6.1: chunked must come last, once; anything else cannot be framed.
+            raise UpstreamProtocolError("the upstream sent a transfer coding it cannot frame")
+        self._until_close = not (length or codings) and status not in (204, 304)
+        self._head_done = True
         head = self._head
         if head is not None and not head.done():
             head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if not self._head_done:
+            raise UpstreamProtocolError("the upstream sent a body with an interim answer")
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -162,7 +236,9 @@ class _Connection(asyncio.Protocol):
         self._wake_reader()
 
     def on_message_complete(self) -> None:
-        if self._parser.get_status_code() < 200:
+        if not self._head_done:
+            # An interim answer ended: the final head is yet to come.
+            self._head_bytes = self._fields_size = 0
             return
         # Asked now: once the message is complete the parser readies for the next one.
         self.keep_alive = self._parser.should_keep_alive() and not self._until_close
@@ -186,7 +262,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def status(self) -> int:
-        return self._parser.get_status_code()
+        return self._status
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
@@ -219,6 +295,13 @@ class _Connection(asyncio.Protocol):
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def _taint(self) -> None:
+        """Bytes after the response's end: the response stays as it was (whole, its bytes
+        already taken in); the connection can be trusted with nothing more and is closed."""
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
     def _fail(self, error: Exception, close: bool = True) -> None:
         if self.error is None:
             self.error = error
@@ -249,9 +332,17 @@ class _Connection(asyncio.Protocol):
 
     def reset_for_reuse(self) -> None:
         self._raw_headers = []
+        self._status = 0
+        self._head_done = False
+        self._head_bytes = 0
+        self._fields_size = 0
         self._head = None
         self._chunks.clear()
         self._buffered = 0
+        if self._paused:  # the body ended unread (the client left): read, to see it close
+            self._paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
         self.complete = False
         self.keep_alive = False
         self._until_close = False
@@ -276,6 +367,8 @@ class UpstreamResponseHead:
         self.headers = Headers(conn.raw_headers)
         length = self.headers.get("content-length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
+        # Copied: the connection's list is its own, and reset when it is reused.
+        self.raw_headers = list(conn.raw_headers)
 
     @property
     def connection(self) -> object | None:

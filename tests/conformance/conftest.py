@@ -1,0 +1,32 @@
+"""Fixtures of the conformance scenarios: a fresh client per test, and a loopback TLS pair."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+
+import pytest
+import trustme
+
+from gateway.upstream.h1 import H1Client
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[H1Client]:
+    """The data plane's client with the transport's idle limit; its connections closed after."""
+    h1 = H1Client(keepalive_s=4.0)
+    try:
+        yield h1
+    finally:
+        h1.close()
+
+
+@pytest.fixture(scope="session")
+def tls_pair() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for 127.0.0.1, and a client context trusting it."""
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    return server, trusting
