@@ -16,9 +16,14 @@ does, and no more:
   is read; a head beyond `MAX_HEAD_BYTES` or `MAX_HEAD_FIELDS`, a status outside 100-599, a
   header name with whitespace before its colon, or a body on a 1xx answer is a protocol error;
 - connections reused only after a complete response that allows it, and dropped after
-  `keepalive_s` idle, before the backend drops them (a POST written into a connection the
-  backend is closing could not be replayed safely). An idle connection the backend closes
-  leaves the pool by itself;
+  `keepalive_s` idle (or a second less than the backend's `Keep-Alive: timeout=`), before the
+  backend drops them. An idle connection the backend closes leaves the pool by itself. When a
+  backend closes an idle connection just as a request is written into it, the request fails
+  before any byte of an answer: sent again once on a fresh connection (as nginx, aiohttp and
+  Envoy do), it never reached the backend's application, which saw a connection close and no
+  request;
+- a connection given up on (cancelled, broken, an answer cut short) is aborted, not closed:
+  no unsent request bytes linger in a half-open socket, and the backend sees it go at once;
 - TLS with a per-pool context, SNI from the URL's host;
 - one bound of its own: `connect_s` for DNS, TCP and the TLS handshake of a new connection.
   Every later phase is bounded by the caller (the gateway's watchdog cancels the task).
@@ -31,7 +36,10 @@ bytes that are not HTTP are `UpstreamProtocolError`, and the connect bound `Upst
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 from collections import deque
 from typing import Final, cast, overload
 
@@ -61,6 +69,12 @@ MAX_HEAD_FIELDS: Final = 100
 
 
 _WHITESPACE: Final = b" \t"
+
+# A pooled connection leaves the pool this long before the backend's announced keep-alive
+# timeout ends, so that a request is not written into it as the backend closes it.
+_HINT_MARGIN_S: Final = 1.0
+
+_RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
 
 
 class _Extra(Exception):
@@ -121,7 +135,9 @@ class _Connection(asyncio.Protocol):
         self._until_close = False  # no Content-Length, not chunked: it ends with the connection
         self._eof = False  # the upstream ended the connection in order (see eof_received)
         self.error: Exception | None = None  # the connection broke (or the bytes made no sense)
-        self.idle_since = 0.0
+        self.received = False  # any byte of an answer to the request out
+        self.idle_until = 0.0  # pooled: reusable until then (event-loop time)
+        self.keepalive_hint: float | None = None  # the backend's `Keep-Alive: timeout=`
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -135,6 +151,7 @@ class _Connection(asyncio.Protocol):
         if self.complete:  # after the response's end: not part of it, and not for the next
             self._taint()
             return
+        self.received = True
         head_done = self._head_done
         if not head_done:
             self._head_bytes += len(data)
@@ -216,6 +233,8 @@ class _Connection(asyncio.Protocol):
                 length = True
             elif lower == b"transfer-encoding":
                 codings.extend(c.strip() for c in value.lower().split(b",") if c.strip())
+            elif lower == b"keep-alive":
+                self.keepalive_hint = _keepalive_timeout(value)
         if codings and (codings[-1] != b"chunked" or b"chunked" in codings[:-1]):
             # RFC 9112 6.1: chunked must come last, once; anything else cannot be framed.
             raise UpstreamProtocolError("the upstream sent a transfer coding it cannot frame")
@@ -331,6 +350,8 @@ class _Connection(asyncio.Protocol):
         )
 
     def reset_for_reuse(self) -> None:
+        self.received = False
+        self.keepalive_hint = None
         self._raw_headers = []
         self._status = 0
         self._head_done = False
@@ -348,9 +369,21 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
 
     def close(self) -> None:
+        """Done with it: a FIN after an answer that ended whole with nothing left to send, else
+        an abort (an RST: no unsent bytes linger, no half-open socket stays behind)."""
         self._pool.forget(self)  # at once: its pool no longer counts it
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None:
+            return
+        if self.complete and transport.get_write_buffer_size() == 0:
+            transport.close()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                # Linger on with a timeout of 0: what the kernel still holds is dropped too.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        transport.abort()
 
 
 class UpstreamResponseHead:
@@ -426,16 +459,16 @@ class _OriginPool:
         idle = self._idle
         while idle:
             conn = idle.pop()  # the most recent: the least likely to be closing
-            if conn.transport is not None and now - conn.idle_since < self.keepalive_s:
+            if conn.transport is not None and now < conn.idle_until:
                 self.drop_stale(now)
                 return conn
             conn.close()
         return None
 
     def drop_stale(self, now: float) -> None:
-        """Close the idle connections past `keepalive_s`."""
+        """Close the idle connections past their time (`put`)."""
         idle = self._idle
-        while idle and now - idle[0].idle_since >= self.keepalive_s:
+        while idle and now >= idle[0].idle_until:
             idle.popleft().close()
 
     async def connect(self, connect_s: float) -> _Connection:
@@ -460,8 +493,15 @@ class _OriginPool:
     def put(self, conn: _Connection) -> None:
         if conn.transport is None:
             return
+        keep_s = self.keepalive_s
+        hint = conn.keepalive_hint
+        if hint is not None:
+            keep_s = min(keep_s, hint - _HINT_MARGIN_S)
+        if keep_s <= 0:
+            conn.close()
+            return
         conn.reset_for_reuse()  # idle from here on: any byte it receives closes it
-        conn.idle_since = self.loop.time()
+        conn.idle_until = self.loop.time() + keep_s
         self._idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:
@@ -507,13 +547,22 @@ class H1Client:
         if target is None:
             target = self._target(url, tls)
         pool, path, rest = target
+        request = _request(f"{path}?{query}" if query else path, rest, headers, body)
         conn = pool.take()
-        if conn is None:
-            conn = await pool.connect(connect_s)
+        if conn is not None:
+            try:
+                return await conn.exchange(request)
+            except UpstreamReset:
+                conn.close()
+                if conn.received:
+                    raise
+                # The stale keep-alive race (see the module's docstring): once more, afresh.
+            except BaseException:
+                conn.close()
+                raise
+        conn = await pool.connect(connect_s)
         try:
-            return await conn.exchange(
-                _request(f"{path}?{query}" if query else path, rest, headers, body)
-            )
+            return await conn.exchange(request)
         except BaseException:
             conn.close()
             raise
@@ -555,6 +604,24 @@ class H1Client:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _keepalive_timeout(value: bytes) -> float | None:
+    """`timeout=N` of a Keep-Alive header (RFC 2068 19.7.1.1), or None; `max=0` (no request
+    after this one) reads as a timeout of 0."""
+    timeout: float | None = None
+    for part in value.split(b","):
+        key, _, number = part.strip().partition(b"=")
+        key = key.strip().lower()
+        try:
+            parsed = float(number.strip())
+        except ValueError:
+            continue
+        if key == b"timeout" and parsed >= 0:
+            timeout = parsed if timeout is None else min(timeout, parsed)
+        elif key == b"max" and parsed < 1:
+            timeout = 0.0
+    return timeout
 
 
 def _request_line_parts(url: URL) -> tuple[str, str]:

@@ -1,0 +1,83 @@
+"""How the client keeps, drops and replaces upstream connections.
+
+- A request that a reused connection fails before any byte of an answer (the upstream closed
+  the idle connection as the request went out) is sent once more on a fresh connection; on a
+  fresh connection, or after an answer began, the failure is the caller's.
+- The upstream's `Keep-Alive: timeout=N` shortens how long a connection is kept idle (to a
+  second less than N); `max=0` ends it.
+- A connection given up on is reset, not closed: the upstream sees it go at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.errors import UpstreamReset
+from gateway.upstream.h1 import H1Client
+
+from .client import fetch, post, wait_until
+from .upstream import Close, Receive, ScriptedUpstream, Send, answer, response
+
+
+async def test_a_request_lost_to_a_stale_keep_alive_connection_is_sent_again_afresh(
+    client: H1Client,
+) -> None:
+    # The first connection answers once, then closes as the second request arrives.
+    stale = [Receive(), Send(response(body=b"one")), Receive(), Close()]
+    async with ScriptedUpstream(stale, answer(response(body=b"two"))) as upstream:
+        assert (await fetch(client, upstream.url(), b"1")).body == b"one"
+        assert (await fetch(client, upstream.url(), b"2")).body == b"two"
+    assert [[r.body for r in c.requests] for c in upstream.connections] == [
+        [b"1", b"2"],
+        [b"2"],
+    ]
+
+
+async def test_a_fresh_connection_closed_before_an_answer_is_not_tried_again(
+    client: H1Client,
+) -> None:
+    async with ScriptedUpstream([Receive(), Close()]) as upstream:
+        with pytest.raises(UpstreamReset, match="first_byte"):
+            await fetch(client, upstream.url())
+    assert len(upstream.connections) == 1
+
+
+async def test_a_reused_connection_that_broke_mid_answer_is_not_tried_again(
+    client: H1Client,
+) -> None:
+    cut = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npart"
+    script = [Receive(), Send(response(body=b"one")), Receive(), Send(cut), Close()]
+    async with ScriptedUpstream(script) as upstream:
+        assert (await fetch(client, upstream.url())).body == b"one"
+        with pytest.raises(UpstreamReset, match="body"):
+            await fetch(client, upstream.url())
+    assert len(upstream.connections) == 1
+
+
+@pytest.mark.parametrize(
+    ("hint", "connections"),
+    [("timeout=30", 1), ("timeout=30, max=100", 1), ("timeout=1", 2), ("timeout=5, max=0", 2)],
+)
+async def test_the_upstreams_keep_alive_hint_bounds_reuse(
+    client: H1Client, hint: str, connections: int
+) -> None:
+    hinted = response(headers=[("keep-alive", hint)], body=b"one")
+    async with ScriptedUpstream(
+        answer(hinted, response(body=b"two")), answer(response(body=b"two"))
+    ) as upstream:
+        assert (await fetch(client, upstream.url())).body == b"one"
+        assert (await fetch(client, upstream.url())).body == b"two"
+    assert len(upstream.connections) == connections
+
+
+async def test_a_request_given_up_on_resets_its_connection(client: H1Client) -> None:
+    async with ScriptedUpstream([Receive()]) as upstream:  # never answers
+        pending = asyncio.ensure_future(post(client, upstream.url()))
+        await wait_until(lambda: len(upstream.requests) == 1)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await upstream.wait_client_closed(0)
+    assert any("ConnectionResetError" in error for error in upstream.connections[0].errors)
