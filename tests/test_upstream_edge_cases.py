@@ -96,6 +96,24 @@ def too_many_fields(sock: socket.socket) -> None:
     sock.sendall(b"HTTP/1.1 200 OK\r\n" + fields + b"content-length: 2\r\n\r\nhi")
 
 
+def cr_partial_event(sock: socket.socket) -> None:
+    # Lines ended by CR alone (which SSE allows), then the backend dies mid-event.
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\r\r') + chunk(b'data: {"n":2,"cho'))
+    time.sleep(0.2)
+
+
+def endless_event(sock: socket.socket) -> None:
+    # One event, then one that never ends: 64 KiB pieces of a single line, past 1 MiB.
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\n') + chunk(b"data: "))
+    piece = chunk(b"x" * 65536)
+    try:
+        for _ in range(40):
+            sock.sendall(piece)
+    except OSError:
+        return  # the gateway gave up on it: what this case is about
+    time.sleep(1)
+
+
 SCRIPTS = {
     "partial-event": partial_event,
     "control-char-header": control_char_header,
@@ -109,6 +127,8 @@ SCRIPTS = {
     "two-answers": two_answers,
     "with-trailers": with_trailers,
     "too-many-fields": too_many_fields,
+    "cr-partial-event": cr_partial_event,
+    "endless-event": endless_event,
 }
 
 
@@ -225,3 +245,26 @@ def test_trailers_never_reach_the_client(client: httpx.Client) -> None:
     assert response.status_code == 200
     assert response.content == b'{"a":1}'
     assert "x-checksum" not in response.headers
+
+
+def test_a_stream_with_cr_line_ends_cut_mid_event_ends_with_a_clean_error_event(
+    client: httpx.Client,
+) -> None:
+    with client.stream("POST", "/v1/chat/completions", json=post("cr-partial-event")) as response:
+        body = response.read()
+    first, rest = body.split(b"\r\r", 1)
+    assert first == b'data: {"n":1}'
+    assert b"cho" not in rest  # the half event was held back, not sent before the error
+    error = json.loads(rest.strip().split(b"\n\n")[0].removeprefix(b"data: "))
+    assert error["error"]["code"] == "upstream_reset"
+    assert rest.strip().endswith(b"data: [DONE]")
+
+
+def test_an_event_that_never_ends_is_cut_with_an_error_event(client: httpx.Client) -> None:
+    with client.stream("POST", "/v1/chat/completions", json=post("endless-event")) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == 'data: {"n":1}'
+    error = json.loads(lines[1].removeprefix("data: "))
+    assert error["error"]["code"] == "upstream_protocol_error"
+    assert lines[2:] == ["data: [DONE]"]

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.drain import STREAMS, shutting_down
-from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError
+from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError, UpstreamProtocolError
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
 from gateway.upstream.response import UpstreamResponse
@@ -15,6 +15,9 @@ from gateway.upstream.response import UpstreamResponse
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
+# The most of one SSE event held back while its end has not arrived: a stream that never ends
+# an event (or whose events are this large: a model's delta is a few bytes) is broken.
+MAX_EVENT_BYTES = 1024 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
@@ -66,10 +69,12 @@ def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI) -> bytes:
 
 
 def _event_boundary(data: bytes) -> int:
-    """Length of the prefix of `data` made of complete SSE events (ending in a blank line)."""
+    """Length of the prefix of `data` made of complete SSE events (ending in a blank line:
+    the spec's lines end in LF, CRLF or CR alone)."""
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    cr = data.rfind(b"\r\r")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
 
 
 async def relay(
@@ -159,6 +164,15 @@ async def _relay_body(
                 if not chunk.endswith(b"\n\n"):  # vLLM sends whole events: the rare path
                     cut = _event_boundary(chunk)
                     chunk, held = chunk[:cut], chunk[cut:]
+                    if len(held) > MAX_EVENT_BYTES:
+                        if chunk:
+                            await send(
+                                {"type": "http.response.body", "body": chunk, "more_body": True}
+                            )
+                        return UpstreamProtocolError(
+                            "the upstream sent a stream event over "
+                            f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
+                        )
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await response.next_chunk(idle_s, end_at)
