@@ -264,7 +264,11 @@ POLICY = """pools:
 
 def test_policy_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SURELY_UNSET_KEY", raising=False)
+    monkeypatch.setenv("KEY_WITH_ACCENT", "clé-secrète")
     cases = {
+        "{from_env: KEY_WITH_ACCENT}": (
+            "environment variable KEY_WITH_ACCENT holds characters outside ASCII"
+        ),
         "{header: x-api-key, from_env: SURELY_UNSET_KEY}": (
             "p.yaml:5: pools.p.credentials: environment variable SURELY_UNSET_KEY "
             "(the pool's credential) is not set or empty"

@@ -52,6 +52,9 @@ def secret_value(from_env: str | None, from_file: str | None) -> str:
         raise ValueError(f"{where} is empty")
     if _CONTROL.search(value):
         raise ValueError(f"{where} holds control characters: not a valid header value")
+    if not value.isascii():
+        # Header values go out as bytes; a character outside ASCII would fail every request.
+        raise ValueError(f"{where} holds characters outside ASCII: not a valid header value")
     return value
 
 

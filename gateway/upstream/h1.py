@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import ssl
 import struct
 from collections import deque
-from typing import Final, cast, overload
+from typing import Any, Final, cast, overload
 
 import httptools
 from yarl import URL
@@ -75,6 +76,9 @@ _WHITESPACE: Final = b" \t"
 _HINT_MARGIN_S: Final = 1.0
 
 _RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
+
+# How long a host's resolved addresses are reused for new connections (aiohttp's default).
+_DNS_TTL_S: Final = 10.0
 
 
 class _Extra(Exception):
@@ -452,6 +456,10 @@ class _OriginPool:
         self.keepalive_s = keepalive_s
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
+        # The host's addresses, resolved at most every `_DNS_TTL_S` (a literal IP never is).
+        self._addresses: list[tuple[int, tuple[Any, ...]]] = []
+        self._resolved_until = 0.0
+        self._literal = _is_ip(self.host)
 
     def take(self) -> _Connection | None:
         """An idle connection still fresh enough to write a request into, or None."""
@@ -471,17 +479,32 @@ class _OriginPool:
         while idle and now >= idle[0].idle_until:
             idle.popleft().close()
 
+    async def _resolve(self) -> list[tuple[int, tuple[Any, ...]]]:
+        """The host's addresses (family, sockaddr), cached for `_DNS_TTL_S`."""
+        now = self.loop.time()
+        if self._addresses and now < self._resolved_until:
+            return self._addresses
+        infos = await self.loop.getaddrinfo(
+            self.host, self.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
+        self._addresses = [(family, address) for family, _, _, _, address in infos]
+        self._resolved_until = now + _DNS_TTL_S
+        return self._addresses
+
     async def connect(self, connect_s: float) -> _Connection:
         server_hostname = self.host if self.context is not None else None
         try:
             async with asyncio.timeout(connect_s):
-                _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self),
-                    self.host,
-                    self.port,
-                    ssl=self.context,
-                    server_hostname=server_hostname,
-                )
+                if self._literal:
+                    _, conn = await self.loop.create_connection(
+                        lambda: _Connection(self),
+                        self.host,
+                        self.port,
+                        ssl=self.context,
+                        server_hostname=server_hostname,
+                    )
+                else:
+                    conn = await self._connect_resolved(server_hostname)
         except TimeoutError:
             raise UpstreamTimeout("connecting to the upstream timed out", phase="connect") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
@@ -489,6 +512,31 @@ class _OriginPool:
             raise UpstreamConnectError(f"cannot connect to the upstream: {reason}") from None
         self._all.add(conn)
         return conn
+
+    async def _connect_resolved(self, server_hostname: str | None) -> _Connection:
+        """Connect to the first of the host's cached addresses that takes the connection;
+        when none does, the cache is dropped (the next connect resolves again)."""
+        error: OSError | None = None
+        for family, address in await self._resolve():
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                await self.loop.sock_connect(sock, address)
+                _, conn = await self.loop.create_connection(
+                    lambda: _Connection(self),
+                    sock=sock,
+                    ssl=self.context,
+                    server_hostname=server_hostname,
+                )
+                return conn
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        self._resolved_until = 0.0
+        raise error or OSError("the host resolved to no address")
 
     def put(self, conn: _Connection) -> None:
         if conn.transport is None:
@@ -604,6 +652,14 @@ class H1Client:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _keepalive_timeout(value: bytes) -> float | None:

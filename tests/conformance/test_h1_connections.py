@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from gateway.errors import UpstreamReset
+from gateway.errors import UpstreamConnectError, UpstreamReset
 from gateway.upstream.h1 import H1Client
 
 from .client import fetch, post, wait_until
@@ -81,3 +82,46 @@ async def test_a_request_given_up_on_resets_its_connection(client: H1Client) -> 
             await pending
         await upstream.wait_client_closed(0)
     assert any("ConnectionResetError" in error for error in upstream.connections[0].errors)
+
+
+async def test_a_hosts_addresses_are_resolved_once_for_many_connections(
+    client: H1Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    lookups: list[str] = []
+    resolve = loop.getaddrinfo
+
+    async def counting(host: str, *args: Any, **kwargs: Any) -> Any:
+        lookups.append(host)
+        return await resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", counting)
+    closing = response(headers=[("connection", "close")], body=b"ok")
+    scripts = [[Receive(), Send(closing), Close()] for _ in range(3)]
+    async with ScriptedUpstream(*scripts) as upstream:
+        url = upstream.url().with_host("localhost")
+        bodies = [(await fetch(client, url)).body for _ in range(3)]
+    assert bodies == [b"ok"] * 3
+    assert len(upstream.connections) == 3
+    assert lookups == ["localhost"]
+
+
+async def test_a_refused_address_is_resolved_again_on_the_next_connect(
+    client: H1Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    lookups: list[str] = []
+    resolve = loop.getaddrinfo
+
+    async def counting(host: str, *args: Any, **kwargs: Any) -> Any:
+        lookups.append(host)
+        return await resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", counting)
+    async with ScriptedUpstream(answer(response(body=b"ok"))) as upstream:
+        url = upstream.url().with_host("localhost")
+    # Closed: nothing listens there any more.
+    for _ in range(2):
+        with pytest.raises(UpstreamConnectError):
+            await fetch(client, url)
+    assert lookups == ["localhost", "localhost"]
