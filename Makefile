@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install engine test lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
+.PHONY: install engine test fuzz lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ engine: install
 
 test: install system-deps engine
 	$(BIN)/pytest -q
+
+# The upstream client's fuzzing, long: fresh random examples each run (FUZZ_EXAMPLES=N).
+fuzz: install
+	HYPOTHESIS_PROFILE=long $(BIN)/pytest -q tests/conformance/test_h1_fuzz.py --hypothesis-show-statistics
 
 lint: install
 	$(BIN)/ruff check .

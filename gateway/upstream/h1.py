@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import select
 import socket
 import ssl
 import struct
@@ -142,11 +143,24 @@ class _Connection(asyncio.Protocol):
         self.received = False  # any byte of an answer to the request out
         self.idle_until = 0.0  # pooled: reusable until then (event-loop time)
         self.keepalive_hint: float | None = None  # the backend's `Keep-Alive: timeout=`
+        self._fd = -1
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+
+    def pending(self) -> bool:
+        """Whether bytes (or the end) wait unread in the kernel for this idle connection: the
+        rest of an answer longer than it said, a backend closing it. The event loop would
+        hand them over on its next turn, too late if a request went out on it first."""
+        if self._fd < 0:
+            return False
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        return bool(poll.poll(0))
 
     def data_received(self, data: bytes) -> None:
         if self._head is None:  # bytes while no request is out: nothing can be trusted here
@@ -174,6 +188,9 @@ class _Connection(asyncio.Protocol):
                 self._fail(UpstreamProtocolError("the upstream's response could not be read"))
             return
         except httptools.HttpParserError:
+            if self.complete:  # garbage after a whole answer: the answer stands
+                self._taint()
+                return
             # Not the parser's message: it can quote raw upstream bytes back to the client.
             self._fail(UpstreamProtocolError("the upstream sent an invalid HTTP response"))
             return
@@ -467,7 +484,7 @@ class _OriginPool:
         idle = self._idle
         while idle:
             conn = idle.pop()  # the most recent: the least likely to be closing
-            if conn.transport is not None and now < conn.idle_until:
+            if conn.transport is not None and now < conn.idle_until and not conn.pending():
                 self.drop_stale(now)
                 return conn
             conn.close()
