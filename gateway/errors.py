@@ -97,6 +97,8 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
     code = "upstream_failed"
     kind: ClassVar[str] = "error"
+    # The gateway's own limit, not the instance's doing: never charged to the instance.
+    local: ClassVar[bool] = False
 
     @property
     def outcome(self) -> Outcome:
@@ -111,6 +113,15 @@ class UpstreamConnectError(UpstreamError):
     @property
     def outcome(self) -> Outcome:
         return _CONNECT_FAILURE
+
+
+class UpstreamConnectionLimit(UpstreamConnectError):
+    """Every connection the pool's policy allows to the instance is busy, and none came free
+    within the connect timeout: retried elsewhere, never the instance's failure."""
+
+    status = 503
+    code = "upstream_connection_limit"
+    local = True
 
 
 class UpstreamReset(UpstreamError):

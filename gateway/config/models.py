@@ -209,6 +209,15 @@ class HealthPolicy(Strict):
     slow_start: Duration = 0.0  # traffic share ramps from 10 % to full over this after healthy
 
 
+class ConnectionsPolicy(Strict):
+    """Connections to each instance of the pool. A request beyond `max` busy connections waits
+    for one to come free, within `timeouts.connect`, then goes to another instance (or gets a
+    503 `upstream_connection_limit`); at most `max_idle` are kept open idle."""
+
+    max: int = Field(default=1024, ge=1)
+    max_idle: int = Field(default=64, ge=0)
+
+
 class TimeoutsPolicy(Strict):
     smoothing: Smoothing = 0.85
     initial: Duration = Field(default=30.0, gt=0)
@@ -456,6 +465,7 @@ class PoolPolicy(Strict):
     instances: tuple[InstancePolicy, ...] = Field(min_length=1)
     health: HealthPolicy = HealthPolicy()
     timeouts: TimeoutsPolicy = TimeoutsPolicy()
+    connections: ConnectionsPolicy = ConnectionsPolicy()
     retries: RetriesPolicy = RetriesPolicy()
     breaker: BreakerPolicy = BreakerPolicy()
     admission: AdmissionPolicy | None = None

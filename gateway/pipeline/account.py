@@ -247,7 +247,10 @@ class Account:
             _end(instance, tokens)
             now = self._clock()
             outcome = error.outcome
-            queueing = outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
+            # The gateway's own limit (all connections to it busy) is no fault of the instance.
+            queueing = error.local or (
+                outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
+            )
             if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
             _record(

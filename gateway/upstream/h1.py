@@ -22,6 +22,9 @@ does, and no more:
   before any byte of an answer: sent again once on a fresh connection (as nginx, aiohttp and
   Envoy do), it never reached the backend's application, which saw a connection close and no
   request;
+- at most `max_connections` open connections per origin (a request beyond waits for one to
+  come free, within `connect_s`, then fails as `UpstreamConnectionLimit`), and at most
+  `max_idle` of them kept idle;
 - a connection given up on (cancelled, broken, an answer cut short) is aborted, not closed:
   no unsent request bytes linger in a half-open socket, and the backend sees it go at once;
 - TLS with a per-pool context, SNI from the URL's host;
@@ -50,6 +53,7 @@ from yarl import URL
 
 from gateway.errors import (
     UpstreamConnectError,
+    UpstreamConnectionLimit,
     UpstreamProtocolError,
     UpstreamReset,
     UpstreamTimeout,
@@ -473,6 +477,9 @@ class _OriginPool:
         self.keepalive_s = keepalive_s
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
+        self.max_connections: int | None = None  # set by each request (the pool's policy)
+        self.max_idle: int | None = None
+        self._waiters: deque[asyncio.Future[None]] = deque()  # for a connection to come free
         # The host's addresses, resolved at most every `_DNS_TTL_S` (a literal IP never is).
         self._addresses: list[tuple[int, tuple[Any, ...]]] = []
         self._resolved_until = 0.0
@@ -495,6 +502,42 @@ class _OriginPool:
         idle = self._idle
         while idle and now >= idle[0].idle_until:
             idle.popleft().close()
+
+    async def acquire(self, connect_s: float) -> tuple[_Connection, bool]:
+        """A connection for a request, and whether it was reused: an idle one, else a new one
+        while under `max_connections`, else the first to come free within `connect_s`."""
+        conn = self.take()
+        if conn is not None:
+            return conn, True
+        limit = self.max_connections
+        if limit is not None and len(self._all) >= limit:
+            deadline = self.loop.time() + connect_s
+            while len(self._all) >= limit:
+                waiter = self.loop.create_future()
+                self._waiters.append(waiter)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await waiter
+                except TimeoutError:
+                    raise UpstreamConnectionLimit(
+                        f"all {limit} connections to the upstream are busy"
+                    ) from None
+                finally:
+                    if not waiter.done():
+                        waiter.cancel()
+                conn = self.take()
+                if conn is not None:
+                    return conn, True
+        return await self.connect(connect_s), False
+
+    def _room(self) -> None:
+        """A connection came free (back idle, or gone): wake the first request waiting."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _resolve(self) -> list[tuple[int, tuple[Any, ...]]]:
         """The host's addresses (family, sockaddr), cached for `_DNS_TTL_S`."""
@@ -562,17 +605,22 @@ class _OriginPool:
         hint = conn.keepalive_hint
         if hint is not None:
             keep_s = min(keep_s, hint - _HINT_MARGIN_S)
-        if keep_s <= 0:
+        max_idle = self.max_idle
+        if keep_s <= 0 or (max_idle is not None and len(self._idle) >= max_idle):
             conn.close()
             return
         conn.reset_for_reuse()  # idle from here on: any byte it receives closes it
         conn.idle_until = self.loop.time() + keep_s
         self._idle.append(conn)
+        self._room()
 
     def forget(self, conn: _Connection) -> None:
+        if conn not in self._all:
+            return
         self._all.discard(conn)
         if conn in self._idle:
             self._idle.remove(conn)
+        self._room()
 
     @property
     def connections(self) -> int:
@@ -604,17 +652,21 @@ class H1Client:
         query: str = "",
         connect_s: float,
         tls: ssl.SSLContext | bool,
+        max_connections: int | None = None,
+        max_idle: int | None = None,
     ) -> UpstreamResponseHead:
         """Send one request to `url` (its path; `query` as the client sent it) and wait for
         its status and headers. On any failure (or when cancelled) the connection it used is
-        closed."""
+        closed. `max_connections`, `max_idle`: the origin's limits (None: none)."""
         target = self._targets.get((url, id(tls)))
         if target is None:
             target = self._target(url, tls)
         pool, path, rest = target
+        pool.max_connections = max_connections
+        pool.max_idle = max_idle
         request = _request(f"{path}?{query}" if query else path, rest, headers, body)
-        conn = pool.take()
-        if conn is not None:
+        conn, reused = await pool.acquire(connect_s)
+        if reused:
             try:
                 return await conn.exchange(request)
             except UpstreamReset:
@@ -625,7 +677,7 @@ class H1Client:
             except BaseException:
                 conn.close()
                 raise
-        conn = await pool.connect(connect_s)
+            conn, _ = await pool.acquire(connect_s)
         try:
             return await conn.exchange(request)
         except BaseException:

@@ -97,6 +97,8 @@ class Transport:
                 query=call.query,  # as the client sent it
                 connect_s=pool.policy.timeouts.connect,
                 tls=pool.ssl,
+                max_connections=pool.policy.connections.max,
+                max_idle=pool.policy.connections.max_idle,
             )
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")

@@ -43,10 +43,21 @@ async def post(
     body: bytes = b"{}",
     *,
     tls: ssl.SSLContext | bool = False,
+    connect_s: float = DEFAULT_WAIT_S,
+    max_connections: int | None = None,
+    max_idle: int | None = None,
 ) -> UpstreamResponseHead:
     """Send one request; its head, within `DEFAULT_WAIT_S`."""
     async with asyncio.timeout(DEFAULT_WAIT_S):
-        return await client.post(url, REQUEST_HEADERS, body, connect_s=DEFAULT_WAIT_S, tls=tls)
+        return await client.post(
+            url,
+            REQUEST_HEADERS,
+            body,
+            connect_s=connect_s,
+            tls=tls,
+            max_connections=max_connections,
+            max_idle=max_idle,
+        )
 
 
 async def fetch(
@@ -55,11 +66,15 @@ async def fetch(
     body: bytes = b"{}",
     *,
     tls: ssl.SSLContext | bool = False,
+    max_connections: int | None = None,
+    max_idle: int | None = None,
 ) -> Reply:
     """One whole exchange: post, read the body to its end, release the connection. Bounded by
     `DEFAULT_WAIT_S`; on any failure the response is closed (its connection dropped)."""
     async with asyncio.timeout(DEFAULT_WAIT_S):
-        head = await client.post(url, REQUEST_HEADERS, body, connect_s=DEFAULT_WAIT_S, tls=tls)
+        head = await post(
+            client, url, body, tls=tls, max_connections=max_connections, max_idle=max_idle
+        )
         try:
             data = await head.read()
         except BaseException:

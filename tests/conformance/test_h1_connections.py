@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import UpstreamConnectError, UpstreamReset
+from gateway.errors import UpstreamConnectError, UpstreamConnectionLimit, UpstreamReset
 from gateway.upstream.h1 import H1Client
 
 from .client import fetch, post, wait_until
-from .upstream import Close, Receive, ScriptedUpstream, Send, answer, response
+from .upstream import Close, Receive, ScriptedUpstream, Send, WaitFor, answer, response
 
 
 async def test_a_request_lost_to_a_stale_keep_alive_connection_is_sent_again_afresh(
@@ -125,3 +125,57 @@ async def test_a_refused_address_is_resolved_again_on_the_next_connect(
         with pytest.raises(UpstreamConnectError):
             await fetch(client, url)
     assert lookups == ["localhost", "localhost"]
+
+
+async def test_a_request_beyond_the_connection_limit_waits_for_one_to_come_free(
+    client: H1Client,
+) -> None:
+    release = asyncio.Event()
+    script = [Receive(), WaitFor(release), Send(response(body=b"one")), Receive()]
+    script.append(Send(response(body=b"two")))
+    async with ScriptedUpstream(script) as upstream:
+        first = asyncio.ensure_future(
+            fetch(client, upstream.url(), b"1", max_connections=1, max_idle=8)
+        )
+        await wait_until(lambda: len(upstream.requests) == 1)
+        second = asyncio.ensure_future(
+            fetch(client, upstream.url(), b"2", max_connections=1, max_idle=8)
+        )
+        await asyncio.sleep(0.05)  # it would have connected by now, were it not waiting
+        assert len(upstream.connections) == 1
+        release.set()
+        assert [(await first).body, (await second).body] == [b"one", b"two"]
+    assert [r.body for r in upstream.connections[0].requests] == [b"1", b"2"]
+
+
+async def test_a_request_that_waits_past_the_connect_timeout_is_a_local_503(
+    client: H1Client,
+) -> None:
+    async with ScriptedUpstream([Receive()]) as upstream:  # never answers
+        first = asyncio.ensure_future(post(client, upstream.url(), max_connections=1))
+        await wait_until(lambda: len(upstream.requests) == 1)
+        with pytest.raises(UpstreamConnectionLimit) as caught:
+            await post(client, upstream.url(), max_connections=1, connect_s=0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    assert (caught.value.status, caught.value.code, caught.value.local) == (
+        503,
+        "upstream_connection_limit",
+        True,
+    )
+    assert len(upstream.connections) == 1
+
+
+async def test_no_more_than_max_idle_connections_stay_open(client: H1Client) -> None:
+    release = asyncio.Event()
+    scripts = [[Receive(), WaitFor(release), Send(response(body=b"ok"))] for _ in range(3)]
+    async with ScriptedUpstream(*scripts) as upstream:
+        replies = [
+            asyncio.ensure_future(fetch(client, upstream.url(), max_connections=8, max_idle=1))
+            for _ in range(3)
+        ]
+        await wait_until(lambda: len(upstream.requests) == 3)
+        release.set()
+        assert [(await r).body for r in replies] == [b"ok"] * 3
+        assert sum(pool.connections for pool in client._pools.values()) == 1
