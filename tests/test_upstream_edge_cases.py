@@ -220,12 +220,26 @@ def test_compressed_stream_is_aborted_not_corrupted(client: httpx.Client) -> Non
         b"".join(response.iter_bytes())
 
 
+def protocol_attempts(gateway: Gateway) -> float:
+    text = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("gateway_upstream_attempts_total{") and 'outcome="protocol"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 @pytest.mark.parametrize("model", ["status-600", "too-many-fields"])
-def test_a_malformed_answer_is_a_502_never_an_empty_reply(client: httpx.Client, model: str) -> None:
+def test_a_malformed_answer_is_a_502_never_an_empty_reply(
+    client: httpx.Client, gateway: Gateway, model: str
+) -> None:
+    before = protocol_attempts(gateway)
     response = client.post("/v1/chat/completions", json={"model": model, "messages": []})
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_protocol_error"
     assert response.headers["x-gateway-error"] == "upstream_protocol_error"
+    # Counted as what it was (not retried: the same bytes would come again).
+    assert protocol_attempts(gateway) == before + 1
 
 
 def test_only_the_first_of_two_answers_in_one_read_reaches_the_client(
