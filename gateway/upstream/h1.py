@@ -518,13 +518,16 @@ class _OriginPool:
                 try:
                     async with asyncio.timeout_at(deadline):
                         await waiter
-                except TimeoutError:
-                    raise UpstreamConnectionLimit(
-                        f"all {limit} connections to the upstream are busy"
-                    ) from None
-                finally:
-                    if not waiter.done():
+                except BaseException as exc:
+                    if waiter.done() and not waiter.cancelled():
+                        self._room()  # woken just as it gave up: the next one may use it
+                    else:
                         waiter.cancel()
+                    if isinstance(exc, TimeoutError):
+                        raise UpstreamConnectionLimit(
+                            f"all {limit} connections to the upstream are busy"
+                        ) from None
+                    raise
                 conn = self.take()
                 if conn is not None:
                     return conn, True
