@@ -27,7 +27,7 @@ does, and no more:
   `max_idle` of them kept idle;
 - a connection given up on (cancelled, broken, an answer cut short) is aborted, not closed:
   no unsent request bytes linger in a half-open socket, and the backend sees it go at once;
-- TLS with a per-pool context, SNI from the URL's host;
+- TLS with a per-pool context, SNI from the URL's host, ALPN `http/1.1`;
 - one bound of its own: `connect_s` for DNS, TCP and the TLS handshake of a new connection.
   Every later phase is bounded by the caller (the gateway's watchdog cancels the task).
 
@@ -703,6 +703,10 @@ class H1Client:
                 if self._default_tls is None:
                     self._default_tls = ssl.create_default_context()
                 context = self._default_tls
+        if context is not None:
+            # Say which protocol it will speak: a TLS front that also offers h2 must not
+            # assume it, and one that requires ALPN gets an answer.
+            context.set_alpn_protocols(["http/1.1"])
         host = url.raw_host or ""
         port = url.port or (443 if url.scheme == "https" else 80)
         origin = (url.scheme, host, port, id(context) if context is not None else 0)

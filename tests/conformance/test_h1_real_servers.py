@@ -116,6 +116,12 @@ async def _aiohttp_sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _aiohttp_alpn(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    tls = request.transport.get_extra_info("ssl_object") if request.transport else None
+    return web.Response(body=str(tls.selected_alpn_protocol() if tls else None).encode())
+
+
 async def _aiohttp_close(request: web.Request) -> web.StreamResponse:
     await request.read()
     response = web.Response(body=b"bye")
@@ -129,6 +135,7 @@ async def _aiohttp(tls: ssl.SSLContext | None = None) -> AsyncIterator[URL]:
     app.router.add_post("/v1/length", _aiohttp_length)
     app.router.add_post("/v1/sse", _aiohttp_sse)
     app.router.add_post("/v1/close", _aiohttp_close)
+    app.router.add_post("/v1/alpn", _aiohttp_alpn)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = _listener()
@@ -190,7 +197,9 @@ async def test_tls_whole_answers_and_streams_keep_one_connection(
     client: H1Client, tls_pair: tuple[ssl.SSLContext, ssl.SSLContext]
 ) -> None:
     server_tls, client_tls = tls_pair
+    server_tls.set_alpn_protocols(["h2", "http/1.1"])
     async with _aiohttp(server_tls) as base:
+        alpn = await fetch(client, base.with_path("/v1/alpn"), tls=client_tls)
         replies = [
             await fetch(client, base.with_path("/v1/length"), tls=client_tls) for _ in range(3)
         ]
@@ -199,6 +208,7 @@ async def test_tls_whole_answers_and_streams_keep_one_connection(
             streamed = await head.read()
         finally:
             head.release()
+    assert alpn.body == b"http/1.1"  # offered by the client, so never h2
     assert {r.body for r in replies} == {b'{"answer":"whole"}'}
     assert streamed == b"".join(SSE_EVENTS)
     assert len({r.values("x-peer")[0] for r in replies} | {head.headers.get("x-peer")}) == 1
