@@ -84,18 +84,24 @@ async def test_a_request_given_up_on_resets_its_connection(client: H1Client) -> 
     assert any("ConnectionResetError" in error for error in upstream.connections[0].errors)
 
 
-async def test_a_hosts_addresses_are_resolved_once_for_many_connections(
-    client: H1Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+async def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The host names the event loop is asked to resolve from now on."""
     loop = asyncio.get_running_loop()
-    lookups: list[str] = []
+    asked: list[str] = []
     resolve = loop.getaddrinfo
 
     async def counting(host: str, *args: Any, **kwargs: Any) -> Any:
-        lookups.append(host)
+        asked.append(host)
         return await resolve(host, *args, **kwargs)
 
     monkeypatch.setattr(loop, "getaddrinfo", counting)
+    return asked
+
+
+async def test_a_hosts_addresses_are_resolved_once_for_many_connections(
+    client: H1Client, lookups: list[str]
+) -> None:
     closing = response(headers=[("connection", "close")], body=b"ok")
     scripts = [[Receive(), Send(closing), Close()] for _ in range(3)]
     async with ScriptedUpstream(*scripts) as upstream:
@@ -107,17 +113,8 @@ async def test_a_hosts_addresses_are_resolved_once_for_many_connections(
 
 
 async def test_a_refused_address_is_resolved_again_on_the_next_connect(
-    client: H1Client, monkeypatch: pytest.MonkeyPatch
+    client: H1Client, lookups: list[str]
 ) -> None:
-    loop = asyncio.get_running_loop()
-    lookups: list[str] = []
-    resolve = loop.getaddrinfo
-
-    async def counting(host: str, *args: Any, **kwargs: Any) -> Any:
-        lookups.append(host)
-        return await resolve(host, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "getaddrinfo", counting)
     async with ScriptedUpstream(answer(response(body=b"ok"))) as upstream:
         url = upstream.url().with_host("localhost")
     # Closed: nothing listens there any more.
