@@ -164,10 +164,13 @@ def panic(names: list[str], tried: tuple[str, ...] = (), refused: tuple[str, ...
     return least_bad(names, healthy, answered, tried, refused)
 
 
-def test_panic_prefers_healthy_then_answering_and_never_the_silent() -> None:
+def test_panic_prefers_healthy_then_answering_then_tries_the_silent() -> None:
     assert panic(["isolated1", "sick1", "dead1"]) == ["isolated1"]
     assert panic(["sick1", "dead1", "sick2"]) == ["sick1", "sick2"]
-    assert panic(["dead1", "dead2"]) is None
+    # None answers its checks: each is tried (it may be back), once per request.
+    assert panic(["dead1", "dead2"]) == ["dead1", "dead2"]
+    assert panic(["dead1", "dead2"], refused=("dead1",)) == ["dead2"]
+    assert panic(["dead1", "dead2"], refused=("dead1", "dead2")) is None
 
 
 def test_panic_prefers_untried_and_skips_those_that_refused() -> None:

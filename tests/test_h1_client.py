@@ -169,7 +169,7 @@ async def test_a_connection_the_upstream_closes_while_idle_leaves_the_pool() -> 
         await post(client, url)
         await server.closed.wait()
         for _ in range(100):  # the client's side hears of the close within a few loop turns
-            if not client._pools[("http", "127.0.0.1", url.port or 0, 0)]._idle:
+            if not client._pools[("http", "127.0.0.1", url.port or 0, 0, None, None)]._idle:
                 break
             await asyncio.sleep(0)
         assert await post(client, url) == b'{"ok":true}'

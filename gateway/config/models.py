@@ -281,8 +281,8 @@ class BreakerPolicy(Strict):
     max_isolation: Duration = Field(default=120.0, gt=0)
     max_isolated_fraction: Fraction = 0.5
     # With nothing healthy and admitting: (panic, the default) send the traffic anyway to the
-    # least bad instances that still answer, as Envoy's panic threshold does, and answer 503 at
-    # once only when none answers at all; or (fail_fast) answer 503 at once.
+    # least bad instances, as Envoy's panic threshold does, and answer 503 once each refused
+    # the request; or (fail_fast) answer 503 at once.
     when_none_available: Literal["fail_fast", "panic"] = "panic"
 
 

@@ -68,12 +68,12 @@ def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI) -> bytes:
     return dialect.stream_ending(error)
 
 
-def _event_boundary(data: bytes) -> int:
+def _event_boundary(data: bytes | bytearray, start: int = 0) -> int:
     """Length of the prefix of `data` made of complete SSE events (ending in a blank line:
-    the spec's lines end in LF, CRLF or CR alone)."""
-    lf = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
-    cr = data.rfind(b"\r\r")
+    the spec's lines end in LF, CRLF or CR alone), looking from `start` on; 0 if none."""
+    lf = data.rfind(b"\n\n", start)
+    crlf = data.rfind(b"\r\n\r\n", start)
+    cr = data.rfind(b"\r\r", start)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
 
 
@@ -153,30 +153,30 @@ async def _relay_body(
 
     `stream`: the task of an SSE stream registered with the drain, which may end it."""
     events = response.is_sse
-    held = b""  # SSE only: the start of an event whose end has not arrived yet
+    # SSE only: the start of an event whose end has not arrived yet. Searched for an end only
+    # where the new bytes could complete one, so a long event costs linear time.
+    held = bytearray()
     chunk = response.first_chunk
     try:
         while chunk:
-            if events:
-                if held:
-                    chunk = held + chunk
-                    held = b""
-                if not chunk.endswith(b"\n\n"):  # vLLM sends whole events: the rare path
-                    cut = _event_boundary(chunk)
-                    chunk, held = chunk[:cut], chunk[cut:]
-                    if len(held) > MAX_EVENT_BYTES:
-                        if chunk:
-                            await send(
-                                {"type": "http.response.body", "body": chunk, "more_body": True}
-                            )
-                        return UpstreamProtocolError(
-                            "the upstream sent a stream event over "
-                            f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
-                        )
+            if events and (held or not chunk.endswith(b"\n\n")):
+                # vLLM sends whole events: this is the rare path.
+                start = max(0, len(held) - 3)
+                held += chunk
+                cut = _event_boundary(held, start)
+                chunk = bytes(held[:cut])
+                del held[:cut]
+                if len(held) > MAX_EVENT_BYTES:
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    return UpstreamProtocolError(
+                        "the upstream sent a stream event over "
+                        f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
+                    )
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await response.next_chunk(idle_s, end_at)
-        await send({"type": "http.response.body", "body": held})
+        await send({"type": "http.response.body", "body": bytes(held)})
     except UpstreamError as error:
         return error
     except asyncio.CancelledError:

@@ -131,6 +131,8 @@ def _record(
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.
         instance.peak.observe(now, elapsed_s)
+        if instance.health.healthy is not True:
+            instance.health_wanted.set()  # answering while held down: its checker looks now
     if failed:
         instance.failures += 1
         if outcome.kind in _SIGNS_OF_DOWN:
@@ -246,11 +248,14 @@ class Account:
         except UpstreamError as error:
             _end(instance, tokens)
             now = self._clock()
+            if error.local:
+                # The gateway's own limit (all connections to it busy): the request never
+                # reached the instance, so it says nothing of it (a probe did not happen).
+                if call.probe:
+                    instance.breaker.release_probe(now)
+                raise
             outcome = error.outcome
-            # The gateway's own limit (all connections to it busy) is no fault of the instance.
-            queueing = error.local or (
-                outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
-            )
+            queueing = outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
             if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
             _record(

@@ -28,8 +28,9 @@ class Pick:
     healthy and admitting, the pool panics (the default, `breaker.when_none_available:
     panic`, as Envoy's panic threshold): the attempt goes to the least bad instance that
     still answers (healthy but isolated first, then unhealthy ones whose health check got an
-    answer), untried ones first; only when no instance answers at all is the client told at
-    once (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
+    answer, then any: `gateway.core.panic`), untried ones first; once every instance refused
+    the request's connection or let it time out, the client is told at once (503 +
+    Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
     def __init__(self) -> None:

@@ -46,6 +46,7 @@ import socket
 import ssl
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final, cast, overload
 
 import httptools
@@ -80,6 +81,12 @@ _WHITESPACE: Final = b" \t"
 # timeout ends, so that a request is not written into it as the backend closes it.
 _HINT_MARGIN_S: Final = 1.0
 
+# A reused connection that ends before any byte of an answer this soon after the request was
+# written is taken for one the backend was closing as the request arrived (see the module's
+# docstring); later, the backend may have been working on it, and sending it again is not ours
+# to decide (the retry policy decides, with its budget).
+_STALE_WINDOW_S: Final = 0.1
+
 _RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
 
 # How long a host's resolved addresses are reused for new connections (aiohttp's default).
@@ -90,7 +97,10 @@ class _Extra(Exception):
     """Raised from the parser's callbacks: bytes after the response's end."""
 
 
-Origin = tuple[str, str, int, int]  # scheme, host, port, id of the TLS context (0: none)
+# scheme, host, port, id of the TLS context (0: none), max connections, max idle
+Origin = tuple[str, str, int, int, int | None, int | None]
+# URL, id of the TLS setting, max connections, max idle
+_TargetKey = tuple[URL, int, int | None, int | None]
 
 
 class Headers:
@@ -134,6 +144,9 @@ class _Connection(asyncio.Protocol):
         self._head_done = False  # the final (not 1xx) head is complete: headers are fixed
         self._head_bytes = 0  # received while the head was incomplete
         self._fields_size = 0  # of the head's fields (one read may hold a whole large head)
+        # Bytes after the head that are not body since the last chunk began: a chunk's size
+        # line and, after the last one, the trailers (bounded like a head).
+        self._framing = 0
         self._head: asyncio.Future[None] | None = None  # resolved once its headers are in
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -146,6 +159,7 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None  # the connection broke (or the bytes made no sense)
         self.received = False  # any byte of an answer to the request out
         self.idle_until = 0.0  # pooled: reusable until then (event-loop time)
+        self.idle = False  # in its pool, between requests
         self.keepalive_hint: float | None = None  # the backend's `Keep-Alive: timeout=`
         self._fd = -1
 
@@ -155,6 +169,16 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
+
+    def usable(self, now: float) -> bool:
+        """Open, not closing, not past its idle time, and nothing waiting unread."""
+        transport = self.transport
+        return (
+            transport is not None
+            and not transport.is_closing()
+            and now < self.idle_until
+            and not self.pending()
+        )
 
     def pending(self) -> bool:
         """Whether bytes (or the end) wait unread in the kernel for this idle connection: the
@@ -175,7 +199,9 @@ class _Connection(asyncio.Protocol):
             return
         self.received = True
         head_done = self._head_done
-        if not head_done:
+        if head_done:
+            self._framing += len(data)
+        else:
             self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
@@ -200,6 +226,8 @@ class _Connection(asyncio.Protocol):
             return
         if not head_done and not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
             self._fail(UpstreamProtocolError("the upstream's response head is too large"))
+        elif self._framing > MAX_HEAD_BYTES:
+            self._fail(UpstreamProtocolError("the upstream's chunk framing is too large"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -269,9 +297,13 @@ class _Connection(asyncio.Protocol):
         if head is not None and not head.done():
             head.set_result(None)
 
+    def on_chunk_header(self) -> None:
+        self._framing = 0
+
     def on_body(self, body: bytes) -> None:
         if not self._head_done:
             raise UpstreamProtocolError("the upstream sent a body with an interim answer")
+        self._framing -= len(body)
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -296,9 +328,11 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(self, request: bytes) -> UpstreamResponseHead:
         """Write the request; wait for the response's status and headers."""
-        assert self.transport is not None
+        transport = self.transport
+        if transport is None or transport.is_closing():  # closed while it was handed over
+            raise UpstreamReset("the upstream closed the connection (first_byte)")
         self._head = self._loop.create_future()
-        self.transport.write(request)
+        transport.write(request)
         await self._head
         if self.error is not None and not self.complete:
             raise self.error
@@ -382,6 +416,7 @@ class _Connection(asyncio.Protocol):
         self._head_done = False
         self._head_bytes = 0
         self._fields_size = 0
+        self._framing = 0
         self._head = None
         self._chunks.clear()
         self._buffered = 0
@@ -400,7 +435,7 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        if self.complete and transport.get_write_buffer_size() == 0:
+        if (self.idle or self.complete) and transport.get_write_buffer_size() == 0:
             transport.close()
             return
         sock = transport.get_extra_info("socket")
@@ -468,18 +503,29 @@ class UpstreamResponseHead:
 
 
 class _OriginPool:
-    """Idle connections to one origin, the most recently used first."""
+    """Connections to one origin: the idle ones (the most recently used first), the requests
+    waiting for one while all `max_connections` are busy (served in order: a connection that
+    comes back goes straight to the first of them), and how many are being opened."""
 
-    def __init__(self, origin: Origin, context: ssl.SSLContext | None, keepalive_s: float) -> None:
+    def __init__(
+        self,
+        origin: Origin,
+        context: ssl.SSLContext | None,
+        keepalive_s: float,
+        max_connections: int | None = None,
+        max_idle: int | None = None,
+    ) -> None:
         self.loop = asyncio.get_running_loop()
-        _, self.host, self.port, _ = origin
+        _, self.host, self.port, *_ = origin
         self.context = context
         self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
-        self.max_connections: int | None = None  # set by each request (the pool's policy)
-        self.max_idle: int | None = None
-        self._waiters: deque[asyncio.Future[None]] = deque()  # for a connection to come free
+        self._connecting = 0  # opening now: they count against `max_connections` already
+        # Requests waiting: each is handed a connection, or None for room to open one.
+        self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
         # The host's addresses, resolved at most every `_DNS_TTL_S` (a literal IP never is).
         self._addresses: list[tuple[int, tuple[Any, ...]]] = []
         self._resolved_until = 0.0
@@ -491,7 +537,8 @@ class _OriginPool:
         idle = self._idle
         while idle:
             conn = idle.pop()  # the most recent: the least likely to be closing
-            if conn.transport is not None and now < conn.idle_until and not conn.pending():
+            if conn.usable(now):
+                conn.idle = False
                 self.drop_stale(now)
                 return conn
             conn.close()
@@ -503,44 +550,64 @@ class _OriginPool:
         while idle and now >= idle[0].idle_until:
             idle.popleft().close()
 
-    async def acquire(self, connect_s: float) -> tuple[_Connection, bool]:
-        """A connection for a request, and whether it was reused: an idle one, else a new one
-        while under `max_connections`, else the first to come free within `connect_s`."""
-        conn = self.take()
-        if conn is not None:
-            return conn, True
+    @property
+    def _full(self) -> bool:
         limit = self.max_connections
-        if limit is not None and len(self._all) >= limit:
-            deadline = self.loop.time() + connect_s
-            while len(self._all) >= limit:
-                waiter = self.loop.create_future()
-                self._waiters.append(waiter)
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await waiter
-                except BaseException as exc:
-                    if waiter.done() and not waiter.cancelled():
-                        self._room()  # woken just as it gave up: the next one may use it
-                    else:
-                        waiter.cancel()
-                    if isinstance(exc, TimeoutError):
-                        raise UpstreamConnectionLimit(
-                            f"all {limit} connections to the upstream are busy"
-                        ) from None
-                    raise
+        return limit is not None and len(self._all) + self._connecting >= limit
+
+    async def acquire(self, connect_s: float, fresh: bool = False) -> tuple[_Connection, bool]:
+        """A connection for a request, and whether it was reused: an idle one (unless
+        `fresh`), else a new one while under `max_connections`, else the first to come free
+        within `connect_s` (after those already waiting)."""
+        if not self._waiters:
+            if not fresh:
                 conn = self.take()
                 if conn is not None:
                     return conn, True
-        return await self.connect(connect_s), False
+            if not self._full:
+                return await self.connect(connect_s), False
+        deadline = self.loop.time() + connect_s
+        while True:
+            handed = await self._wait(deadline)
+            if handed is not None:
+                if handed.usable(self.loop.time()):
+                    return handed, True
+                handed.close()  # gone bad since it was handed over: room to open one
+            if not self._full:
+                return await self.connect(connect_s), False
 
-    def _room(self) -> None:
-        """A connection came free (back idle, or gone): wake the first request waiting."""
+    async def _wait(self, deadline: float) -> _Connection | None:
+        """Queue for a connection (or room to open one) until `deadline`."""
+        waiter: asyncio.Future[_Connection | None] = self.loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._pass_on(waiter.result())  # handed over just as it gave up
+            else:
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise UpstreamConnectionLimit(
+                    f"all {self.max_connections} connections to the upstream are busy"
+                ) from None
+            raise
+
+    def _pass_on(self, conn: _Connection | None) -> bool:
+        """Hand `conn` (None: room to open one) to the first request still waiting; whether
+        one was."""
         waiters = self._waiters
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
-                return
+                waiter.set_result(conn)
+                return True
+        if conn is not None:
+            self._keep_idle(conn)
+        return False
 
     async def _resolve(self) -> list[tuple[int, tuple[Any, ...]]]:
         """The host's addresses (family, sockaddr), cached for `_DNS_TTL_S`."""
@@ -556,6 +623,7 @@ class _OriginPool:
 
     async def connect(self, connect_s: float) -> _Connection:
         server_hostname = self.host if self.context is not None else None
+        self._connecting += 1
         try:
             async with asyncio.timeout(connect_s):
                 if self._literal:
@@ -573,6 +641,11 @@ class _OriginPool:
         except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
             reason = exc.strerror or str(exc) or type(exc).__name__
             raise UpstreamConnectError(f"cannot connect to the upstream: {reason}") from None
+        finally:
+            self._connecting -= 1
+        if conn.transport is None:  # closed before it could be used
+            self._pass_on(None)
+            raise UpstreamReset("the upstream closed the connection (first_byte)")
         self._all.add(conn)
         return conn
 
@@ -602,20 +675,28 @@ class _OriginPool:
         raise error or OSError("the host resolved to no address")
 
     def put(self, conn: _Connection) -> None:
+        """A connection whose answer ended whole: to the first request waiting, else idle."""
         if conn.transport is None:
             return
         keep_s = self.keepalive_s
         hint = conn.keepalive_hint
         if hint is not None:
             keep_s = min(keep_s, hint - _HINT_MARGIN_S)
-        max_idle = self.max_idle
-        if keep_s <= 0 or (max_idle is not None and len(self._idle) >= max_idle):
+        conn.reset_for_reuse()  # any byte it receives from here on closes it
+        conn.idle_until = self.loop.time() + keep_s
+        if keep_s <= 0 or not conn.usable(self.loop.time()):
+            conn.idle = True  # nothing lost: a FIN, not a reset
             conn.close()
             return
-        conn.reset_for_reuse()  # idle from here on: any byte it receives closes it
-        conn.idle_until = self.loop.time() + keep_s
+        self._pass_on(conn)
+
+    def _keep_idle(self, conn: _Connection) -> None:
+        max_idle = self.max_idle
+        conn.idle = True
+        if max_idle is not None and len(self._idle) >= max_idle:
+            conn.close()
+            return
         self._idle.append(conn)
-        self._room()
 
     def forget(self, conn: _Connection) -> None:
         if conn not in self._all:
@@ -623,12 +704,18 @@ class _OriginPool:
         self._all.discard(conn)
         if conn in self._idle:
             self._idle.remove(conn)
-        self._room()
+        if self._waiters:
+            self._pass_on(None)  # room to open one
 
     @property
     def connections(self) -> int:
-        """Open connections, idle or busy."""
-        return len(self._all)
+        """Open connections, idle or busy, and those being opened."""
+        return len(self._all) + self._connecting
+
+    @property
+    def unused(self) -> bool:
+        """Nothing open, opening or waiting: the pool may be dropped."""
+        return not self._all and not self._connecting and not self._waiters
 
     def close(self) -> None:
         for conn in list(self._all):
@@ -642,8 +729,8 @@ class H1Client:
     def __init__(self, keepalive_s: float) -> None:
         self._keepalive_s = keepalive_s
         self._pools: dict[Origin, _OriginPool] = {}
-        # By URL and TLS setting: its pool and request-line parts, worked out once per URL.
-        self._targets: dict[tuple[URL, int], tuple[_OriginPool, str, str]] = {}
+        # By URL, TLS setting and limits: its pool and request-line parts, worked out once.
+        self._targets: dict[_TargetKey, tuple[_OriginPool, str, str]] = {}
         self._default_tls: ssl.SSLContext | None = None
 
     async def post(
@@ -657,44 +744,63 @@ class H1Client:
         tls: ssl.SSLContext | bool,
         max_connections: int | None = None,
         max_idle: int | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> UpstreamResponseHead:
         """Send one request to `url` (its path; `query` as the client sent it) and wait for
         its status and headers. On any failure (or when cancelled) the connection it used is
-        closed. `max_connections`, `max_idle`: the origin's limits (None: none)."""
-        target = self._targets.get((url, id(tls)))
+        closed. `max_connections`, `max_idle`: the origin's limits (None: none); `on_sent`:
+        called as the request is written, once a connection is had (waiting for one, and
+        opening it, are bounded by `connect_s` each)."""
+        key = (url, id(tls), max_connections, max_idle)
+        target = self._targets.get(key)
         if target is None:
-            target = self._target(url, tls)
+            target = self._target(key, url, tls)
         pool, path, rest = target
-        pool.max_connections = max_connections
-        pool.max_idle = max_idle
         request = _request(f"{path}?{query}" if query else path, rest, headers, body)
         conn, reused = await pool.acquire(connect_s)
         if reused:
+            sent_at = self._sent(on_sent)
             try:
                 return await conn.exchange(request)
             except UpstreamReset:
                 conn.close()
-                if conn.received:
+                if conn.received or pool.loop.time() - sent_at > _STALE_WINDOW_S:
                     raise
                 # The stale keep-alive race (see the module's docstring): once more, afresh.
             except BaseException:
                 conn.close()
                 raise
-            conn, _ = await pool.acquire(connect_s)
+            conn, _ = await pool.acquire(connect_s, fresh=True)
+        self._sent(on_sent)
         try:
             return await conn.exchange(request)
         except BaseException:
             conn.close()
             raise
 
-    def _target(self, url: URL, tls: ssl.SSLContext | bool) -> tuple[_OriginPool, str, str]:
+    @staticmethod
+    def _sent(on_sent: Callable[[], None] | None) -> float:
+        if on_sent is not None:
+            on_sent()
+        return asyncio.get_running_loop().time()
+
+    def _target(
+        self, key: _TargetKey, url: URL, tls: ssl.SSLContext | bool
+    ) -> tuple[_OriginPool, str, str]:
         if len(self._targets) > _MAX_TARGETS:  # URLs of instances long gone: start afresh
             self._targets.clear()
-        target = (self._pool(url, tls), *_request_line_parts(url))
-        self._targets[(url, id(tls))] = target
+        _, _, max_connections, max_idle = key
+        target = (self._pool(url, tls, max_connections, max_idle), *_request_line_parts(url))
+        self._targets[key] = target
         return target
 
-    def _pool(self, url: URL, tls: ssl.SSLContext | bool) -> _OriginPool:
+    def _pool(
+        self,
+        url: URL,
+        tls: ssl.SSLContext | bool,
+        max_connections: int | None,
+        max_idle: int | None,
+    ) -> _OriginPool:
         context: ssl.SSLContext | None = None
         if url.scheme == "https":
             if isinstance(tls, ssl.SSLContext):
@@ -709,19 +815,29 @@ class H1Client:
             context.set_alpn_protocols(["http/1.1"])
         host = url.raw_host or ""
         port = url.port or (443 if url.scheme == "https" else 80)
-        origin = (url.scheme, host, port, id(context) if context is not None else 0)
+        # Limits are part of the key: two pools of the policy listing the same instance with
+        # different limits each keep their own.
+        origin: Origin = (
+            url.scheme,
+            host,
+            port,
+            id(context) if context is not None else 0,
+            max_connections,
+            max_idle,
+        )
         pool = self._pools.get(origin)
         if pool is None:
-            # A new origin (or a reload's new TLS context): forget the pools left empty, so
-            # reloads do not accumulate them.
+            # A new origin (or a reload's new TLS context or limits): forget the pools left
+            # unused, so reloads do not accumulate them.
             now = asyncio.get_running_loop().time()
-            for key, old in list(self._pools.items()):
+            for old_key, old in list(self._pools.items()):
                 old.drop_stale(now)
-                if not old.connections:
-                    del self._pools[key]
+                if old.unused:
+                    del self._pools[old_key]
             live = set(self._pools.values())
             self._targets = {k: t for k, t in self._targets.items() if t[0] in live}
-            pool = self._pools[origin] = _OriginPool(origin, context, self._keepalive_s)
+            pool = _OriginPool(origin, context, self._keepalive_s, max_connections, max_idle)
+            self._pools[origin] = pool
         return pool
 
     def close(self) -> None:

@@ -73,16 +73,34 @@ class Transport:
         assert timeouts is not None, "the deadline layer runs before the transport"
         wait_s = timeouts.first_byte_s
         started_at = self._loop_time()
+        pool = call.pool
+        connect_s = pool.policy.timeouts.connect
+        # Until the request is written: the client bounds the wait for a free connection and
+        # the connect by `connect_s` each; this only backs them up. The first byte's time
+        # starts once the request is out (a wait for our own connection limit is not the
+        # instance's slowness).
         deadline = self._watchdog.arm(
-            call.task, min(started_at + wait_s, call.deadline), "first_byte", instance, started_at
+            call.task,
+            min(started_at + 2 * connect_s + wait_s, call.deadline),
+            "connect",
+            instance,
+            started_at,
         )
         # A prompt whose prefill will pause the instance's streams longer than they tolerate:
         # their deadlines wait until its first byte (or its own deadline).
         holds = timeouts.pause_s > 0.0
-        if holds:
-            instance.hold(started_at, deadline.at)
-            deadline.holding = True
-        pool = call.pool
+        held = False
+
+        def request_sent() -> None:
+            nonlocal held
+            now = self._loop_time()
+            deadline.move(min(now + wait_s, call.deadline), "first_byte")
+            deadline.waiting_since = now
+            if holds and not held:
+                held = True
+                instance.hold(now, deadline.at)
+                deadline.holding = True
+
         sent = call.headers
         if pool.strip_headers:  # the pool's credential in place of the client's keys
             strip = pool.strip_headers
@@ -95,10 +113,11 @@ class Transport:
                 sent,
                 call.body,
                 query=call.query,  # as the client sent it
-                connect_s=pool.policy.timeouts.connect,
+                connect_s=connect_s,
                 tls=pool.ssl,
                 max_connections=pool.policy.connections.max,
                 max_idle=pool.policy.connections.max_idle,
+                on_sent=request_sent,
             )
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")
@@ -134,7 +153,7 @@ class Transport:
             self._abandon(raw, deadline)
             raise map_upstream_exception(exc, phase=deadline.phase) from exc
         finally:
-            if holds:
+            if held:
                 instance.release_hold(self._loop_time())
 
     def _abandon(self, raw: UpstreamResponseHead | None, deadline: Deadline) -> None:

@@ -245,6 +245,17 @@ async def test_trailers_are_dropped(client: H1Client) -> None:
     assert reply.values("content-type") == ["application/json"]  # the head's, alone
 
 
+async def test_trailers_are_bounded_like_a_head(client: H1Client) -> None:
+    # One trailer value of 256 KiB in 4 KiB pieces: refused once past 64 KiB, not buffered.
+    start = chunked_head(headers=JSON) + chunk(b"hello") + b"0\r\nx-big: "
+    pieces = [b"a" * 4096] * 64
+    script = [Receive(), Send(start, *pieces, pause_s=0.001), Close()]
+    async with ScriptedUpstream(script) as upstream:
+        outcome = await fetch_or_error(client, upstream)
+    assert isinstance(outcome, BaseException)
+    assert_protocol_error(outcome)
+
+
 async def test_trailers_arriving_after_the_head_was_handed_over_are_dropped(
     client: H1Client,
 ) -> None:
