@@ -21,7 +21,7 @@ from redis.retry import Retry
 from gateway.config.models import Policy
 from loadtests.chaos.cluster import Cluster
 from loadtests.chaos.scenario import SCENARIO_DIR, Scenario, load_scenario
-from loadtests.chaos.timeline import Timeline
+from loadtests.chaos.timeline import STOP_BOUND_S, Timeline
 from loadtests.ledger import JsonlWriter, read_events, read_records
 
 SHIPPED = sorted(SCENARIO_DIR.glob("*.yaml"))
@@ -308,8 +308,9 @@ async def test_a_restart_cut_short_by_the_end_of_the_run_leaves_no_process(
     assert second.poll() is not None
 
 
+@pytest.mark.parametrize(("action", "back"), [("kill", 1.0), ("stop", 1.0 + STOP_BOUND_S)])
 async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_end_of_for(
-    tmp_path: Path,
+    tmp_path: Path, action: str, back: float
 ) -> None:
     """A kill with `for:` brings a fake backend back when the step says, not when a new
     interpreter has finished starting: the replacement boots during the kill, with its port
@@ -318,7 +319,7 @@ async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_en
         {
             "name": "x",
             "pools": {"chat": {"models": ["m"], "instances": 1}},
-            "faults": [{"target": "chat-0", "action": "kill", "at": "0s", "for": "1s"}],
+            "faults": [{"target": "chat-0", "action": action, "at": "0s", "for": "1s"}],
         }
     )
     cluster = Cluster(scenario, tmp_path)
@@ -351,11 +352,11 @@ async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_en
         assert during is False
         assert await serves_at(0.0)
         assert inst.popen is not None and "--serve-at" in inst.popen.args
-        assert inst.starts[-1] == pytest.approx(1.0)
+        assert inst.starts[-1] == pytest.approx(back)
     finally:
         events.close()
         await cluster.close()
     logged = list(read_events(tmp_path / "events.jsonl"))
-    assert [(e.action, e.target) for e in logged] == [("kill", "chat-0"), ("start", "chat-0")]
-    assert logged[1].t >= 1.0
+    assert [(e.action, e.target) for e in logged] == [(action, "chat-0"), ("start", "chat-0")]
+    assert logged[1].t >= back
     assert not inst.running

@@ -16,6 +16,10 @@ from loadtests.chaos.cluster import Cluster
 from loadtests.chaos.scenario import REDIS, FaultStep
 from loadtests.ledger import Event, JsonlWriter
 
+# How long a fake backend's graceful stop may take (uvicorn's 1 s grace for the requests it
+# is serving, and its exit): a stopped instance comes back this much after its `for:` ends.
+STOP_BOUND_S = 1.5
+
 
 class SentCounter(Protocol):
     """What the timeline needs from the load generator: wait until N requests were sent."""
@@ -104,10 +108,12 @@ class Timeline:
         elif action in ("kill", "stop"):
             await cluster.stop(name, kill=action == "kill")
             if until is not None and cluster.boots_ahead(name):
-                # Booted now, serving at `until`: how long an interpreter takes to start on a
-                # loaded machine is not part of the fault, and differs between the two runs.
-                serve_at = time.time() + max(0.0, until - self.clock())
-                booting = asyncio.ensure_future(cluster.start(name, until, serve_at=serve_at))
+                # Booted now, serving at a planned moment: `until`, after a stop's bound on its
+                # graceful shutdown (it lasts as long as the streams it waits for, which
+                # differs between the two runs), as is how long an interpreter takes to start.
+                back = until + (STOP_BOUND_S if action == "stop" else 0.0)
+                serve_at = time.time() + max(0.0, back - self.clock())
+                booting = asyncio.ensure_future(cluster.start(name, back, serve_at=serve_at))
                 self._log(action, name, detail)
 
                 async def serving_again() -> None:
