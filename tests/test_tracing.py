@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtests.procs import wait_until
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import (
     Backend,
@@ -135,8 +136,12 @@ def test_a_retried_request_is_one_server_span_with_two_attempts(
     sent = backends["good"].requests()[-1]["headers"]
     assert sent["traceparent"].startswith(f"00-{server.trace_id}-{second.span_id}-")
     assert any(t.startswith(f"00-{server.trace_id}-{first.span_id}-") for t in bad_sent)
-    # The access line names the trace, so logs lead to it.
-    assert any(f"trace_id={server.trace_id}" in line for line in gateway.proc.lines)
+    # The access line names the trace, so logs lead to it (written in batches: it may follow
+    # the span).
+    assert wait_until(
+        lambda: any(f"trace_id={server.trace_id}" in line for line in gateway.proc.lines),
+        timeout_s=10,
+    )
     # The client's credentials are in no span.
     assert not any(CANARY.encode() in body for body in receiver.raw_bodies)
     assert CANARY not in gateway.proc.output()
