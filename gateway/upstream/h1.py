@@ -161,14 +161,17 @@ class _Connection(asyncio.Protocol):
         self.idle_until = 0.0  # pooled: reusable until then (event-loop time)
         self.idle = False  # in its pool, between requests
         self.keepalive_hint: float | None = None  # the backend's `Keep-Alive: timeout=`
-        self._fd = -1
+        self._poll: select.poll | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
+        if sock is not None:
+            # One poll set per connection: asked before each reuse (`pending`).
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
 
     def usable(self, now: float) -> bool:
         """Open, not closing, not past its idle time, and nothing waiting unread."""
@@ -184,11 +187,8 @@ class _Connection(asyncio.Protocol):
         """Whether bytes (or the end) wait unread in the kernel for this idle connection: the
         rest of an answer longer than it said, a backend closing it. The event loop would
         hand them over on its next turn, too late if a request went out on it first."""
-        if self._fd < 0:
-            return False
-        poll = select.poll()
-        poll.register(self._fd, select.POLLIN)
-        return bool(poll.poll(0))
+        poll = self._poll
+        return poll is not None and bool(poll.poll(0))
 
     def data_received(self, data: bytes) -> None:
         if self._head is None:  # bytes while no request is out: nothing can be trusted here
@@ -551,6 +551,11 @@ class _OriginPool:
             idle.popleft().close()
 
     @property
+    def waiting(self) -> bool:
+        """Whether requests are queued for a connection (they come first)."""
+        return bool(self._waiters)
+
+    @property
     def _full(self) -> bool:
         limit = self.max_connections
         return limit is not None and len(self._all) + self._connecting >= limit
@@ -684,7 +689,8 @@ class _OriginPool:
             keep_s = min(keep_s, hint - _HINT_MARGIN_S)
         conn.reset_for_reuse()  # any byte it receives from here on closes it
         conn.idle_until = self.loop.time() + keep_s
-        if keep_s <= 0 or not conn.usable(self.loop.time()):
+        # (Bytes waiting unread are looked for when it is taken, not twice.)
+        if keep_s <= 0 or conn.transport.is_closing():
             conn.idle = True  # nothing lost: a FIN, not a reset
             conn.close()
             return
@@ -757,7 +763,11 @@ class H1Client:
             target = self._target(key, url, tls)
         pool, path, rest = target
         request = _request(f"{path}?{query}" if query else path, rest, headers, body)
-        conn, reused = await pool.acquire(connect_s)
+        # The common case without a coroutine: an idle connection and nobody waiting for one.
+        conn = pool.take() if not pool.waiting else None
+        reused = conn is not None
+        if conn is None:
+            conn, reused = await pool.acquire(connect_s)
         if reused:
             sent_at = self._sent(on_sent)
             try:
