@@ -48,6 +48,28 @@ timeouts: {connect: 200ms}
         after = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
         # The hung request ended when its client left: nobody's failure either.
         assert after["pools"]["chat"]["instances"][0]["failures"] == 0
+        metrics = scrape(gateway.admin_url)
+        ids = '{backend="only",pool="chat"}'
+        # Each of its attempts queued for the connection and was refused (none came free).
+        attempts = int(reply.headers["x-gateway-attempts"])
+        assert metrics[f"gateway_upstream_connection_waits_total{ids}"] == attempts
+        assert metrics[f"gateway_upstream_connection_limit_refusals_total{ids}"] == attempts
+        # The hung one's connection was reset when it ended: the third request opened another.
+        assert metrics[f"gateway_upstream_connections_opened_total{ids}"] == 2
+        assert metrics[f"gateway_upstream_connection_reuses_total{ids}"] == 0
+        idle = '{backend="only",pool="chat",state="idle"}'
+        assert metrics[f"gateway_upstream_connections{idle}"] == 1
     finally:
         gateway.stop()
         backend.stop()
+
+
+def scrape(admin_url: str) -> dict[str, float]:
+    """The gateway's metrics: each sample's name and labels, to its value."""
+    text = httpx.get(f"{admin_url}/metrics", timeout=5).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples

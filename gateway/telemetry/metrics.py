@@ -21,6 +21,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from yarl import URL
 
 from gateway.core.admission import CLASSES
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
@@ -259,7 +260,58 @@ class GatewayCollector(Collector):
             "The balancer's peak-EWMA latency per instance",
             labels=labels,
         )
+        connections = GaugeMetricFamily(
+            "gateway_upstream_connections",
+            "Connections to each instance's address, by state (busy, idle, opening)",
+            labels=[*labels, "state"],
+        )
+        opened = CounterMetricFamily(
+            "gateway_upstream_connections_opened",
+            "Connections opened to each instance's address (TCP, and TLS for https)",
+            labels=labels,
+        )
+        reused = CounterMetricFamily(
+            "gateway_upstream_connection_reuses",
+            "Requests written into a kept-alive connection",
+            labels=labels,
+        )
+        resent = CounterMetricFamily(
+            "gateway_upstream_stale_resends",
+            "Requests sent once more on a fresh connection because the kept-alive one they "
+            "went out on was being closed by the instance (not charged to it)",
+            labels=labels,
+        )
+        waits = CounterMetricFamily(
+            "gateway_upstream_connection_waits",
+            "Requests that queued for a connection because connections.max were busy",
+            labels=labels,
+        )
+        refusals = CounterMetricFamily(
+            "gateway_upstream_connection_limit_refusals",
+            "Requests no connection came free for within the connect timeout (a 503 "
+            "upstream_connection_limit, tried elsewhere; not charged to the instance)",
+            labels=labels,
+        )
         now = asyncio.get_running_loop().time()
+        client = self._gateway.upstream
+        for pool in self._gateway.registry.pools.values():
+            for inst in pool.instances:
+                ids = [pool.name, inst.name]
+                address = URL(inst.base_url)
+                use = client.connection_use(address)
+                connections.add_metric([*ids, "busy"], use.busy)
+                connections.add_metric([*ids, "idle"], use.idle)
+                connections.add_metric([*ids, "opening"], use.opening)
+                counts = client.connection_counts(address)  # None: no request went there yet
+                for family, attribute in (
+                    (opened, "opened"),
+                    (reused, "reused"),
+                    (resent, "resent"),
+                    (waits, "waited"),
+                    (refusals, "refused"),
+                ):
+                    family.add_metric(ids, getattr(counts, attribute, 0))
+        yield from (connections, opened, reused, resent, waits, refusals)
         for pool in self._gateway.registry.pools.values():
             k = pool.tiers.choose(pool.failure.rate).k
             for inst in pool.instances:

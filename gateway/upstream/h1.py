@@ -47,7 +47,7 @@ import ssl
 import struct
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final, cast, overload
+from typing import Any, Final, NamedTuple, cast, overload
 
 import httptools
 from yarl import URL
@@ -101,6 +101,30 @@ class _Extra(Exception):
 Origin = tuple[str, str, int, int, int | None, int | None]
 # URL, id of the TLS setting, max connections, max idle
 _TargetKey = tuple[URL, int, int | None, int | None]
+# scheme, host, port: what the connection counters are kept by
+Address = tuple[str, str, int]
+
+
+class ConnectionCounts:
+    """What happened to the connections to one address since the client started, over every
+    pool it had there (a reload's new TLS context or limits gets new pools, not new counts)."""
+
+    __slots__ = ("opened", "refused", "resent", "reused", "waited")
+
+    def __init__(self) -> None:
+        self.opened = 0  # connections established (TCP, and TLS when it is https)
+        self.reused = 0  # requests written into a connection kept from an earlier one
+        self.resent = 0  # requests sent again afresh after the stale keep-alive race
+        self.waited = 0  # requests that queued because `max_connections` were busy
+        self.refused = 0  # of those, the ones no connection came free for in time (503)
+
+
+class ConnectionUse(NamedTuple):
+    """The connections to one address now: serving a request, idle, being opened."""
+
+    busy: int
+    idle: int
+    opening: int
 
 
 class Headers:
@@ -241,9 +265,24 @@ class _Connection(asyncio.Protocol):
         self._fail(UpstreamReset(f"the upstream closed the connection ({phase})"), close=False)
 
     def eof_received(self) -> None:
-        """An orderly end: a FIN, or over TLS a close_notify (a TLS connection cut without one
-        is not reported here, so a body framed by the connection's end is then not whole)."""
-        self._eof = True
+        """The stream ended: over TCP a FIN, over TLS either a close_notify or a cut without
+        one. asyncio and uvloop report both TLS ends here alike, yet only the first is an
+        orderly end: an attacker (or a crash) can cut a body framed by the connection's end
+        with a bare FIN, and that body is then not whole (RFC 8446 6.1)."""
+        self._eof = self._ended_in_order()
+
+    def _ended_in_order(self) -> bool:
+        transport = self.transport
+        tls = transport.get_extra_info("ssl_object") if transport is not None else None
+        if not isinstance(tls, ssl.SSLObject):
+            return True  # plain TCP: the FIN is the end
+        # The TLS layer has read all it had by now. Once the peer's close_notify is in, OpenSSL
+        # answers a read with b"" (the end, recorded); after a bare FIN it has nothing yet and
+        # asks for more bytes (SSLWantReadError).
+        try:
+            return tls.read(1) == b""
+        except ssl.SSLError:
+            return False
 
     def pause_writing(self) -> None:
         """The request body is written in one call; a full send buffer only delays it."""
@@ -514,9 +553,11 @@ class _OriginPool:
         keepalive_s: float,
         max_connections: int | None = None,
         max_idle: int | None = None,
+        counts: ConnectionCounts | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         _, self.host, self.port, *_ = origin
+        self.counts = counts if counts is not None else ConnectionCounts()
         self.context = context
         self.keepalive_s = keepalive_s
         self.max_connections = max_connections
@@ -572,6 +613,7 @@ class _OriginPool:
             if not self._full:
                 return await self.connect(connect_s), False
         deadline = self.loop.time() + connect_s
+        self.counts.waited += 1
         while True:
             handed = await self._wait(deadline)
             if handed is not None:
@@ -596,6 +638,7 @@ class _OriginPool:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
             if isinstance(exc, TimeoutError):
+                self.counts.refused += 1
                 raise UpstreamConnectionLimit(
                     f"all {self.max_connections} connections to the upstream are busy"
                 ) from None
@@ -652,6 +695,7 @@ class _OriginPool:
             self._pass_on(None)
             raise UpstreamReset("the upstream closed the connection (first_byte)")
         self._all.add(conn)
+        self.counts.opened += 1
         return conn
 
     async def _connect_resolved(self, server_hostname: str | None) -> _Connection:
@@ -718,6 +762,10 @@ class _OriginPool:
         """Open connections, idle or busy, and those being opened."""
         return len(self._all) + self._connecting
 
+    def use(self) -> ConnectionUse:
+        idle = len(self._idle)
+        return ConnectionUse(len(self._all) - idle, idle, self._connecting)
+
     @property
     def unused(self) -> bool:
         """Nothing open, opening or waiting: the pool may be dropped."""
@@ -738,6 +786,7 @@ class H1Client:
         # By URL, TLS setting and limits: its pool and request-line parts, worked out once.
         self._targets: dict[_TargetKey, tuple[_OriginPool, str, str]] = {}
         self._default_tls: ssl.SSLContext | None = None
+        self._counts: dict[Address, ConnectionCounts] = {}
 
     async def post(
         self,
@@ -769,6 +818,7 @@ class H1Client:
         if conn is None:
             conn, reused = await pool.acquire(connect_s)
         if reused:
+            pool.counts.reused += 1
             sent_at = self._sent(on_sent)
             try:
                 return await conn.exchange(request)
@@ -780,6 +830,7 @@ class H1Client:
             except BaseException:
                 conn.close()
                 raise
+            pool.counts.resent += 1
             conn, _ = await pool.acquire(connect_s, fresh=True)
         self._sent(on_sent)
         try:
@@ -823,8 +874,7 @@ class H1Client:
             # Say which protocol it will speak: a TLS front that also offers h2 must not
             # assume it, and one that requires ALPN gets an answer.
             context.set_alpn_protocols(["http/1.1"])
-        host = url.raw_host or ""
-        port = url.port or (443 if url.scheme == "https" else 80)
+        host, port = _host_port(url)
         # Limits are part of the key: two pools of the policy listing the same instance with
         # different limits each keep their own.
         origin: Origin = (
@@ -846,14 +896,43 @@ class H1Client:
                     del self._pools[old_key]
             live = set(self._pools.values())
             self._targets = {k: t for k, t in self._targets.items() if t[0] in live}
-            pool = _OriginPool(origin, context, self._keepalive_s, max_connections, max_idle)
+            address = (url.scheme, host, port)
+            counts = self._counts.get(address)
+            if counts is None:
+                if len(self._counts) > _MAX_TARGETS:  # addresses long gone: start afresh
+                    self._counts.clear()
+                counts = self._counts[address] = ConnectionCounts()
+            pool = _OriginPool(
+                origin, context, self._keepalive_s, max_connections, max_idle, counts
+            )
             self._pools[origin] = pool
         return pool
+
+    def connection_counts(self, url: URL) -> ConnectionCounts | None:
+        """The counters of `url`'s address (scheme, host, port); None before any request."""
+        host, port = _host_port(url)
+        return self._counts.get((url.scheme, host, port))
+
+    def connection_use(self, url: URL) -> ConnectionUse:
+        """The connections open to `url`'s address now, over all its pools."""
+        host, port = _host_port(url)
+        busy = idle = opening = 0
+        for (scheme, pool_host, pool_port, *_), pool in self._pools.items():
+            if (scheme, pool_host, pool_port) == (url.scheme, host, port):
+                use = pool.use()
+                busy += use.busy
+                idle += use.idle
+                opening += use.opening
+        return ConnectionUse(busy, idle, opening)
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _host_port(url: URL) -> tuple[str, int]:
+    return url.raw_host or "", url.port or (443 if url.scheme == "https" else 80)
 
 
 def _is_ip(host: str) -> bool:

@@ -1,14 +1,25 @@
-"""Fixtures of the conformance scenarios: a fresh client per test, and a loopback TLS pair."""
+"""Fixtures of the conformance scenarios: each on both event loops, a fresh client per test, and
+a loopback TLS pair."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 import trustme
+import uvloop
 
 from gateway.upstream.h1 import H1Client
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The gateway serves on uvloop and its tests run on asyncio's loop: the client's
+    transport behaviour (TLS ends, pausing, resets) must hold on both."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

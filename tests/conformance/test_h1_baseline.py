@@ -216,17 +216,6 @@ async def test_a_head_under_64_kib_in_pieces_is_accepted(client: H1Client) -> No
     assert reply.body == b"ok"
 
 
-async def test_a_close_delimited_body_over_tls_ended_with_close_notify(
-    client: H1Client, tls_pair: tuple[ssl.SSLContext, ssl.SSLContext]
-) -> None:
-    server_tls, client_tls = tls_pair
-    head = response(200, [("content-type", "text/plain")], length=False)
-    script = [Receive(), Send(head, b"whole ", b"body", pause_s=0.01), Close()]
-    async with ScriptedUpstream(script, tls=server_tls) as upstream:
-        reply = await fetch(client, upstream.url(), tls=client_tls)
-    assert reply.body == b"whole body"
-
-
 async def test_a_reset_before_the_first_byte_is_a_reset_of_the_first_byte(
     client: H1Client,
 ) -> None:
@@ -263,3 +252,20 @@ async def test_a_pooled_connection_the_upstream_closed_is_not_used(client: H1Cli
         await asyncio.sleep(0.1)
         assert (await fetch(client, upstream.url())).body == b"two"
     assert [len(conn.requests) for conn in upstream.connections] == [1, 1]
+
+
+@pytest.mark.parametrize("orderly", [True, False], ids=["close_notify", "bare-fin"])
+async def test_a_close_delimited_body_over_tls_is_whole_only_with_close_notify(
+    client: H1Client, tls_pair: tuple[ssl.SSLContext, ssl.SSLContext], orderly: bool
+) -> None:
+    # A bare FIN over TLS: the body may have been cut by anyone on the path (RFC 8446 6.1).
+    server_tls, client_tls = tls_pair
+    head = response(200, [("content-type", "text/plain")], length=False)
+    end = Close() if orderly else Abort()
+    script = [Receive(), Send(head, b"whole ", b"body", pause_s=0.01), end]
+    async with ScriptedUpstream(script, tls=server_tls) as upstream:
+        if orderly:
+            assert (await fetch(client, upstream.url(), tls=client_tls)).body == b"whole body"
+        else:
+            with pytest.raises(UpstreamReset, match="body"):
+                await fetch(client, upstream.url(), tls=client_tls)

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import Any
 
 import pytest
+from yarl import URL
 
 from gateway.errors import UpstreamConnectError, UpstreamConnectionLimit, UpstreamReset
 from gateway.upstream.h1 import H1Client
@@ -34,6 +36,7 @@ async def test_a_request_lost_to_a_stale_keep_alive_connection_is_sent_again_afr
         [b"1", b"2"],
         [b"2"],
     ]
+    assert counted(client, upstream.url()) == {"opened": 2, "reused": 1, "resent": 1}
 
 
 async def test_a_fresh_connection_closed_before_an_answer_is_not_tried_again(
@@ -43,6 +46,7 @@ async def test_a_fresh_connection_closed_before_an_answer_is_not_tried_again(
         with pytest.raises(UpstreamReset, match="first_byte"):
             await fetch(client, upstream.url())
     assert len(upstream.connections) == 1
+    assert counted(client, upstream.url()) == {"opened": 1, "reused": 0, "resent": 0}
 
 
 async def test_a_reused_connection_that_broke_mid_answer_is_not_tried_again(
@@ -55,6 +59,7 @@ async def test_a_reused_connection_that_broke_mid_answer_is_not_tried_again(
         with pytest.raises(UpstreamReset, match="body"):
             await fetch(client, upstream.url())
     assert len(upstream.connections) == 1
+    assert counted(client, upstream.url()) == {"opened": 1, "reused": 1, "resent": 0}
 
 
 @pytest.mark.parametrize(
@@ -86,17 +91,27 @@ async def test_a_request_given_up_on_resets_its_connection(client: H1Client) -> 
 
 @pytest.fixture
 async def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The host names the event loop is asked to resolve from now on."""
+    """The host names the event loop is asked to resolve from now on (uvloop also passes
+    each address literal it connects to through `getaddrinfo`: not a lookup, not counted)."""
     loop = asyncio.get_running_loop()
     asked: list[str] = []
     resolve = loop.getaddrinfo
 
     async def counting(host: str, *args: Any, **kwargs: Any) -> Any:
-        asked.append(host)
+        if not _is_address(host):
+            asked.append(host)
         return await resolve(host, *args, **kwargs)
 
     monkeypatch.setattr(loop, "getaddrinfo", counting)
     return asked
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def test_a_hosts_addresses_are_resolved_once_for_many_connections(
@@ -143,6 +158,10 @@ async def test_a_request_beyond_the_connection_limit_waits_for_one_to_come_free(
         release.set()
         assert [(await first).body, (await second).body] == [b"one", b"two"]
     assert [r.body for r in upstream.connections[0].requests] == [b"1", b"2"]
+    counts = client.connection_counts(upstream.url())
+    assert counts is not None
+    # Handed the first one's connection as it came back: one wait, no refusal, one reuse.
+    assert (counts.opened, counts.reused, counts.waited, counts.refused) == (1, 1, 1, 0)
 
 
 async def test_a_request_that_waits_past_the_connect_timeout_is_a_local_503(
@@ -162,6 +181,9 @@ async def test_a_request_that_waits_past_the_connect_timeout_is_a_local_503(
         True,
     )
     assert len(upstream.connections) == 1
+    counts = client.connection_counts(upstream.url())
+    assert counts is not None
+    assert (counts.opened, counts.waited, counts.refused) == (1, 1, 1)
 
 
 async def test_no_more_than_max_idle_connections_stay_open(client: H1Client) -> None:
@@ -176,3 +198,12 @@ async def test_no_more_than_max_idle_connections_stay_open(client: H1Client) -> 
         release.set()
         assert [(await r).body for r in replies] == [b"ok"] * 3
         assert sum(pool.connections for pool in client._pools.values()) == 1
+        assert client.connection_use(upstream.url()) == (0, 1, 0)  # busy, idle, opening
+
+
+def counted(client: H1Client, url: URL) -> dict[str, int]:
+    """The client's counts of connections opened, requests on a kept connection, and stale
+    requests sent again, for `url`'s address."""
+    counts = client.connection_counts(url)
+    assert counts is not None, "no request went there"
+    return {"opened": counts.opened, "reused": counts.reused, "resent": counts.resent}
