@@ -167,7 +167,7 @@ class _Connection(asyncio.Protocol):
         self._status = 0  # of the head being read, or read
         self._head_done = False  # the final (not 1xx) head is complete: headers are fixed
         self._head_bytes = 0  # received while the head was incomplete
-        self._fields_size = 0  # of the head's fields (one read may hold a whole large head)
+        self._read_size = 0  # of the read being parsed (one read may hold a whole large head)
         # Bytes after the head that are not body since the last chunk began: a chunk's size
         # line and, after the last one, the trailers (bounded like a head).
         self._framing = 0
@@ -222,6 +222,7 @@ class _Connection(asyncio.Protocol):
             self._taint()
             return
         self.received = True
+        self._read_size = len(data)
         head_done = self._head_done
         if head_done:
             self._framing += len(data)
@@ -302,17 +303,21 @@ class _Connection(asyncio.Protocol):
         if not name or name[-1] in _WHITESPACE:
             # RFC 9112 5.1: never guess which field `Content-Length :` meant to be.
             raise UpstreamProtocolError("the upstream sent a header name with whitespace")
-        if len(self._raw_headers) >= MAX_HEAD_FIELDS:
-            raise UpstreamProtocolError("the upstream's response head has too many fields")
-        self._fields_size += len(name) + len(value) + 4  # ": " and CRLF
-        if self._fields_size > MAX_HEAD_BYTES:
-            raise UpstreamProtocolError("the upstream's response head is too large")
-        self._raw_headers.append((name, value))
+        self._raw_headers.append((name, value))  # how many: counted once the head is in
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if not 100 <= status <= 599:
             raise UpstreamProtocolError("the upstream sent an invalid status code")
+        if len(self._raw_headers) > MAX_HEAD_FIELDS:
+            raise UpstreamProtocolError("the upstream's response head has too many fields")
+        # A head that grew past the cap over several reads failed in `data_received`; one
+        # that came whole in a large read is measured here (only then: the common head is
+        # far smaller than the cap).
+        if self._head_bytes + self._read_size > MAX_HEAD_BYTES:
+            size = sum(len(name) + len(value) + 4 for name, value in self._raw_headers)
+            if size > MAX_HEAD_BYTES:  # 4: ": " and CRLF
+                raise UpstreamProtocolError("the upstream's response head is too large")
         self._status = status
         if status < 200:
             self._raw_headers = []  # an interim answer (100 Continue): the real one follows
@@ -353,7 +358,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if not self._head_done:
             # An interim answer ended: the final head is yet to come.
-            self._head_bytes = self._fields_size = 0
+            self._head_bytes = 0
             return
         # Asked now: once the message is complete the parser readies for the next one.
         self.keep_alive = self._parser.should_keep_alive() and not self._until_close
@@ -454,7 +459,6 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._head_done = False
         self._head_bytes = 0
-        self._fields_size = 0
         self._framing = 0
         self._head = None
         self._chunks.clear()
@@ -819,7 +823,9 @@ class H1Client:
             conn, reused = await pool.acquire(connect_s)
         if reused:
             pool.counts.reused += 1
-            sent_at = self._sent(on_sent)
+            if on_sent is not None:
+                on_sent()
+            sent_at = pool.loop.time()
             try:
                 return await conn.exchange(request)
             except UpstreamReset:
@@ -832,18 +838,13 @@ class H1Client:
                 raise
             pool.counts.resent += 1
             conn, _ = await pool.acquire(connect_s, fresh=True)
-        self._sent(on_sent)
+        if on_sent is not None:
+            on_sent()
         try:
             return await conn.exchange(request)
         except BaseException:
             conn.close()
             raise
-
-    @staticmethod
-    def _sent(on_sent: Callable[[], None] | None) -> float:
-        if on_sent is not None:
-            on_sent()
-        return asyncio.get_running_loop().time()
 
     def _target(
         self, key: _TargetKey, url: URL, tls: ssl.SSLContext | bool

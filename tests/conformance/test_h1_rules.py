@@ -171,6 +171,17 @@ async def test_a_head_over_64_kib_is_a_protocol_error(client: H1Client) -> None:
     assert_protocol_error(caught.value)
 
 
+async def test_a_head_over_64_kib_after_an_interim_answer_in_the_same_read_is_an_error(
+    client: H1Client,
+) -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    data = interim + response(200, [("x-large", "v" * (65 * 1024))], b"ok")
+    async with ScriptedUpstream(answer(data)) as upstream:
+        with pytest.raises(UpstreamProtocolError) as caught:
+            await fetch(client, upstream.url())
+    assert_protocol_error(caught.value)
+
+
 async def test_a_head_over_64_kib_arriving_in_pieces_is_a_protocol_error(
     client: H1Client,
 ) -> None:
