@@ -26,6 +26,8 @@ import itertools
 import os
 from dataclasses import dataclass
 
+import pytest
+import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -160,7 +162,12 @@ async def _play(case: Case) -> None:
         client.close()
 
 
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
 @settings(settings.get_profile(PROFILE))
-@given(cases())
-def test_random_answers_never_leak_into_another_exchange(case: Case) -> None:
-    asyncio.run(_play(case))
+@given(case=cases())
+def test_random_answers_never_leak_into_another_exchange(loop: str, case: Case) -> None:
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(_play(case))
