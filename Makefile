@@ -33,6 +33,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 demo: install
 	$(BIN)/python -m loadtests.demo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -13,10 +13,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.telemetry.metrics import build_registry
+from gateway.metrics import Observed, build_registry
+from gateway.reload import ReloadResult
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+
+class Operated(Protocol):
+    """What the admin plane asks of the gateway: its state view, the operator's actions on an
+    instance, and a reload from the policy file."""
+
+    def state(self) -> dict[str, Any]: ...
+
+    def operator(self, pool: str, name: str, action: str) -> dict[str, Any] | None: ...
+
+    async def reload_from_file(self, source: str = "api") -> ReloadResult: ...
 
 
 def admin_token(token_env: str) -> str | None:
@@ -51,11 +60,14 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def build_admin_app(gateway: Gateway) -> ASGIApp:
+def build_admin_app(gateway: Operated, observed: Observed, token: str | None) -> ASGIApp:
+    """The admin routes over `gateway`; /metrics reads `observed`; `token`: the bearer token
+    every call must carry (None: none asked)."""
+
     async def state(request: Request) -> Response:
         return JSONResponse(gateway.state())
 
-    metrics_registry = build_registry(gateway)
+    metrics_registry = build_registry(observed)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
@@ -97,4 +109,4 @@ def build_admin_app(gateway: Gateway) -> ASGIApp:
             ),
         ]
     )
-    return BearerAuth(app, admin_token(gateway.policy.admin.token_env))
+    return BearerAuth(app, token)

@@ -12,12 +12,15 @@ from typing import Any
 import aiohttp
 from starlette.types import ASGIApp
 
+from gateway.admin import admin_token, build_admin_app
 from gateway.cluster import build_store
 from gateway.config import Policy, PolicyError, load_policy
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
 from gateway.ingress.asgi import DataPlane
+from gateway.ingress.auth import ClientAuth
+from gateway.metrics import Observed
 from gateway.pipeline.account import Account, OnTransition
 from gateway.pipeline.admit import Admit, PoolAdmission
 from gateway.pipeline.attempt_span import AttemptSpans
@@ -26,14 +29,15 @@ from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import DeadlineLayer
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
-from gateway.pipeline.watchdog import Watchdog
+from gateway.pipeline.transport import Transport
 from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies, policy_file
 from gateway.telemetry.logs import access_log, set_access_log
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
+from gateway.upstream.clients import new_client, new_session
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
-from gateway.upstream.transport import Transport, new_client, new_session
 from gateway.upstream.vllm_load import VllmLoadScraper
+from gateway.upstream.watchdog import Watchdog
 
 log = logging.getLogger("gateway.reload")
 
@@ -88,17 +92,28 @@ class Gateway:
         if self.tracing is not None:
             layers.append(AttemptSpans(self.tracing))
         handler = compose(layers, Transport(self.upstream, self.watchdog))
+        # Client authentication: as long-lived as the data plane, its keys swapped on reload.
+        self.auth = ClientAuth(policy.auth)
         self.data_app = DataPlane(
             self.registry,
             handler,
+            auth=self.auth,
             max_request_bytes=policy.limits.max_request_bytes,
             readiness=self.readiness,
             tracing=self.tracing,
             limits=policy.limits,
         )
-        from gateway.admin import build_admin_app  # the admin plane depends on Gateway
-
-        self.admin_app: ASGIApp = build_admin_app(self)
+        observed = Observed(
+            pools=self.registry.pools,
+            admissions=self.admissions,
+            refusals=self.data_app.refusals,
+            shared=self.decisions.status,
+            reloads=self.reloads,
+            upstream=self.upstream,
+        )
+        self.admin_app: ASGIApp = build_admin_app(
+            self, observed, admin_token(policy.admin.token_env)
+        )
 
     def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
         """Share a breaker's transition; one back to ADMITTING makes room for waiting requests."""
@@ -205,6 +220,7 @@ class Gateway:
         if diff.pools_or_auth:
             now = asyncio.get_running_loop().time()
             added, dropped = self.registry.apply(policy, now)
+            self.auth.update(policy.auth)
             self._sync_account_pools(dropped)
             self._sync_admissions()
             self.decisions.follow(self.registry)

@@ -27,70 +27,16 @@ from typing import Any
 import uvicorn
 
 from gateway.config.models import DrainPolicy
-from gateway.errors import GatewayError
+from gateway.errors import shutting_down
 from gateway.ingress.dialect import BY_PATH as DIALECTS
 from gateway.ingress.dialect import OPENAI, Dialect
+from gateway.ingress.streams import OpenStreams
 
 log = logging.getLogger("gateway")
 
 # After the deadline: time for the ended streams to flush their last event, and then for the
 # cancelled requests to be answered, before the process stops waiting for them.
 END_GRACE_S = 1.0
-
-
-class ShuttingDown(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "shutting_down"
-
-
-def shutting_down() -> ShuttingDown:
-    return ShuttingDown("the gateway is shutting down", retry_after_s=1.0)
-
-
-class OpenStreams:
-    """The SSE streams being relayed (their tasks), so the drain can end them properly.
-
-    A stream registers when its relay starts and leaves when it ends: one set operation each.
-    """
-
-    __slots__ = ("_ended", "_tasks", "ending")
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._ended: set[asyncio.Task[Any]] = set()
-        self.ending = False  # past the drain's deadline: a stream starting now ends at once
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    def add(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.add(task)
-
-    def discard(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-
-    def end_all(self) -> int:
-        """Cancel every open stream's task; its relay ends it with `ended_by_drain`."""
-        self.ending = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            self._ended.add(task)
-            task.cancel()
-        return len(tasks)
-
-    def ended_by_drain(self, task: asyncio.Task[Any]) -> ShuttingDown | None:
-        """After a CancelledError in a relay: the error to end the stream with, if the drain's
-        deadline caused it (the cancel is then consumed)."""
-        if task not in self._ended:
-            return None
-        self._ended.discard(task)
-        task.uncancel()
-        return shutting_down()
-
-
-# One process serves one data plane: its relays and its drain share this.
-STREAMS = OpenStreams()
 
 
 def _late_answer(dialect: Dialect) -> tuple[list[tuple[bytes, bytes]], bytes]:
@@ -143,7 +89,7 @@ class Drain:
         data_task: asyncio.Task[None],
         admin: uvicorn.Server,
         set_draining: Callable[[bool], None],
-        streams: OpenStreams = STREAMS,
+        streams: OpenStreams,
     ) -> None:
         self._policy = policy
         self._data = data

@@ -187,3 +187,13 @@ def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
     if isinstance(exc, ConnectionError):
         return UpstreamReset(f"the upstream closed the connection ({phase})")
     return UpstreamError(f"the upstream request failed: {type(exc).__name__}")
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
+
+
+def shutting_down() -> ShuttingDown:
+    return ShuttingDown("the gateway is shutting down", retry_after_s=1.0)

@@ -140,7 +140,14 @@ async def serve(policy: Policy) -> None:
     # SIGTERM drains the data plane (the admin plane closes last); a second one, or SIGINT,
     # ends the drain at once.
     # The drain settings in force when SIGTERM comes: a reload may have changed them.
-    drain = Drain(lambda: gateway.policy.drain, servers[0], tasks[0], servers[1], set_draining)
+    drain = Drain(
+        lambda: gateway.policy.drain,
+        servers[0],
+        tasks[0],
+        servers[1],
+        set_draining,
+        gateway.data_app.streams,
+    )
     loop.add_signal_handler(signal.SIGTERM, drain.signal)
     loop.add_signal_handler(signal.SIGINT, drain.interrupt)
     loop.add_signal_handler(signal.SIGHUP, gateway.reload_in_background, "SIGHUP")

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from gateway.drain import ShuttingDown
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
     NoInstanceAvailable,
     Shed,
+    ShuttingDown,
     UpstreamTimeout,
 )
 from gateway.ingress.dialect import ANTHROPIC, BY_PATH, OPENAI

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.pipeline.watchdog import INSTANCE_STALL_GRACE, Watchdog, expired
+from gateway.upstream.watchdog import INSTANCE_STALL_GRACE, Watchdog, expired
 
 
 async def test_sweep_fires_only_past_deadlines_and_names_the_phase() -> None:

@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import Message, Scope
 
 from gateway.config.models import LimitsPolicy
+from gateway.config.routes import MODELS_PATH, PROXY_ROUTES
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -28,8 +29,8 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
 )
-from gateway.ingress.auth import OPEN_PATHS, send_unauthorized
-from gateway.ingress.body import ClientGone, Receive, RequestFacts, read_body, read_facts
+from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
+from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
 from gateway.ingress.dialect import BY_PATH as DIALECTS
 from gateway.ingress.dialect import OPENAI
 from gateway.ingress.forwarded import TrustedProxies
@@ -37,9 +38,9 @@ from gateway.ingress.headers import split_request_headers
 from gateway.ingress.protocol import HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
-from gateway.ingress.routes import MODELS_PATH, PROXY_ROUTES
+from gateway.ingress.streams import OpenStreams
 from gateway.pipeline.admit import parse_priority
-from gateway.pipeline.call import Call, Handler
+from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.telemetry.logs import AccessLog, access_log
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
@@ -105,6 +106,7 @@ class DataPlane:
         registry: Registry,
         handler: Handler,
         *,
+        auth: ClientAuth,
         max_request_bytes: int,
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         tracing: Tracing | None = None,
@@ -116,10 +118,11 @@ class DataPlane:
         # refusal counters it shares with us (401s), for /metrics and /admin/state.
         self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
         self.refusals = IngressRefusals("data")
+        self.streams = OpenStreams()  # the SSE streams being relayed, for the drain
         self.protocol = HardenedProtocol.configured(self.limits, self.refusals)
         self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
-        self._auth = registry.auth  # client API keys (policy `auth`); swapped on reload
+        self._auth = auth  # client API keys (policy `auth`); swapped on reload
         self._tracer = tracing.tracer if tracing is not None else None
         self._access = access_log()
         self._handler = handler
@@ -393,7 +396,9 @@ class DataPlane:
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
-            broke = await relay(send, response, call.attempts, idle_s, call.deadline, dialect)
+            broke = await relay(
+                send, response, call.attempts, idle_s, call.deadline, dialect, self.streams
+            )
             if broke is not None:
                 stream_error = broke.message
         except ResponseAborted as aborted:

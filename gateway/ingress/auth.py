@@ -8,7 +8,7 @@ The keys are kept as SHA-256 digests only, and the presented key's digest is com
 every one of them in constant time (`hmac.compare_digest`, no early exit), so the answer's
 timing tells neither how much of a key was right nor which key matched.
 
-One `ClientAuth` lives as long as the registry: a policy reload swaps its keys in place, so a
+One `ClientAuth` lives as long as the data plane: a policy reload swaps its keys in place, so a
 rotated key file or variable takes effect at the next reload without a restart.
 """
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.pipeline.call import RequestFacts
 
 Receive = Any  # the ASGI receive callable
 
@@ -46,15 +46,6 @@ async def read_body(receive: Receive, limit: int, declared_length: int | None) -
             if size > limit:
                 raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
             return b"".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
-    """What the gateway reads from a request body; the body itself is forwarded untouched."""
-
-    model: str
-    stream: bool
-    max_tokens: int | None
 
 
 def read_facts(body: bytes) -> RequestFacts:

@@ -6,10 +6,16 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.drain import STREAMS, shutting_down
-from gateway.errors import GatewayError, MethodNotAllowed, UpstreamError, UpstreamProtocolError
+from gateway.errors import (
+    GatewayError,
+    MethodNotAllowed,
+    UpstreamError,
+    UpstreamProtocolError,
+    shutting_down,
+)
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
+from gateway.ingress.streams import OpenStreams
 from gateway.upstream.response import UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -83,7 +89,8 @@ async def relay(
     attempts: int,
     idle_s: float,
     end_at: float,
-    dialect: Dialect = OPENAI,
+    dialect: Dialect,
+    streams: OpenStreams,
 ) -> UpstreamError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
     Returns what broke an SSE stream the upstream cut short, if anything did.
@@ -115,15 +122,15 @@ async def relay(
         if response.is_sse:
             task = asyncio.current_task()
             assert task is not None
-            STREAMS.add(task)
-            if STREAMS.ending:  # started after the drain's deadline: end it at once
+            streams.add(task)
+            if streams.ending:  # started after the drain's deadline: end it at once
                 error = shutting_down()
             else:
-                error = await _relay_body(send, response, idle_s, end_at, task)
-            STREAMS.discard(task)  # its last event is not the drain's to interrupt
+                error = await _relay_body(send, response, idle_s, end_at, streams, task)
+            streams.discard(task)  # its last event is not the drain's to interrupt
             task = None
         else:
-            error = await _relay_body(send, response, idle_s, end_at, None)
+            error = await _relay_body(send, response, idle_s, end_at, streams, None)
         if isinstance(error, UpstreamError):
             broke = error
         if error is None:
@@ -136,7 +143,7 @@ async def relay(
         return broke
     finally:
         if task is not None:
-            STREAMS.discard(task)
+            streams.discard(task)
         # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
         # failure, accounted now like any other.
         response.finish(ok, broke)
@@ -147,6 +154,7 @@ async def _relay_body(
     response: UpstreamResponse,
     idle_s: float,
     end_at: float,
+    streams: OpenStreams,
     stream: asyncio.Task[Any] | None,
 ) -> GatewayError | None:
     """Forward the body chunk by chunk; returns the error that broke it, if any.
@@ -183,7 +191,7 @@ async def _relay_body(
         timeout = response.cancelled_by_deadline()
         if timeout is not None:
             return timeout
-        drained = STREAMS.ended_by_drain(stream) if stream is not None else None
+        drained = streams.ended_by_drain(stream) if stream is not None else None
         if drained is None:
             raise  # not a deadline: the client went away
         return drained

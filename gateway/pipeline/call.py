@@ -9,9 +9,17 @@ from typing import Any, Protocol
 
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
-from gateway.ingress.body import RequestFacts
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the gateway reads from a request body; the body itself is forwarded untouched."""
+
+    model: str
+    stream: bool
+    max_tokens: int | None
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
+from gateway.config.routes import PROXY_ROUTES
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
@@ -27,8 +28,6 @@ from gateway.core.timeouts import (
     Load,
     attempt_timeouts,
 )
-from gateway.ingress.auth import ClientAuth
-from gateway.ingress.routes import PROXY_ROUTES
 from gateway.upstream.stats import InstanceStats, PoolStats
 from gateway.upstream.tls import client_ssl
 
@@ -419,6 +418,11 @@ def _new_instance(
     )
 
 
+def clients_authenticated(policy: Policy) -> bool:
+    """Whether the data plane asks clients for API keys (their keys are then not forwarded)."""
+    return policy.auth is not None and bool(policy.auth.keys)
+
+
 class Registry:
     """Pools by name and by the models they serve.
 
@@ -428,10 +432,9 @@ class Registry:
 
     def __init__(self, policy: Policy, now: float, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
-        # Client authentication: long-lived like the dicts, its keys swapped on reload.
-        self.auth = ClientAuth(policy.auth)
+        client_auth = clients_authenticated(policy)
         self.pools = {
-            name: PoolState(name, pool, self.rng, now, self.auth.enabled)
+            name: PoolState(name, pool, self.rng, now, client_auth)
             for name, pool in policy.pools.items()
         }
         self.by_model = {
@@ -445,8 +448,7 @@ class Registry:
         (to health-check) and the dropped pools."""
         added: list[InstanceState] = []
         pools: dict[str, PoolState] = {}
-        self.auth.update(policy.auth)
-        client_auth = self.auth.enabled
+        client_auth = clients_authenticated(policy)
         for name, pool_policy in policy.pools.items():
             pool = self.pools.get(name)
             if pool is None:

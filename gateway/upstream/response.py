@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
-from gateway.pipeline.watchdog import Deadline, Watchdog, expired
+from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
     from gateway.upstream.h1 import UpstreamResponseHead

@@ -1,7 +1,7 @@
 """Counters the request path keeps for the metrics, on the pool and instance it already holds.
 
 Plain integers and dicts: an increment is a few tens of nanoseconds, with no label lookup and no
-lock (one event loop owns them). `gateway.telemetry.metrics` reads them when scraped.
+lock (one event loop owns them). `gateway.metrics` reads them when scraped.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ backend instance is the `backend` label: Prometheus keeps `instance` for the scr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -26,9 +27,25 @@ from yarl import URL
 from gateway.core.admission import CLASSES
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
 from gateway.core.histogram import Histogram
+from gateway.ingress.refusals import IngressRefusals
+from gateway.pipeline.admit import PoolAdmission
+from gateway.reload import ReloadStats
+from gateway.upstream.h1 import H1Client
+from gateway.upstream.registry import PoolState
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+
+@dataclass(frozen=True)
+class Observed:
+    """What the metrics read, and only read: the gateway's long-lived state objects (a policy
+    reload changes them in place, so they stay the ones to read)."""
+
+    pools: Mapping[str, PoolState]
+    admissions: Mapping[str, PoolAdmission]
+    refusals: IngressRefusals  # the data plane's
+    shared: Callable[[], dict[str, Any]]  # the decision store's status
+    reloads: ReloadStats
+    upstream: H1Client  # its connection counts
+
 
 _STATES = (ADMITTING, ISOLATED, PROBING)
 
@@ -41,8 +58,8 @@ def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
 
 
 class GatewayCollector(Collector):
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+    def __init__(self, observed: Observed) -> None:
+        self._observed = observed
 
     def collect(self) -> Iterator[Metric]:
         yield from self._requests()
@@ -60,12 +77,12 @@ class GatewayCollector(Collector):
             "heads and bodies, over the connection cap, no valid client API key)",
             labels=["reason"],
         )
-        for reason, count in self._gateway.data_app.refusals.counts.items():
+        for reason, count in self._observed.refusals.counts.items():
             refusals.add_metric([reason], count)
         yield refusals
 
     def _policy(self) -> Iterator[Metric]:
-        stats = self._gateway.reloads
+        stats = self._observed.reloads
         reloads = CounterMetricFamily(
             "gateway_policy_reloads",
             "Policy reloads by result (error: invalid or restart-only; the old policy kept)",
@@ -129,7 +146,7 @@ class GatewayCollector(Collector):
             "vLLM's gauges as last scraped: requests waiting, KV-cache usage (0..1)",
             labels=["pool", "backend", "signal"],
         )
-        for name, admission in self._gateway.admissions.items():
+        for name, admission in self._observed.admissions.items():
             signals = admission.policy.vllm_signals is not None
             for klass in CLASSES:
                 queued.add_metric([name, klass], admission.queues.length(klass))
@@ -188,7 +205,7 @@ class GatewayCollector(Collector):
             "Retries the pool's retry budget refused",
             labels=["pool"],
         )
-        for pool in self._gateway.registry.pools.values():
+        for pool in self._observed.pools.values():
             stats = pool.stats
             for (model, klass), count in stats.requests.items():
                 requests.add_metric([pool.name, model, klass], count)
@@ -293,8 +310,8 @@ class GatewayCollector(Collector):
             labels=labels,
         )
         now = asyncio.get_running_loop().time()
-        client = self._gateway.upstream
-        for pool in self._gateway.registry.pools.values():
+        client = self._observed.upstream
+        for pool in self._observed.pools.values():
             for inst in pool.instances:
                 ids = [pool.name, inst.name]
                 address = URL(inst.base_url)
@@ -312,7 +329,7 @@ class GatewayCollector(Collector):
                 ):
                     family.add_metric(ids, getattr(counts, attribute, 0))
         yield from (connections, opened, reused, resent, waits, refusals)
-        for pool in self._gateway.registry.pools.values():
+        for pool in self._observed.pools.values():
             k = pool.tiers.choose(pool.failure.rate).k
             for inst in pool.instances:
                 ids = [pool.name, inst.name]
@@ -368,7 +385,7 @@ class GatewayCollector(Collector):
         max_retries = GaugeMetricFamily(
             "gateway_pool_max_retries", "Retries the current tier allows", labels=["pool"]
         )
-        for pool in self._gateway.registry.pools.values():
+        for pool in self._observed.pools.values():
             rate = pool.failure.rate
             chosen = pool.tiers.choose(rate)
             failure.add_metric([pool.name], rate)
@@ -377,7 +394,7 @@ class GatewayCollector(Collector):
         yield from (failure, tier, max_retries)
 
     def _shared(self) -> Iterator[Metric]:
-        shared = self._gateway.decisions.status()
+        shared = self._observed.shared()
         yield GaugeMetricFamily(
             "gateway_shared_state_connected",
             "1 while the replica shares decisions through Redis; 0 when it decides alone",
@@ -393,7 +410,7 @@ class GatewayCollector(Collector):
         yield events
 
 
-def build_registry(gateway: Gateway) -> CollectorRegistry:
+def build_registry(observed: Observed) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GatewayCollector(gateway))
+    registry.register(GatewayCollector(observed))
     return registry

@@ -1,10 +1,5 @@
-"""The data-plane client: sends attempts to instances through `gateway.upstream.h1`.
-
-Its own small HTTP/1.1 client rather than aiohttp's or httpx's on this path: measured here, a
-bare ASGI proxy ran ~7,000 req/s per core through aiohttp's client (~300-500 through httpx's,
-whose pool also added seconds of time-to-first-byte at a few hundred concurrent streams) and
-~23,000 through one that does only what a proxy needs. Health checks and vLLM scrapes, off
-the request path, still use an aiohttp session (`new_session`).
+"""The pipeline's terminal: sends an attempt to its instance through the upstream client
+(`gateway.upstream.clients`) and reads it up to the commit point.
 
 Timeouts: the client enforces only `connect` (DNS, TCP and the TLS handshake of a new
 connection). Every later phase is a `Deadline` of the process-wide `Watchdog`, moved forward as
@@ -19,43 +14,15 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
-
 from gateway.errors import UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
-from gateway.pipeline.watchdog import Deadline, Watchdog, expired
 from gateway.upstream.h1 import H1Client, UpstreamResponseHead
 from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 # Bodies up to this size are read whole before the commit point (so a backend dying mid-body
 # is still retryable); longer ones are relayed as they arrive.
 WHOLE_BODY_LIMIT = 1024 * 1024
-# vLLM (uvicorn) closes idle keep-alive connections after 5 s: drop ours first, so a request is
-# never written into a connection the backend is closing (a POST cannot be replayed safely).
-UPSTREAM_KEEPALIVE_S = 4.0
-
-
-def new_session() -> aiohttp.ClientSession:
-    """The session of the background work: health checks and vLLM /metrics scrapes."""
-    connector = aiohttp.TCPConnector(
-        limit=0,
-        limit_per_host=0,
-        ttl_dns_cache=10,
-        keepalive_timeout=UPSTREAM_KEEPALIVE_S,
-        enable_cleanup_closed=False,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        raise_for_status=False,
-        trust_env=False,
-    )
-
-
-def new_client() -> H1Client:
-    """The client of the request path."""
-    return H1Client(keepalive_s=UPSTREAM_KEEPALIVE_S)
 
 
 class Transport:
