@@ -30,8 +30,8 @@ from gateway.pipeline.deadline import DeadlineLayer
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.transport import Transport
-from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies, policy_file
-from gateway.telemetry.logs import access_log, set_access_log
+from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies
+from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
 from gateway.upstream.health import HealthChecker
@@ -45,11 +45,20 @@ log = logging.getLogger("gateway.reload")
 class Gateway:
     """Everything one gateway process serves from. Create it inside the running event loop."""
 
-    def __init__(self, policy: Policy, policy_path: str | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        policy_path: str | None = None,
+        log_format: LogFormat | None = None,
+    ) -> None:
+        """`policy_path`: the file reloads read (None: reloads from a file are refused);
+        `log_format`: the access log's (default: the policy's `telemetry.log_format`)."""
         self.policy = policy
-        # The file reloads read (`gateway run` records it; None: reloads from a file refused).
-        self.policy_path = policy_path if policy_path is not None else policy_file()
-        self.reloads = ReloadStats(loaded_at=time.time())
+        self.policy_path = policy_path
+        self.access_log = AccessLogSwitch(
+            log_format or policy.telemetry.log_format, policy.telemetry.access_log
+        )
+        self.reloads = ReloadStats(loaded_at=time.time(), source=policy_path)
         self._reload_lock = asyncio.Lock()
         self._watcher: PolicyWatcher | None = None
         self._background: set[asyncio.Task[ReloadResult]] = set()
@@ -98,6 +107,7 @@ class Gateway:
             self.registry,
             handler,
             auth=self.auth,
+            access_log=self.access_log.current,
             max_request_bytes=policy.limits.max_request_bytes,
             readiness=self.readiness,
             tracing=self.tracing,
@@ -151,9 +161,7 @@ class Gateway:
         self.upstream.close()
         if self.tracing is not None:
             await self.tracing.close()
-        log = access_log()
-        if log is not None:
-            log.flush()
+        self.access_log.flush()
 
     # Set by the process on SIGTERM (gateway.drain): not ready from then on, while it drains.
     draining = False
@@ -251,7 +259,7 @@ class Gateway:
             self.data_app.set_limits(policy.limits)
         enabled = policy.telemetry.access_log
         if enabled != self.policy.telemetry.access_log:
-            self.data_app.set_access_log(set_access_log(enabled))
+            self.data_app.set_access_log(self.access_log.set(enabled))
 
     def _sync_account_pools(self, dropped: list[PoolState]) -> None:
         """Current pools, plus dropped ones while requests are in flight on them."""

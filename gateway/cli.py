@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from gateway.config import PolicyError, load_policy
-from gateway.telemetry.logs import LogFormat, configure_access_log, configure_logging
+from gateway.telemetry.logs import LogFormat, configure_logging
 
 
 def _check(files: list[str]) -> int:
@@ -31,17 +31,13 @@ def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
         return 1
     chosen = log_format or policy.telemetry.log_format
     configure_logging(log_level, chosen)
-    configure_access_log(policy.telemetry.access_log, chosen)
     import uvloop
 
-    from gateway.reload import set_policy_file
     from gateway.server import serve
-
-    set_policy_file(policy_path)  # what SIGHUP, the file watcher and /admin/reload read
     from gateway.telemetry.tracing import TracingConfigError
 
     try:
-        uvloop.run(serve(policy))
+        uvloop.run(serve(policy, policy_path, chosen))
     except TracingConfigError as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 1

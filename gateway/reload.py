@@ -43,18 +43,6 @@ log = logging.getLogger("gateway.reload")
 # How often the policy file is looked at (stat only; the content is read when the stat changes).
 WATCH_INTERVAL_S = 1.0
 
-_policy_file: str | None = None
-
-
-def set_policy_file(path: str | None) -> None:
-    """The file this process serves from (set by `gateway run`): what reloads read."""
-    global _policy_file
-    _policy_file = path
-
-
-def policy_file() -> str | None:
-    return _policy_file
-
 
 class ReloadRefused(Exception):
     """A valid policy that cannot be applied without a restart."""
@@ -187,6 +175,7 @@ class ReloadStats:
 
     version: int = 1
     loaded_at: float = 0.0  # wall clock
+    source: str | None = None  # the policy file reloads read (None: none)
     ok: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -196,7 +185,7 @@ class ReloadStats:
         return {
             "version": self.version,
             "loaded_at": self.loaded_at,
-            "source": policy_file(),
+            "source": self.source,
             "reloads": {"ok": self.ok, "error": self.errors},
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,

@@ -19,6 +19,7 @@ from gateway.admin import admin_token
 from gateway.app import Gateway
 from gateway.config import Policy, split_host_port
 from gateway.drain import Drain
+from gateway.telemetry.logs import LogFormat
 
 log = logging.getLogger("gateway")
 
@@ -68,12 +69,14 @@ def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     # counters); the admin plane's with the default limits and counters of its own that only
     # its log lines show.
     from gateway.config.models import LimitsPolicy
-    from gateway.ingress.protocol import HardenedProtocol
+    from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
     from gateway.ingress.refusals import IngressRefusals
 
     protocol = getattr(app, "protocol", None)
     if protocol is None:
-        protocol = HardenedProtocol.configured(LimitsPolicy(), IngressRefusals("admin"))
+        protocol = HardenedProtocol.configured(
+            ConnectionLimits(LimitsPolicy()), IngressRefusals("admin")
+        )
     return uvicorn.Config(
         app,
         http=protocol,
@@ -106,8 +109,11 @@ def _address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(policy: Policy) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (gateway.drain) and return."""
+async def serve(
+    policy: Policy, policy_path: str | None = None, log_format: LogFormat | None = None
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (gateway.drain) and return. `policy_path`:
+    the file SIGHUP, the file watcher and /admin/reload read."""
     admin_host, _ = split_host_port(policy.admin.listen)
     if not _is_loopback(admin_host) and admin_token(policy.admin.token_env) is None:
         raise SystemExit(
@@ -117,7 +123,7 @@ async def serve(policy: Policy) -> None:
     _raise_open_files_limit()
     data_sock = bind_listener(*split_host_port(policy.listen))
     admin_sock = bind_listener(*split_host_port(policy.admin.listen))
-    gateway = Gateway(policy)
+    gateway = Gateway(policy, policy_path, log_format)
     await gateway.start()
     _tune_gc()
     servers = [

@@ -10,14 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.telemetry.logs import (
-    JsonFormatter,
-    TextFormatter,
-    access_log,
-    configure_access_log,
-    escape,
-    set_access_log,
-)
+from gateway.telemetry.logs import AccessLogSwitch, JsonFormatter, TextFormatter, escape
 from tests.support import (
     Backend,
     Gateway,
@@ -123,21 +116,21 @@ async def test_turning_the_access_log_off_writes_its_buffer(
 ) -> None:
     """A reload's switch: the log turned off writes what it holds and keeps no flush timer;
     the one turned on keeps the format chosen at startup."""
-    configure_access_log(True, "json")
+    switch = AccessLogSwitch("json", True)
     try:
-        first = access_log()
+        first = switch.current
         assert first is not None
         first.write({"status": 200})
         assert first._timer is not None  # the batch waits for its flush
-        assert set_access_log(True) is first  # no change, no new log
-        assert set_access_log(False) is None and access_log() is None
+        assert switch.set(True) is first  # no change, no new log
+        assert switch.set(False) is None and switch.current is None
         assert first._timer is None
         (line,) = capsys.readouterr().err.splitlines()
         assert json.loads(line)["status"] == 200
-        second = set_access_log(True)
-        assert second is not None and second is not first and access_log() is second
+        second = switch.set(True)
+        assert second is not None and second is not first and switch.current is second
         second.write({"status": 201})
         second.flush()
         assert json.loads(capsys.readouterr().err)["status"] == 201
     finally:
-        configure_access_log(False, "text")
+        switch.set(False)

@@ -16,14 +16,14 @@ def suppressed(instance: str) -> Transition:
 
 
 def test_suppressed_trips_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    store._suppressed.clear()
+    log = store.TransitionLog()
     interval = store.SUPPRESSED_LOG_INTERVAL_S
     with caplog.at_level(logging.WARNING, logger="gateway.breaker"):
         for i in range(100):  # a hundred failures in one second
-            store.log_transition("p", suppressed("a"), now=1000.0 + i / 100)
-        store.log_transition("p", suppressed("b"), now=1000.5)  # another instance: its own
-        store.log_transition("p", suppressed("a"), now=1000.0 + interval)
+            log.write("p", suppressed("a"), now=1000.0 + i / 100)
+        log.write("p", suppressed("b"), now=1000.5)  # another instance: its own
+        log.write("p", suppressed("a"), now=1000.0 + interval)
         real = Transition("a", ADMITTING, ISOLATED, "5 consecutive failures", 1.0)
-        store.log_transition("p", real, now=1000.0 + interval)  # never held back
+        log.write("p", real, now=1000.0 + interval)  # never held back
     lines = [(r.fields["instance"], r.fields.get("repeats_not_logged")) for r in caplog.records]  # type: ignore[attr-defined]
     assert lines == [("a", 0), ("b", 0), ("a", 99), ("a", None)]

@@ -7,7 +7,7 @@ every decision stays in this process) and `RedisDecisions` (`shared.redis_url`).
 from __future__ import annotations
 
 from gateway.cluster.local import LocalDecisions
-from gateway.cluster.store import DecisionStore, log_transition, replica_id
+from gateway.cluster.store import DecisionStore, TransitionLog, replica_id
 from gateway.config import Policy
 from gateway.upstream.registry import Registry
 
@@ -20,4 +20,4 @@ def build_store(policy: Policy, registry: Registry) -> DecisionStore:
     return RedisDecisions(policy.shared, registry, replica_id())
 
 
-__all__ = ["DecisionStore", "LocalDecisions", "build_store", "log_transition", "replica_id"]
+__all__ = ["DecisionStore", "LocalDecisions", "TransitionLog", "build_store", "replica_id"]

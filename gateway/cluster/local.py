@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.cluster.store import log_transition
+from gateway.cluster.store import TransitionLog
 from gateway.core.breaker import Transition
 
 if TYPE_CHECKING:
@@ -12,8 +12,11 @@ if TYPE_CHECKING:
 
 
 class LocalDecisions:
+    def __init__(self) -> None:
+        self._log = TransitionLog()
+
     def record(self, pool: str, transition: Transition, operator: bool = False) -> None:
-        log_transition(pool, transition)
+        self._log.write(pool, transition)
 
     def decided_by(self, pool: str, instance: str) -> str | None:
         return None

@@ -42,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.cluster.probe_leases import RELEASE_IF_OURS, ProbeLeases
-from gateway.cluster.store import Key, instance_keys, log_transition
+from gateway.cluster.store import Key, TransitionLog, instance_keys
 from gateway.config.models import SharedPolicy
 from gateway.core.breaker import ADMITTING, ISOLATED, Transition
 from gateway.core.decision import (
@@ -92,6 +92,7 @@ class RedisDecisions:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.replica = replica
+        self._log = TransitionLog()
         self._policy = policy
         self._url = redact(policy.redis_url)
         self._ttl_s = policy.decision_ttl
@@ -155,7 +156,7 @@ class RedisDecisions:
     # -- the request path ------------------------------------------------------------------
 
     def record(self, pool: str, transition: Transition, operator: bool = False) -> None:
-        log_transition(pool, transition)
+        self._log.write(pool, transition)
         if transition.suppressed:
             self._advise(pool, transition)
             return
@@ -460,7 +461,7 @@ class RedisDecisions:
         if transition is None:
             self.counters["stale_or_unchanged"] += 1
             return
-        log_transition(decision.pool, transition)
+        self._log.write(decision.pool, transition)
         if transition.suppressed:
             self.counters["suppressed"] += 1
         elif transition.to == ISOLATED:
@@ -477,7 +478,7 @@ class RedisDecisions:
     def _withdrawn(self, key: Key) -> None:
         transition = withdraw(self._breakers[key], self._marks[key], self._clock())
         if transition is not None:
-            log_transition(key[0], transition)
+            self._log.write(key[0], transition)
             self.counters["withdrawn"] += 1
             self._pools[key[0]].capacity_changed()
 

@@ -56,10 +56,19 @@ class DecisionStore(Protocol):
 # A trip the isolation cap refuses repeats on every failure while the cap holds (hundreds a
 # second under load): one line per instance per interval, with how many were not logged.
 SUPPRESSED_LOG_INTERVAL_S = 10.0
-_suppressed = LogThrottle(SUPPRESSED_LOG_INTERVAL_S)  # by (pool, instance)
 
 
-def log_transition(pool: str, transition: Transition, now: float | None = None) -> None:
+class TransitionLog:
+    """Writes breaker transitions to the log, a decision store's own (so is its throttle)."""
+
+    def __init__(self) -> None:
+        self._suppressed = LogThrottle(SUPPRESSED_LOG_INTERVAL_S)  # by (pool, instance)
+
+    def write(self, pool: str, transition: Transition, now: float | None = None) -> None:
+        _write(pool, transition, now, self._suppressed)
+
+
+def _write(pool: str, transition: Transition, now: float | None, suppressed: LogThrottle) -> None:
     fields: dict[str, object] = {
         "pool": pool,
         "instance": transition.instance,
@@ -70,7 +79,7 @@ def log_transition(pool: str, transition: Transition, now: float | None = None) 
         "suppressed": transition.suppressed,
     }
     if transition.suppressed:
-        skipped = _suppressed.admit((pool, transition.instance), now)
+        skipped = suppressed.admit((pool, transition.instance), now)
         if skipped is None:
             return
         fields["repeats_not_logged"] = skipped

@@ -35,13 +35,13 @@ from gateway.ingress.dialect import BY_PATH as DIALECTS
 from gateway.ingress.dialect import OPENAI
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
-from gateway.ingress.protocol import HardenedProtocol
+from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.streams import OpenStreams
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler, RequestFacts
-from gateway.telemetry.logs import AccessLog, access_log
+from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
 
@@ -107,6 +107,7 @@ class DataPlane:
         handler: Handler,
         *,
         auth: ClientAuth,
+        access_log: AccessLog | None = None,
         max_request_bytes: int,
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         tracing: Tracing | None = None,
@@ -119,12 +120,13 @@ class DataPlane:
         self.limits = limits or LimitsPolicy(max_request_bytes=max_request_bytes)
         self.refusals = IngressRefusals("data")
         self.streams = OpenStreams()  # the SSE streams being relayed, for the drain
-        self.protocol = HardenedProtocol.configured(self.limits, self.refusals)
+        self.connection_limits = ConnectionLimits(self.limits)
+        self.protocol = HardenedProtocol.configured(self.connection_limits, self.refusals)
         self._trusted = TrustedProxies(self.limits.trusted_proxies) or None
         self._by_model = registry.by_model
         self._auth = auth  # client API keys (policy `auth`); swapped on reload
         self._tracer = tracing.tracer if tracing is not None else None
-        self._access = access_log()
+        self._access = access_log  # None: off
         self._handler = handler
         self._limit = max_request_bytes
         self._readiness = readiness
@@ -135,11 +137,11 @@ class DataPlane:
     def set_limits(self, limits: LimitsPolicy) -> None:
         """A reload's `limits`. Requests read these attributes as they always do (no cost on
         the hot path): a request that has not read its body yet gets the new cap; the
-        protocol's limits are class attributes, changed in place for every connection."""
+        connections' limits are one object, changed in place for every connection."""
         self.limits = limits
         self._trusted = TrustedProxies(limits.trusted_proxies) or None
         self._limit = limits.max_request_bytes
-        self.protocol.reconfigure(limits)
+        self.connection_limits.update(limits)
 
     def set_access_log(self, access: AccessLog | None) -> None:
         """A reload turned the access log on or off: requests that end from now on follow."""

@@ -24,10 +24,10 @@ connection; it is counted by reason (`gateway.ingress.refusals`, only on that pa
 lazily re-armed timer per connection keeps the hot path to a clock read per request: arming
 sets a deadline, the timer re-arms itself when it fires early.
 
-The limits are class attributes of the server's subclass (`configured`), not copied per
-connection: a policy reload sets them again in place (`reconfigure`). A new connection gets
-the new limits; one already open follows them from its next check (its next request's
-deadline and caps; a deadline already running keeps its time).
+The limits are one `ConnectionLimits` object per listener, read by every connection (never
+copied per connection): a policy reload updates it in place. A new connection gets the new
+limits; one already open follows them from its next check (its next request's deadline and
+caps; a deadline already running keeps its time).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class _Refused(Exception):
     """Raised from a parser callback after a refusal, to stop parsing the rest."""
 
 
-def _limit_attributes(limits: LimitsPolicy) -> dict[str, Any]:
-    """The class attributes `HardenedProtocol` reads its limits from."""
+def _limit_values(limits: LimitsPolicy) -> dict[str, Any]:
+    """What `ConnectionLimits` holds for a policy's `limits`."""
     invalid = "invalid_request_error"
     return {
         "header_timeout": limits.header_timeout,
@@ -127,34 +127,63 @@ def _limit_attributes(limits: LimitsPolicy) -> dict[str, Any]:
     }
 
 
+class ConnectionLimits:
+    """The limits every connection of one listener reads, on each check: one object the data
+    plane owns, changed in place by a policy reload (`update`), so a new connection gets the
+    new limits and one already open follows them from its next check."""
+
+    __slots__ = (
+        "body_timeout",
+        "body_timeout_response",
+        "header_timeout",
+        "header_timeout_response",
+        "headers_too_large_response",
+        "max_connections",
+        "max_head_bytes",
+        "max_header_bytes",
+        "max_headers",
+        "max_uri_bytes",
+        "over_capacity_response",
+        "quick_head_bytes",
+        "uri_too_long_response",
+    )
+
+    header_timeout: float
+    body_timeout: float
+    max_header_bytes: int
+    max_headers: int
+    max_uri_bytes: int
+    max_connections: int
+    max_head_bytes: int
+    quick_head_bytes: int
+    header_timeout_response: bytes
+    body_timeout_response: bytes
+    uri_too_long_response: bytes
+    headers_too_large_response: bytes
+    over_capacity_response: bytes
+
+    def __init__(self, limits: LimitsPolicy) -> None:
+        self.update(limits)
+
+    def update(self, limits: LimitsPolicy) -> None:
+        """A reload's limits, in one synchronous step."""
+        for name, value in _limit_values(limits).items():
+            setattr(self, name, value)
+
+
 class HardenedProtocol(HttpToolsProtocol):
-    # Set per server by `configured`, again by `reconfigure` (read on every request).
-    header_timeout: ClassVar[float]
-    body_timeout: ClassVar[float]
-    max_header_bytes: ClassVar[int]
-    max_headers: ClassVar[int]
-    max_uri_bytes: ClassVar[int]
-    max_connections: ClassVar[int]
-    max_head_bytes: ClassVar[int]
-    quick_head_bytes: ClassVar[int]
-    header_timeout_response: ClassVar[bytes]
-    body_timeout_response: ClassVar[bytes]
-    uri_too_long_response: ClassVar[bytes]
-    headers_too_large_response: ClassVar[bytes]
-    over_capacity_response: ClassVar[bytes]
-    # The listener's counters: uvicorn builds a protocol per connection, they outlive them.
+    # Set once per listener by `configured`: uvicorn builds a protocol per connection, these
+    # outlive them (a reload changes the limits object's content, never these attributes).
+    limits: ClassVar[ConnectionLimits]
     refusals: ClassVar[IngressRefusals]
 
     @classmethod
-    def configured(cls, limits: LimitsPolicy, refusals: IngressRefusals) -> type[HardenedProtocol]:
-        """A subclass carrying these limits and counters, for `uvicorn.Config(http=...)`."""
-        return type(cls.__name__, (cls,), {"refusals": refusals, **_limit_attributes(limits)})
-
-    @classmethod
-    def reconfigure(cls, limits: LimitsPolicy) -> None:
-        """New limits for this server's connections (a reload), in one synchronous step."""
-        for name, value in _limit_attributes(limits).items():
-            setattr(cls, name, value)
+    def configured(
+        cls, limits: ConnectionLimits, refusals: IngressRefusals
+    ) -> type[HardenedProtocol]:
+        """A subclass reading these limits and counting into these counters, for
+        `uvicorn.Config(http=...)`."""
+        return type(cls.__name__, (cls,), {"limits": limits, "refusals": refusals})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -172,8 +201,8 @@ class HardenedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # uvicorn added this connection to the set: above the cap, refuse its request.
-        self._over_capacity = len(self.connections) > self.max_connections
-        self._arm(self.header_timeout)
+        self._over_capacity = len(self.connections) > self.limits.max_connections
+        self._arm(self.limits.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._expires = math.inf
@@ -186,7 +215,7 @@ class HardenedProtocol(HttpToolsProtocol):
         if self._phase == _DONE:  # the first byte of a next request
             self._phase = _HEAD
             self._head_received = 0
-            self._arm(self.header_timeout)
+            self._arm(self.limits.header_timeout)
         self._unset_keepalive_if_required()
         self._chunk = len(data)
         try:
@@ -206,14 +235,16 @@ class HardenedProtocol(HttpToolsProtocol):
         phase = self._phase
         if phase == _HEADERS_DONE:
             self._phase = _BODY
-            self._arm(self.body_timeout)
+            self._arm(self.limits.body_timeout)
         elif phase <= _HEAD:
             self._head_received += len(data)
-            if self._head_received > self.max_head_bytes and not self.transport.is_closing():
-                if len(self.url) > self.max_uri_bytes:
-                    self._close(self.uri_too_long_response, URI_TOO_LONG, head=True)
+            if self._head_received > self.limits.max_head_bytes and not self.transport.is_closing():
+                if len(self.url) > self.limits.max_uri_bytes:
+                    self._close(self.limits.uri_too_long_response, URI_TOO_LONG, head=True)
                 else:
-                    self._close(self.headers_too_large_response, HEADERS_TOO_LARGE, head=True)
+                    self._close(
+                        self.limits.headers_too_large_response, HEADERS_TOO_LARGE, head=True
+                    )
 
     # --- parser callbacks -------------------------------------------------------------------
 
@@ -221,16 +252,19 @@ class HardenedProtocol(HttpToolsProtocol):
         # The URI and headers are measured once complete (a head still arriving is bounded by
         # its raw bytes, in data_received), and only when its raw size could exceed a cap.
         headers = self.headers
-        if self._head_received + self._chunk + self._carry > self.quick_head_bytes:
-            if len(self.url) > self.max_uri_bytes:
-                self._refuse(self.uri_too_long_response, URI_TOO_LONG)
-            if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
-                self._refuse(self.headers_too_large_response, HEADERS_TOO_LARGE)
-        if len(headers) > self.max_headers:
-            self._refuse(self.headers_too_large_response, TOO_MANY_HEADERS)
+        if self._head_received + self._chunk + self._carry > self.limits.quick_head_bytes:
+            if len(self.url) > self.limits.max_uri_bytes:
+                self._refuse(self.limits.uri_too_long_response, URI_TOO_LONG)
+            if (
+                sum(len(name) + len(value) for name, value in headers)
+                > self.limits.max_header_bytes
+            ):
+                self._refuse(self.limits.headers_too_large_response, HEADERS_TOO_LARGE)
+        if len(headers) > self.limits.max_headers:
+            self._refuse(self.limits.headers_too_large_response, TOO_MANY_HEADERS)
         if self._over_capacity:
-            if len(self.connections) > self.max_connections:
-                self._refuse(self.over_capacity_response, OVER_CAPACITY)
+            if len(self.connections) > self.limits.max_connections:
+                self._refuse(self.limits.over_capacity_response, OVER_CAPACITY)
             self._over_capacity = False  # others closed meanwhile: serve it
         HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
         self._phase = _HEADERS_DONE
@@ -269,19 +303,19 @@ class HardenedProtocol(HttpToolsProtocol):
             if self.pipeline or self.flow.read_paused:
                 # uvicorn holds it back (a pipelined request waits, the app has not read
                 # what came): not the client's slowness.
-                self._arm(self.body_timeout)
+                self._arm(self.limits.body_timeout)
                 return
-            self._close(self.body_timeout_response, BODY_TIMEOUT, head=False)
+            self._close(self.limits.body_timeout_response, BODY_TIMEOUT, head=False)
             return
         if cycle is not None and not cycle.response_complete:
             # Bytes of a next request behind a response still running: its turn comes later.
-            self._arm(self.header_timeout)
+            self._arm(self.limits.header_timeout)
             return
         if self._phase == _NEW and self._head_received == 0:
             # Never said a word: nobody to answer, and not counted (TCP probes do this).
             self.transport.close()
             return
-        self._close(self.header_timeout_response, HEADER_TIMEOUT, head=True)
+        self._close(self.limits.header_timeout_response, HEADER_TIMEOUT, head=True)
 
     # --- refusals ---------------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from gateway.upstream.response import UpstreamResponse
 
 log = logging.getLogger("gateway.account")
 # One line per (pool, instance, phase) per interval: a hung instance times out by the hundred.
-_timeout_log = LogThrottle(10.0)
 
 _USAGE_KEY = b'"completion_tokens":'
 # Anthropic's Messages API counts them as `usage.output_tokens` (streams: in `message_delta`).
@@ -66,6 +65,7 @@ _STREAM_ERROR = Outcome.from_error("protocol")
 
 
 def _timed_out(
+    log_throttle: LogThrottle,
     pool: PoolState,
     instance: InstanceState,
     outcome: Outcome,
@@ -77,7 +77,7 @@ def _timed_out(
     phase = outcome.phase or "deadline"
     pool.stats.timeout(phase)
     instance.stats.timeout(phase, blamed=not queueing)
-    held_back = _timeout_log.admit((pool.name, instance.name, phase, queueing), now)
+    held_back = log_throttle.admit((pool.name, instance.name, phase, queueing), now)
     if held_back is not None:
         fields = {
             "pool": pool.name,
@@ -96,6 +96,7 @@ def _timed_out(
 
 
 def _record(
+    timeout_log: LogThrottle,
     pool: PoolState,
     instance: InstanceState,
     outcome: Outcome,
@@ -124,7 +125,7 @@ def _record(
             limiter.record(now, first_byte_s, instance.in_flight)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
-        _timed_out(pool, instance, outcome, now, queueing, backoff)
+        _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff)
         if queueing and not probe:
             return
     if outcome.kind == "ok":
@@ -193,6 +194,8 @@ class Account:
         self._pools = pools
         self._on_transition = on_transition
         self._clock = asyncio.get_running_loop().time
+        # Timeouts logged one line per 10 s per (pool, instance, phase, queueing).
+        self._timeout_log = LogThrottle(10.0)
 
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
         instance = response.instance
@@ -206,6 +209,7 @@ class Account:
         now = self._clock()
         probe = response.probe
         _record(
+            self._timeout_log,
             self._pools[instance.pool_name],
             instance,
             outcome,
@@ -259,6 +263,7 @@ class Account:
             if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
             _record(
+                self._timeout_log,
                 call.pool,
                 instance,
                 outcome,
@@ -300,6 +305,7 @@ class Account:
         outcome = response.outcome
         now = self._clock()
         _record(
+            self._timeout_log,
             call.pool,
             instance,
             outcome,

@@ -173,31 +173,26 @@ class AccessLog:
             self._lines.clear()
 
 
-_access_log: AccessLog | None = None
-_access_format: LogFormat = "text"
+class AccessLogSwitch:
+    """The access log, on or off as the policy says (a reload may switch it), always in the
+    format chosen at startup (`--log-format` or `telemetry.log_format`)."""
 
+    def __init__(self, log_format: LogFormat, enabled: bool) -> None:
+        self._format = log_format
+        self.current: AccessLog | None = AccessLog(log_format) if enabled else None
 
-def configure_access_log(enabled: bool, log_format: LogFormat) -> None:
-    """At startup: the format (the process's, `--log-format` included) and whether it is on."""
-    global _access_format
-    set_access_log(False)  # one already there, in its own format: its lines out first
-    _access_format = log_format
-    set_access_log(enabled)
+    def set(self, enabled: bool) -> AccessLog | None:
+        """Turn it on or off. One turned off writes its buffered lines first (which also
+        cancels its flush timer); nothing writes to it afterwards, so no timer is armed on it
+        again. Returns the one now in use."""
+        current = self.current
+        if enabled == (current is not None):
+            return current
+        if current is not None:
+            current.flush()
+        self.current = AccessLog(self._format) if enabled else None
+        return self.current
 
-
-def set_access_log(enabled: bool) -> AccessLog | None:
-    """Turn the access log on or off (a policy reload), in the format chosen at startup. One
-    turned off writes its buffered lines first (which also cancels its flush timer); nothing
-    writes to it afterwards, so no timer is armed on it again. Returns the one now in use."""
-    global _access_log
-    if enabled == (_access_log is not None):
-        return _access_log
-    if _access_log is not None:
-        _access_log.flush()
-    _access_log = AccessLog(_access_format) if enabled else None
-    return _access_log
-
-
-def access_log() -> AccessLog | None:
-    """The process's access log, or None when `telemetry.access_log` is off."""
-    return _access_log
+    def flush(self) -> None:
+        if self.current is not None:
+            self.current.flush()
