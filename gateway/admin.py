@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -14,16 +14,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.metrics import Observed, build_registry
+from gateway.operations import Operations
 from gateway.reload import ReloadResult
 
 
-class Operated(Protocol):
-    """What the admin plane asks of the gateway: its state view, the operator's actions on an
-    instance, and a reload from the policy file."""
-
-    def state(self) -> dict[str, Any]: ...
-
-    def operator(self, pool: str, name: str, action: str) -> dict[str, Any] | None: ...
+class Reloads(Protocol):
+    """A reload from the policy file (serialised with every other reload)."""
 
     async def reload_from_file(self, source: str = "api") -> ReloadResult: ...
 
@@ -60,12 +56,15 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def build_admin_app(gateway: Operated, observed: Observed, token: str | None) -> ASGIApp:
-    """The admin routes over `gateway`; /metrics reads `observed`; `token`: the bearer token
-    every call must carry (None: none asked)."""
+def build_admin_app(
+    operations: Operations, reloads: Reloads, observed: Observed, token: str | None
+) -> ASGIApp:
+    """The admin routes: the state view and the operator's actions (`operations`), reloads,
+    /metrics reading `observed`; `token`: the bearer token every call must carry (None: none
+    asked)."""
 
     async def state(request: Request) -> Response:
-        return JSONResponse(gateway.state())
+        return JSONResponse(operations.state())
 
     metrics_registry = build_registry(observed)
 
@@ -79,7 +78,7 @@ def build_admin_app(gateway: Operated, observed: Observed, token: str | None) ->
         params = request.path_params
         action = params["action"]
         result = (
-            gateway.operator(params["pool"], params["name"], action)
+            operations.operator(params["pool"], params["name"], action)
             if action in ("isolate", "restore")
             else None
         )
@@ -93,7 +92,7 @@ def build_admin_app(gateway: Operated, observed: Observed, token: str | None) ->
         return JSONResponse(result)
 
     async def reload(request: Request) -> Response:
-        result = await gateway.reload_from_file("admin")
+        result = await reloads.reload_from_file("admin")
         return JSONResponse(result.as_json(), status_code=200 if result.reloaded else 400)
 
     app = Starlette(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -14,13 +12,12 @@ from starlette.types import ASGIApp
 
 from gateway.admin import admin_token, build_admin_app
 from gateway.cluster import build_store
-from gateway.config import Policy, PolicyError, load_policy
-from gateway.core.balancer import PeakEwma
+from gateway.config import Policy
 from gateway.core.breaker import ADMITTING, Transition
-from gateway.core.ewma import Ewma
 from gateway.ingress.asgi import DataPlane
 from gateway.ingress.auth import ClientAuth
 from gateway.metrics import Observed
+from gateway.operations import Operations
 from gateway.pipeline.account import Account, OnTransition
 from gateway.pipeline.admit import Admit, PoolAdmission
 from gateway.pipeline.attempt_span import AttemptSpans
@@ -30,7 +27,7 @@ from gateway.pipeline.deadline import DeadlineLayer
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.transport import Transport
-from gateway.reload import PolicyWatcher, ReloadResult, ReloadStats, diff_policies
+from gateway.reload import PolicyDiff, Reloader, ReloadStats
 from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
@@ -54,14 +51,11 @@ class Gateway:
         """`policy_path`: the file reloads read (None: reloads from a file are refused);
         `log_format`: the access log's (default: the policy's `telemetry.log_format`)."""
         self.policy = policy
-        self.policy_path = policy_path
         self.access_log = AccessLogSwitch(
             log_format or policy.telemetry.log_format, policy.telemetry.access_log
         )
         self.reloads = ReloadStats(loaded_at=time.time(), source=policy_path)
-        self._reload_lock = asyncio.Lock()
-        self._watcher: PolicyWatcher | None = None
-        self._background: set[asyncio.Task[ReloadResult]] = set()
+        self.reloader = Reloader(self, policy_path, self.reloads)
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         self.registry = Registry(policy, now=asyncio.get_running_loop().time())
         self.session: aiohttp.ClientSession = new_session()  # health checks, vLLM scrapes
@@ -113,6 +107,16 @@ class Gateway:
             tracing=self.tracing,
             limits=policy.limits,
         )
+        self.operations = Operations(
+            self.registry.pools,
+            self.admissions,
+            self.decisions,
+            self.reloads,
+            self.data_app.refusals,
+            self._on_transition,
+            lambda: self.draining,
+            asyncio.get_running_loop().time,
+        )
         observed = Observed(
             pools=self.registry.pools,
             admissions=self.admissions,
@@ -122,7 +126,7 @@ class Gateway:
             upstream=self.upstream,
         )
         self.admin_app: ASGIApp = build_admin_app(
-            self, observed, admin_token(policy.admin.token_env)
+            self.operations, self.reloader, observed, admin_token(policy.admin.token_env)
         )
 
     def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
@@ -139,20 +143,10 @@ class Gateway:
         await asyncio.gather(self.health.first_round(), self.decisions.start())
         self.health.start()
         self.vllm_load.start()
-        self.watch_policy_file()
-
-    def watch_policy_file(self) -> None:
-        """Reload when the policy file's content changes (no-op without a file)."""
-        if self.policy_path is not None and self._watcher is None:
-            self._watcher = PolicyWatcher(self.policy_path, self.reload_from_file)
-            self._watcher.start()
+        self.reloader.watch()
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            await self._watcher.close()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.reloader.close()
         await self.health.close()
         await self.vllm_load.close()
         await self.decisions.close()
@@ -166,63 +160,12 @@ class Gateway:
     # Set by the process on SIGTERM (gateway.drain): not ready from then on, while it drains.
     draining = False
 
-    # -- policy reload ----------------------------------------------------------------------
+    # -- policy reload (`gateway.reload.Reloader` decides when, these what) -------------------
 
-    def reload_in_background(self, source: str = "SIGHUP") -> None:
-        """For a signal handler: reload from the policy file in a task of its own."""
-        task = asyncio.get_running_loop().create_task(self.reload_from_file(source))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def reload_from_file(self, source: str = "api") -> ReloadResult:
-        """Read, validate and apply the policy file; the old policy stays when it fails."""
-        async with self._reload_lock:
-            if self.policy_path is None:
-                return self._refused("no policy file to reload from", source)
-            try:
-                policy = load_policy(self.policy_path)
-            except PolicyError as exc:
-                return self._refused(str(exc), source)
-            finally:
-                if self._watcher is not None:
-                    self._watcher.seen()  # this content is handled: not again by the watcher
-            return await self._apply(policy, source)
-
-    async def reload(self, policy: Policy, source: str = "api") -> ReloadResult:
-        """Apply an already validated policy (reloads are serialised)."""
-        async with self._reload_lock:
-            return await self._apply(policy, source)
-
-    def _refused(self, message: str, source: str) -> ReloadResult:
-        stats = self.reloads
-        stats.errors += 1
-        stats.last_error = message
-        stats.last_error_at = time.time()
-        log.error(
-            "policy reload refused, the old policy keeps serving",
-            extra={"fields": {"source": source, "version": stats.version, "error": message}},
-        )
-        return ReloadResult(False, stats.version, error=message)
-
-    async def _apply(self, policy: Policy, source: str) -> ReloadResult:
-        diff = diff_policies(self.policy, policy)
-        if diff.restart_required:
-            return self._refused(
-                "these settings take effect only after a restart (nothing was applied): "
-                + ", ".join(diff.restart_required),
-                source,
-            )
-        stats = self.reloads
-        stats.ok += 1
-        if diff.empty:
-            self.policy = policy
-            log.warning(
-                "policy reloaded: no change",
-                extra={"fields": {"source": source, "version": stats.version}},
-            )
-            return ReloadResult(True, stats.version, diff.summary())
-        # The swap: one synchronous step, so no request sees half of it. Requests in flight
-        # keep the pool and instance objects they hold and finish on them.
+    def swap(self, policy: Policy, diff: PolicyDiff) -> list[InstanceState]:
+        """A reload's change, in one synchronous step so no request sees half of it (requests
+        in flight keep the pool and instance objects they hold and finish on them). Returns
+        the instances it added."""
         self._apply_settings(policy)
         added: list[InstanceState] = []
         if diff.pools_or_auth:
@@ -234,15 +177,11 @@ class Gateway:
             self.decisions.follow(self.registry)
             self.data_app.refresh_models()  # /v1/models lists the reloaded pools' models
         self.policy = policy  # the drain reads its settings here when SIGTERM comes
-        stats.version += 1
-        stats.loaded_at = time.time()
-        fields: dict[str, Any] = {"source": source, "version": stats.version}
-        fields.update({k: ",".join(v) for k, v in diff.summary().items() if v})
-        log.warning("policy reloaded", extra={"fields": fields})
-        if not diff.pools_or_auth:
-            return ReloadResult(True, stats.version, diff.summary())
-        # The background work follows the new pools. New instances are checked at once and
-        # take traffic only once healthy (as at startup).
+        return added
+
+    async def follow(self, added: list[InstanceState]) -> None:
+        """After a reload that changed the pools: the background work follows the new pools.
+        New instances are checked at once and take traffic only once healthy (as at start)."""
         old_health, old_load = self.health, self.vllm_load
         self.health = HealthChecker(self.registry, self.session)
         self.vllm_load = VllmLoadScraper(self.registry, self.session)
@@ -250,7 +189,6 @@ class Gateway:
         await self.health.check_instances(added)
         self.health.start()
         self.vllm_load.start()
-        return ReloadResult(True, stats.version, diff.summary())
 
     def _apply_settings(self, policy: Policy) -> None:
         """The reloadable settings outside the pools (before `self.policy` is replaced): the
@@ -323,136 +261,3 @@ class Gateway:
         }
         ready = all(pools.values())
         return ready, {"ready": ready, "pools": pools}
-
-    def operator(self, pool: str, name: str, action: str) -> dict[str, Any] | None:
-        """Isolate or restore an instance by hand; None when there is no such instance."""
-        state = self.registry.pools.get(pool)
-        instance = next((i for i in state.instances if i.name == name), None) if state else None
-        if state is None or instance is None:
-            return None
-        now = asyncio.get_running_loop().time()
-        breaker = instance.breaker
-        if action == "isolate":
-            transition = breaker.isolate(now, state.rng, reason="operator")
-        else:
-            transition = breaker.restore(now, reason="operator")
-            # "It is fine now": forget the slowness the balancer remembers of it too.
-            peers = [i.peak.get(now) for i in state.instances if i is not instance]
-            instance.peak = PeakEwma(now, initial_s=min(peers, default=0.0))
-        if transition is None and action == "restore":
-            # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
-            transition = Transition(name, ADMITTING, ADMITTING, "operator")
-        if transition is not None:
-            self._on_transition(pool, transition, operator=True)
-        return {"pool": pool, "instance": name, "state": breaker.state}
-
-    def state(self) -> dict[str, Any]:
-        """The operator's view, served as /admin/state."""
-        now = asyncio.get_running_loop().time()
-        wall = time.time()
-        pools: dict[str, Any] = {}
-        for name, pool in self.registry.pools.items():
-            rate = pool.failure.rate
-            tier = pool.tiers.choose(rate)
-            requests, retries = pool.budget.counts(now)
-            pools[name] = {
-                "models": list(pool.policy.models),
-                # Where the pool's upstream credential comes from, never its value.
-                "credentials": (
-                    {"header": creds.header, "source": creds.source}
-                    if (creds := pool.policy.credentials) is not None
-                    else None
-                ),
-                "failure_rate": rate,
-                "tier": {
-                    "index": tier.index,
-                    "max_retries": tier.max_retries,
-                    "backoff_s": tier.backoff_s,
-                    "k": tier.k,
-                },
-                "retry_budget": {"requests": requests, "retries": retries},
-                "admission": self.admissions[name].state(now) if name in self.admissions else None,
-                "instances": [
-                    _instance_state(pool, inst, tier.k, now, wall, self.decisions.decided_by)
-                    for inst in pool.instances
-                ],
-            }
-        return {
-            "pools": pools,
-            "shared_state": self.decisions.status(),
-            "policy": self.reloads.state(),
-            "draining": self.draining,
-            "ingress": {"refusals": dict(self.data_app.refusals.counts)},
-        }
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def _estimate(ewma: Ewma) -> dict[str, float | int]:
-    return {"mean_s": ewma.mean, "deviation_s": ewma.deviation, "samples": ewma.samples}
-
-
-def _instance_state(
-    pool: PoolState,
-    inst: InstanceState,
-    k: float,
-    now: float,
-    wall: float,
-    decided_by: Callable[[str, str], str | None],
-) -> dict[str, Any]:
-    stream = pool.timeouts_for(inst, k, now, stream=True, max_tokens=None)
-    whole = pool.timeouts_for(inst, k, now, stream=False, max_tokens=None)
-    return {
-        "name": inst.name,
-        "url": inst.base_url,
-        "state": inst.breaker.state,
-        # Wall-clock time of the last change of state; who decided an isolation shared with us.
-        "state_since": _finite(wall - (now - inst.breaker.changed_at)),
-        "decided_by": decided_by(pool.name, inst.name),
-        "isolations": inst.breaker.isolations,
-        "isolation_remaining_s": _finite(inst.breaker.remaining_s(now)),
-        "forced": inst.breaker.forced,
-        "in_flight": inst.in_flight,
-        "concurrency_limit": inst.limiter.limit if inst.limiter is not None else None,
-        "kv_tokens": (
-            {"in_use": inst.budget.used, "budget": inst.budget.budget}
-            if inst.budget is not None
-            else None
-        ),
-        "vllm": {
-            "saturated": inst.saturated,
-            "waiting": inst.vllm_waiting,
-            "cache_usage": inst.vllm_cache_usage,
-        },
-        "requests": inst.requests,
-        "failures": inst.failures,
-        "streaming": inst.streaming,
-        "capacity_seen": inst.capacity_seen,
-        "prefill_holds": inst.holds,
-        "timeouts_by_phase": [
-            {"phase": phase, "blamed": blamed, "count": count}
-            for (phase, blamed), count in sorted(inst.stats.timeouts.items())
-        ],
-        "peak_ewma_s": inst.peak.peek(now),
-        "retry_after_remaining_s": max(0.0, inst.not_before - now),
-        "health": {
-            "healthy": inst.health.healthy,
-            "reason": inst.health.last_reason,
-            "cold_start_s": inst.health.cold_start_s,
-        },
-        "ewma": {
-            "ttfb": _estimate(inst.latency.ttfb),
-            "gap": _estimate(inst.latency.gap),
-            "per_token": _estimate(inst.latency.per_token),
-            "prefill_per_token": _estimate(inst.latency.prefill),
-            "service": _estimate(inst.latency.service),
-        },
-        "timeouts": {
-            "connect_s": stream.connect_s,
-            "stream_first_byte_s": stream.first_byte_s,
-            "stream_idle_s": stream.idle_s,
-            "whole_first_byte_s": whole.first_byte_s,  # at assumed_max_tokens
-        },
-    }

@@ -4,7 +4,8 @@ file watcher.
 A reload comes from `POST /admin/reload`, SIGHUP or a change of the policy file's content (a
 Kubernetes ConfigMap update swaps the mounted file's `..data` symlink). The new file is validated
 first; an invalid one, or one that changes a setting only a restart can apply, is refused and
-the old policy keeps serving. `Gateway.reload` applies the rest in one synchronous step.
+the old policy keeps serving. `Reloader` decides; the gateway swaps the rest in one
+synchronous step (`Gateway.swap`).
 
 `pools` and `auth` (client API keys: rotated without a restart) change at run time; a
 pool's `credentials` and `tls` are pool settings, and the secret and CA files they name are
@@ -30,12 +31,13 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.config import Policy
+from gateway.config import Policy, PolicyError, load_policy
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.reload")
@@ -259,3 +261,103 @@ class PolicyWatcher:
             return
         self._hash = digest
         await self._reload("file change")
+
+
+class Reloadable(Protocol):
+    """What a reload changes: the policy in force, swapped in one synchronous step, and the
+    background work that follows the pools (`gateway.app.Gateway`)."""
+
+    policy: Policy
+
+    def swap(self, policy: Policy, diff: PolicyDiff) -> list[Any]: ...
+
+    async def follow(self, added: list[Any]) -> None: ...
+
+
+class Reloader:
+    """Decides when and whether a policy is applied: reloads are serialised, read from the
+    file (`path`; None: a reload from a file is refused), refused when invalid or when they
+    change what only a restart can, and counted in `stats`; a watcher follows the file."""
+
+    def __init__(self, target: Reloadable, path: str | None, stats: ReloadStats) -> None:
+        self._target = target
+        self._path = path
+        self.stats = stats
+        self._lock = asyncio.Lock()
+        self._watcher: PolicyWatcher | None = None
+        self._background: set[asyncio.Task[ReloadResult]] = set()
+
+    def watch(self) -> None:
+        """Reload when the policy file's content changes (no-op without a file)."""
+        if self._path is not None and self._watcher is None:
+            self._watcher = PolicyWatcher(self._path, self.reload_from_file)
+            self._watcher.start()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
+        await cancel_and_wait(list(self._background))
+
+    def reload_in_background(self, source: str = "SIGHUP") -> None:
+        """For a signal handler: reload from the policy file in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.reload_from_file(source))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def reload_from_file(self, source: str = "api") -> ReloadResult:
+        """Read, validate and apply the policy file; the old policy stays when it fails."""
+        async with self._lock:
+            if self._path is None:
+                return self._refused("no policy file to reload from", source)
+            try:
+                policy = load_policy(self._path)
+            except PolicyError as exc:
+                return self._refused(str(exc), source)
+            finally:
+                if self._watcher is not None:
+                    self._watcher.seen()  # this content is handled: not again by the watcher
+            return await self._apply(policy, source)
+
+    async def reload(self, policy: Policy, source: str = "api") -> ReloadResult:
+        """Apply an already validated policy (reloads are serialised)."""
+        async with self._lock:
+            return await self._apply(policy, source)
+
+    def _refused(self, message: str, source: str) -> ReloadResult:
+        stats = self.stats
+        stats.errors += 1
+        stats.last_error = message
+        stats.last_error_at = time.time()
+        log.error(
+            "policy reload refused, the old policy keeps serving",
+            extra={"fields": {"source": source, "version": stats.version, "error": message}},
+        )
+        return ReloadResult(False, stats.version, error=message)
+
+    async def _apply(self, policy: Policy, source: str) -> ReloadResult:
+        target = self._target
+        diff = diff_policies(target.policy, policy)
+        if diff.restart_required:
+            return self._refused(
+                "these settings take effect only after a restart (nothing was applied): "
+                + ", ".join(diff.restart_required),
+                source,
+            )
+        stats = self.stats
+        stats.ok += 1
+        if diff.empty:
+            target.policy = policy
+            log.warning(
+                "policy reloaded: no change",
+                extra={"fields": {"source": source, "version": stats.version}},
+            )
+            return ReloadResult(True, stats.version, diff.summary())
+        added = target.swap(policy, diff)
+        stats.version += 1
+        stats.loaded_at = time.time()
+        fields: dict[str, Any] = {"source": source, "version": stats.version}
+        fields.update({k: ",".join(v) for k, v in diff.summary().items() if v})
+        log.warning("policy reloaded", extra={"fields": fields})
+        if diff.pools_or_auth:
+            await target.follow(added)
+        return ReloadResult(True, stats.version, diff.summary())

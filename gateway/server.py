@@ -156,7 +156,7 @@ async def serve(
     )
     loop.add_signal_handler(signal.SIGTERM, drain.signal)
     loop.add_signal_handler(signal.SIGINT, drain.interrupt)
-    loop.add_signal_handler(signal.SIGHUP, gateway.reload_in_background, "SIGHUP")
+    loop.add_signal_handler(signal.SIGHUP, gateway.reloader.reload_in_background, "SIGHUP")
     try:
         for _ in range(1000):  # bounded: uvicorn's startup is quick on pre-bound sockets
             if all(server.started for server in servers) or any(t.done() for t in tasks):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +39,18 @@ def test_an_import_against_the_layers_breaks_them(tmp_path: Path) -> None:
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert "- gateway.core.ewma -> gateway.app" in result.stdout, result.stdout
+
+
+def test_every_module_has_a_layer() -> None:
+    """A module left out of the contract would be free to import anything."""
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        config = tomllib.load(file)
+    (contract,) = config["tool"]["importlinter"]["contracts"]
+    listed = {name.strip() for layer in contract["layers"] for name in layer.split("|")}
+    package = ROOT / "gateway"
+    present = {
+        f"gateway.{path.stem}"
+        for path in package.iterdir()
+        if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").exists()
+    }
+    assert present == listed
