@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from gateway.tasks import Cancellation
 from gateway.upstream.watchdog import INSTANCE_STALL_GRACE, Watchdog, expired
 
 
@@ -14,7 +15,7 @@ async def test_sweep_fires_only_past_deadlines_and_names_the_phase() -> None:
     waiting = asyncio.get_running_loop().create_future()
 
     async def attempt() -> str:
-        deadline = watchdog.arm(task, 10.0, "first_byte")
+        deadline = watchdog.arm(Cancellation(task), 10.0, "first_byte")
         try:
             await waiting
         except asyncio.CancelledError:
@@ -34,7 +35,7 @@ async def test_sweep_fires_only_past_deadlines_and_names_the_phase() -> None:
 async def test_moved_deadline_and_disarm() -> None:
     watchdog = Watchdog()
     task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
-    deadline = watchdog.arm(task, 1.0, "first_byte")
+    deadline = watchdog.arm(Cancellation(task), 1.0, "first_byte")
     deadline.move(5.0, "idle")
     assert watchdog.sweep(now=2.0) == 0
     watchdog.disarm(deadline)
@@ -50,7 +51,7 @@ async def test_a_cancel_from_elsewhere_is_not_taken_for_a_timeout() -> None:
     started = asyncio.Event()
 
     async def attempt() -> None:
-        deadline = watchdog.arm(task, 10.0, "idle")
+        deadline = watchdog.arm(Cancellation(task), 10.0, "idle")
         started.set()
         try:
             await asyncio.sleep(3600)
@@ -82,7 +83,7 @@ async def test_an_idle_deadline_waits_out_a_prefill_the_gateway_sent() -> None:
     watchdog = Watchdog(tick_s=0.025)
     task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
     instance = _Instance()
-    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline = watchdog.arm(Cancellation(task), 0.0, "first_byte", instance)
     deadline.move(1.0, "idle")
     deadline.idle_s = 0.3
     deadline.waiting_since = 0.7
@@ -107,19 +108,19 @@ async def test_a_hold_delays_neither_its_own_prompt_nor_other_instances() -> Non
     loop = asyncio.get_running_loop()
     held = _Instance()
     held.holds, held.hold_until = 1, 100.0
-    own = watchdog.arm(loop.create_task(asyncio.sleep(3600)), 1.0, "first_byte", held)
+    own = watchdog.arm(Cancellation(loop.create_task(asyncio.sleep(3600))), 1.0, "first_byte", held)
     own.holding = True  # the long prompt itself: its deadline already counts its prefill
     other = _Instance()
-    idle = watchdog.arm(loop.create_task(asyncio.sleep(3600)), 1.0, "idle", other)
+    idle = watchdog.arm(Cancellation(loop.create_task(asyncio.sleep(3600))), 1.0, "idle", other)
     idle.idle_s = 0.3
     idle.waiting_since = 0.7
     other.progress_at = 0.9  # its other streams went on: this one alone stalled
     assert watchdog.sweep(now=1.0) == 2
     for deadline in (own, idle):
-        deadline.task.uncancel()
-        deadline.task.cancel()
+        deadline.cancellation.task.uncancel()
+        deadline.cancellation.task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await deadline.task
+            await deadline.cancellation.task
 
 
 async def test_a_first_byte_wait_is_credited_the_prefill_it_waited_behind() -> None:
@@ -127,7 +128,7 @@ async def test_a_first_byte_wait_is_credited_the_prefill_it_waited_behind() -> N
     task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
     instance = _Instance()
     # Sent at t=1 with 2 s for its first byte; a long prompt went there at t=1.5.
-    deadline = watchdog.arm(task, 3.0, "first_byte", instance, since=1.0)
+    deadline = watchdog.arm(Cancellation(task), 3.0, "first_byte", instance, since=1.0)
     instance.holds, instance.hold_until, instance.hold_started_at = 1, 9.0, 1.5
     assert watchdog.sweep(now=3.0) == 0
     assert watchdog.sweep(now=5.0) == 0
@@ -148,7 +149,7 @@ async def test_a_stall_the_whole_instance_shares_gets_a_longer_grace() -> None:
     instance = _Instance()
     instance.progress_at = 0.7  # the last byte it sent was this stream's own
     instance.in_flight = 4  # while it had other attempts to serve
-    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline = watchdog.arm(Cancellation(task), 0.0, "first_byte", instance)
     deadline.move(1.0, "idle")
     deadline.idle_s, deadline.waiting_since = 0.3, 0.7
     grace = 0.7 + INSTANCE_STALL_GRACE * 0.3
@@ -159,15 +160,18 @@ async def test_a_stall_the_whole_instance_shares_gets_a_longer_grace() -> None:
     alone = _Instance()
     alone.progress_at = 0.7
     lone = watchdog.arm(
-        asyncio.get_running_loop().create_task(asyncio.sleep(3600)), 0.0, "idle", alone
+        Cancellation(asyncio.get_running_loop().create_task(asyncio.sleep(3600))),
+        0.0,
+        "idle",
+        alone,
     )
     lone.move(1.0, "idle")
     lone.idle_s, lone.waiting_since = 0.3, 0.7
     assert watchdog.sweep(now=1.0) == 1
-    lone.task.uncancel()
-    lone.task.cancel()
+    lone.cancellation.task.uncancel()
+    lone.cancellation.task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await lone.task
+        await lone.cancellation.task
     task.uncancel()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -179,7 +183,7 @@ async def test_a_cut_on_the_instance_backs_off_the_waits_already_running() -> No
     task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
     instance = _Instance()
     instance.progress_at = 0.95  # its other streams go on, slowly
-    deadline = watchdog.arm(task, 0.0, "first_byte", instance)
+    deadline = watchdog.arm(Cancellation(task), 0.0, "first_byte", instance)
     deadline.move(1.0, "idle")
     deadline.idle_s, deadline.waiting_since = 0.3, 0.7
     instance.idle_stretch = 4.0  # two of its streams were cut: it turned slower

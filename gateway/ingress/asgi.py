@@ -41,6 +41,7 @@ from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send
 from gateway.ingress.streams import OpenStreams
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler, RequestFacts
+from gateway.tasks import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry
@@ -63,17 +64,16 @@ def _positive_seconds(raw: bytes) -> float:
 class _DisconnectWatch:
     """Cancels a request's task when its client goes away (closing the upstream request)."""
 
-    __slots__ = ("_handle", "_loop", "_receive", "_task", "_watcher", "client_gone", "done")
+    __slots__ = ("_cancellation", "_handle", "_loop", "_receive", "_watcher", "done")
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], receive: Receive
+        self, loop: asyncio.AbstractEventLoop, cancellation: Cancellation, receive: Receive
     ) -> None:
         self._loop = loop
-        self._task = task
+        self._cancellation = cancellation
         self._receive = receive
         self._watcher: asyncio.Task[None] | None = None
         self.done = False
-        self.client_gone = False
         self._handle: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
@@ -85,8 +85,7 @@ class _DisconnectWatch:
         while (await self._receive())["type"] != "http.disconnect":
             pass
         if not self.done:
-            self.client_gone = True
-            self._task.cancel()
+            self._cancellation.cancel(CLIENT_GONE)
 
     def close(self) -> None:
         self.done = True
@@ -367,6 +366,7 @@ class DataPlane:
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
+        cancellation = Cancellation(task)
         call = Call(
             pool=pool,
             path=path,
@@ -375,11 +375,11 @@ class DataPlane:
             headers=headers.forward,
             facts=facts,
             deadline=self._loop.time() + budget_s,
-            task=task,
+            cancellation=cancellation,
             priority=priority,
         )
         dialect = DIALECTS.get(path, OPENAI)
-        watch = _DisconnectWatch(self._loop, task, receive)
+        watch = _DisconnectWatch(self._loop, cancellation, receive)
         stats = pool.stats
         status = CLIENT_CLOSED
         ttfb_s: float | None = None
@@ -399,7 +399,14 @@ class DataPlane:
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
             broke = await relay(
-                send, response, call.attempts, idle_s, call.deadline, dialect, self.streams
+                send,
+                response,
+                call.attempts,
+                idle_s,
+                call.deadline,
+                dialect,
+                self.streams,
+                cancellation,
             )
             if broke is not None:
                 stream_error = broke.message
@@ -412,8 +419,7 @@ class DataPlane:
             }
             log.warning("response aborted after the commit point", extra={"fields": fields})
         except asyncio.CancelledError:
-            if watch.client_gone:
-                task.uncancel()
+            if cancellation.consume(CLIENT_GONE):
                 return
             raise
         finally:

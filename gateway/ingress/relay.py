@@ -15,7 +15,8 @@ from gateway.errors import (
 )
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
-from gateway.ingress.streams import OpenStreams
+from gateway.ingress.streams import OpenStreams, ended_by_drain
+from gateway.tasks import Cancellation
 from gateway.upstream.response import UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -91,6 +92,7 @@ async def relay(
     end_at: float,
     dialect: Dialect,
     streams: OpenStreams,
+    cancellation: Cancellation,
 ) -> UpstreamError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
     Returns what broke an SSE stream the upstream cut short, if anything did.
@@ -101,11 +103,12 @@ async def relay(
     Any other body is aborted (ResponseAborted) so the client sees an incomplete response, not
     a short one that looks whole.
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
-    A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain).
+    A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain): the
+    stream is registered with `streams` by the request's `cancellation`.
     """
     ok = False
     broke: UpstreamError | None = None  # what broke the body, when the upstream did
-    task: asyncio.Task[Any] | None = None
+    stream: Cancellation | None = None
     try:
         no_body = response.status in _NO_BODY_STATUSES
         headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
@@ -120,17 +123,16 @@ async def relay(
         await send(start)
         error: GatewayError | None
         if response.is_sse:
-            task = asyncio.current_task()
-            assert task is not None
-            streams.add(task)
+            stream = cancellation
+            streams.add(stream)
             if streams.ending:  # started after the drain's deadline: end it at once
                 error = shutting_down()
             else:
-                error = await _relay_body(send, response, idle_s, end_at, streams, task)
-            streams.discard(task)  # its last event is not the drain's to interrupt
-            task = None
+                error = await _relay_body(send, response, idle_s, end_at, stream)
+            streams.discard(stream)  # its last event is not the drain's to interrupt
+            stream = None
         else:
-            error = await _relay_body(send, response, idle_s, end_at, streams, None)
+            error = await _relay_body(send, response, idle_s, end_at, None)
         if isinstance(error, UpstreamError):
             broke = error
         if error is None:
@@ -142,8 +144,8 @@ async def relay(
             raise ResponseAborted(error)
         return broke
     finally:
-        if task is not None:
-            streams.discard(task)
+        if stream is not None:
+            streams.discard(stream)
         # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
         # failure, accounted now like any other.
         response.finish(ok, broke)
@@ -154,12 +156,12 @@ async def _relay_body(
     response: UpstreamResponse,
     idle_s: float,
     end_at: float,
-    streams: OpenStreams,
-    stream: asyncio.Task[Any] | None,
+    stream: Cancellation | None,
 ) -> GatewayError | None:
     """Forward the body chunk by chunk; returns the error that broke it, if any.
 
-    `stream`: the task of an SSE stream registered with the drain, which may end it."""
+    `stream`: for an SSE stream, its request's cancellation, registered with the drain,
+    which may end it."""
     events = response.is_sse
     # SSE only: the start of an event whose end has not arrived yet. Searched for an end only
     # where the new bytes could complete one, so a long event costs linear time.
@@ -191,7 +193,7 @@ async def _relay_body(
         timeout = response.cancelled_by_deadline()
         if timeout is not None:
             return timeout
-        drained = streams.ended_by_drain(stream) if stream is not None else None
+        drained = ended_by_drain(stream) if stream is not None else None
         if drained is None:
             raise  # not a deadline: the client went away
         return drained

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
+from gateway.tasks import Cancellation
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
@@ -33,7 +33,9 @@ class Call:
     headers: list[tuple[str, str]]
     facts: RequestFacts
     deadline: float  # event-loop time by which the whole exchange must end
-    task: asyncio.Task[Any]  # the request's task: what a deadline or a disconnect cancels
+    # The request's task, and why it is being cancelled (a deadline, the client gone, the
+    # drain): `gateway.tasks`.
+    cancellation: Cancellation
     attempts: int = 0
     # The attempt after which the retry tier allows no other (a retry on a lone instance may
     # still come): that one is not given up on early (see `attempt_timeouts`' `final`).

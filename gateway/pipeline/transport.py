@@ -47,7 +47,7 @@ class Transport:
         # starts once the request is out (a wait for our own connection limit is not the
         # instance's slowness).
         deadline = self._watchdog.arm(
-            call.task,
+            call.cancellation,
             min(started_at + 2 * connect_s + wait_s, call.deadline),
             "connect",
             instance,

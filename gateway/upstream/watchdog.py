@@ -10,9 +10,9 @@ Deadlines fire up to one tick late; LLM timeouts are hundreds of milliseconds an
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Protocol
 
-from gateway.tasks import cancel_and_wait
+from gateway.tasks import DEADLINE, Cancellation, cancel_and_wait
 
 # A stall that the whole instance shares (none of its streams got a byte since this one's wait
 # began) is the engine pausing, not this stream failing: a prefill, a long batch step, a CPU
@@ -43,25 +43,25 @@ class Deadline:
     __slots__ = (
         "at",
         "base_at",
+        "cancellation",
         "credit_s",
         "fired",
         "holder",
         "holding",
         "idle_s",
         "phase",
-        "task",
         "waiting_since",
     )
 
     def __init__(
         self,
-        task: asyncio.Task[Any],
+        cancellation: Cancellation,
         at: float,
         phase: str,
         holder: Holder | None = None,
         since: float = 0.0,
     ) -> None:
-        self.task = task
+        self.cancellation = cancellation  # of the request whose attempt this bounds
         self.at = at  # event-loop time; moved forward by the owner as the attempt progresses
         self.base_at = at  # where the owner put it, before any pause of its instance
         self.credit_s = 0.0  # pauses of its instance credited to its first-byte wait
@@ -146,13 +146,13 @@ class Watchdog:
 
     def arm(
         self,
-        task: asyncio.Task[Any],
+        cancellation: Cancellation,
         at: float,
         phase: str,
         holder: Holder | None = None,
         since: float = 0.0,
     ) -> Deadline:
-        deadline = Deadline(task, at, phase, holder, since)
+        deadline = Deadline(cancellation, at, phase, holder, since)
         if not self._live:
             self._armed.set()
         self._live.add(deadline)
@@ -173,7 +173,7 @@ class Watchdog:
             fired += 1
             self._live.discard(deadline)
             deadline.fired = True
-            deadline.task.cancel()
+            deadline.cancellation.cancel(DEADLINE)
         return fired
 
     async def _sweep(self) -> None:
@@ -187,9 +187,9 @@ class Watchdog:
 
 
 def expired(deadline: Deadline) -> bool:
-    """After a CancelledError: True if this deadline caused it (the cancel is then consumed)."""
-    if deadline.fired and deadline.task.cancelling() > 0:
+    """After a CancelledError: True if this deadline caused it (the cancel is then consumed;
+    not while the request itself is ending: see `gateway.tasks`)."""
+    if deadline.fired and deadline.cancellation.consume(DEADLINE):
         deadline.fired = False
-        deadline.task.uncancel()
         return True
     return False
