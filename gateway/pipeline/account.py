@@ -289,17 +289,7 @@ class Account:
             instance.streaming = streaming
             if streaming > instance.capacity_seen:
                 instance.capacity_seen = streaming
-            inner = response.on_finish  # a layer further in (the attempt's span) ends it too
-            if inner is None:
-                response.on_finish = self._stream_finished
-            else:
-                finished = self._stream_finished
-
-                def both(r: UpstreamResponse, error: UpstreamError | None) -> None:
-                    finished(r, error)
-                    inner(r, error)
-
-                response.on_finish = both
+            response.after(self._stream_finished)
             return response
         _end(instance, tokens)
         outcome = response.outcome

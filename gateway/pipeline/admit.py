@@ -20,7 +20,7 @@ from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priori
 from gateway.core.breaker import ADMITTING
 from gateway.core.concurrency import estimate_tokens
 from gateway.core.histogram import Histogram
-from gateway.errors import Shed, UpstreamError
+from gateway.errors import Shed
 from gateway.pipeline.call import Call, Handler
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -247,14 +247,7 @@ class Admit:
         if response.body is not None:
             admission.leave()
             return response
-        inner = response.on_finish
-
-        def finished(r: UpstreamResponse, error: UpstreamError | None) -> None:
-            if inner is not None:
-                inner(r, error)
-            admission.leave()
-
-        response.on_finish = finished
+        response.after(lambda r, error: admission.leave())
         return response
 
 

@@ -47,8 +47,10 @@ class AttemptSpans:
         if response.body is not None:
             _end(span, response.outcome, None)
         else:
-            response.on_finish = lambda r, error: _end(
-                span, error.outcome if error is not None else r.outcome, error
+            response.after(
+                lambda r, error: _end(
+                    span, error.outcome if error is not None else r.outcome, error
+                )
             )
         return response
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 # its streams going rather than having them cut one gap in.
 STREAM_PACE = 3.0
 
+log = logging.getLogger("gateway")
+
 FinishHook = Callable[["UpstreamResponse", "UpstreamError | None"], None]
 
 
@@ -28,7 +31,8 @@ class UpstreamResponse:
     For a stream, `first_chunk` was already read, so a failure before the first byte happens
     while the attempt can still be retried. `finish()` must be called exactly once when the
     relay ends (or the response is discarded for a retry); it closes the upstream connection if
-    the body was not read to the end, then runs `on_finish` (the accounting of a stream).
+    the body was not read to the end, then runs the work the layers registered with `after`
+    (the attempt's span, its accounting, the admission slot), once each.
     `is_sse` is true only for an uncompressed event stream: the gateway may append an error
     event to it, which would corrupt a compressed one.
 
@@ -38,6 +42,7 @@ class UpstreamResponse:
     """
 
     __slots__ = (
+        "_after",
         "_deadline",
         "_loop_time",
         "_raw",
@@ -50,7 +55,6 @@ class UpstreamResponse:
         "is_sse",
         "last_at",
         "max_gap_s",
-        "on_finish",
         "outcome",
         "probe",
         "prompt_tokens",
@@ -93,7 +97,7 @@ class UpstreamResponse:
             self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)
         else:
             self.outcome = Outcome.from_status(status)
-        self.on_finish: FinishHook | None = None
+        self._after: list[FinishHook] = []
         self.probe = False  # this attempt is its isolated instance's probe
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
@@ -157,7 +161,17 @@ class UpstreamResponse:
             self._raw.close()
         else:
             self._raw.release()
-        hook = self.on_finish
-        if hook is not None:
-            self.on_finish = None
-            hook(self, error)
+        hooks, self._after = self._after, []
+        for hook in hooks:
+            try:
+                hook(self, error)
+            except Exception:  # one layer's failure must not skip the next (a slot, a count)
+                log.exception("work after a response failed")
+
+    def after(self, hook: FinishHook) -> None:
+        """Run `hook(response, error)` when the relay ends (`finish`): the one way a layer
+        does work after a streamed response. Hooks run in the order registered: the
+        innermost layer first, as the response came back through the layers (the attempt's
+        span ends, then the attempt is accounted, then the admission slot is freed, so a
+        request waiting for it sees the accounting already done)."""
+        self._after.append(hook)
