@@ -18,16 +18,10 @@ from gateway.ingress.asgi import DataPlane
 from gateway.ingress.auth import ClientAuth
 from gateway.metrics import Observed
 from gateway.operations import Operations
-from gateway.pipeline.account import Account, OnTransition
-from gateway.pipeline.admit import Admit, PoolAdmission
-from gateway.pipeline.attempt_span import AttemptSpans
-from gateway.pipeline.call import Layer
-from gateway.pipeline.chain import compose
-from gateway.pipeline.deadline import DeadlineLayer
-from gateway.pipeline.pick import Pick
-from gateway.pipeline.retry import Retry
-from gateway.pipeline.transport import Transport
+from gateway.pipeline.account import OnTransition
+from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import PolicyDiff, Reloader, ReloadStats
+from gateway.request_path import build_pipeline
 from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
@@ -57,7 +51,8 @@ class Gateway:
         self.reloads = ReloadStats(loaded_at=time.time(), source=policy_path)
         self.reloader = Reloader(self, policy_path, self.reloads)
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
-        self.registry = Registry(policy, now=asyncio.get_running_loop().time())
+        clock = asyncio.get_running_loop().time  # the one clock, handed to every layer
+        self.registry = Registry(policy, now=clock())
         self.session: aiohttp.ClientSession = new_session()  # health checks, vLLM scrapes
         self.upstream = new_client()  # the requests themselves
         self.health = HealthChecker(self.registry, self.session)
@@ -68,10 +63,6 @@ class Gateway:
         on_transition: OnTransition = self._on_transition
         if self.tracing is not None:
             on_transition = traced_transitions(on_transition)
-        # Outermost first. Admission (pools that have it) holds a slot for the whole exchange;
-        # the retry loop wraps the attempts: each picks an instance,
-        # is accounted against it, and gets its own timeouts (the deadline layer) before it
-        # is sent; traced, each attempt is a CLIENT span around the transport.
         self.admissions = {
             name: PoolAdmission(pool, pool.policy.admission)
             for name, pool in self.registry.pools.items()
@@ -83,18 +74,15 @@ class Gateway:
         # The pools the account layer records into: the current ones and those a reload
         # dropped while requests were in flight on them (until those have finished).
         self._account_pools: dict[str, PoolState] = dict(self.registry.pools)
-        # Always there (a pool without admission costs one dict lookup): a reload may give
-        # a pool an admission section.
-        layers: list[Layer] = [Admit(self.admissions)]
-        layers += [
-            Retry(traced=self.tracing is not None),
-            Pick(),
-            Account(self._account_pools, on_transition),
-            DeadlineLayer(),
-        ]
-        if self.tracing is not None:
-            layers.append(AttemptSpans(self.tracing))
-        handler = compose(layers, Transport(self.upstream, self.watchdog))
+        handler = build_pipeline(  # the request path: gateway.request_path
+            admissions=self.admissions,
+            account_pools=self._account_pools,
+            on_transition=on_transition,
+            client=self.upstream,
+            watchdog=self.watchdog,
+            clock=clock,
+            tracing=self.tracing,
+        )
         # Client authentication: as long-lived as the data plane, its keys swapped on reload.
         self.auth = ClientAuth(policy.auth)
         self.data_app = DataPlane(
@@ -115,7 +103,7 @@ class Gateway:
             self.data_app.refusals,
             self._on_transition,
             lambda: self.draining,
-            asyncio.get_running_loop().time,
+            clock,
         )
         observed = Observed(
             pools=self.registry.pools,

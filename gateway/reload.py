@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.config import Policy, PolicyError, load_policy
-from gateway.tasks import cancel_and_wait
+from gateway.runtime import cancel_and_wait
 
 log = logging.getLogger("gateway.reload")
 

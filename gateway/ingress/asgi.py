@@ -41,7 +41,7 @@ from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send
 from gateway.ingress.streams import OpenStreams
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler, RequestFacts
-from gateway.tasks import CLIENT_GONE, Cancellation
+from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing, incoming_context
 from gateway.upstream.registry import Registry

@@ -16,7 +16,7 @@ from gateway.errors import (
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
 from gateway.ingress.streams import OpenStreams, ended_by_drain
-from gateway.tasks import Cancellation
+from gateway.runtime import Cancellation
 from gateway.upstream.response import UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]

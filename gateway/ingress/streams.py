@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from gateway.errors import ShuttingDown, shutting_down
-from gateway.tasks import DRAIN, Cancellation
+from gateway.runtime import DRAIN, Cancellation
 
 
 class OpenStreams:

@@ -21,6 +21,7 @@ from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
+from gateway.runtime import Clock
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -190,10 +191,12 @@ def _end(instance: InstanceState, tokens: int) -> None:
 
 
 class Account:
-    def __init__(self, pools: dict[str, PoolState], on_transition: OnTransition) -> None:
+    def __init__(
+        self, pools: dict[str, PoolState], on_transition: OnTransition, clock: Clock
+    ) -> None:
         self._pools = pools
         self._on_transition = on_transition
-        self._clock = asyncio.get_running_loop().time
+        self._clock = clock
         # Timeouts logged one line per 10 s per (pool, instance, phase, queueing).
         self._timeout_log = LogThrottle(10.0)
 

@@ -13,6 +13,7 @@ queued for: the pick layer answers 503 at once, as without admission.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.config.models import AdmissionPolicy
@@ -225,7 +226,7 @@ def _refuse(waiter: asyncio.Future[None], reason: str, retry_after_s: float) -> 
 class Admit:
     """The layer: holds a slot of the pool for the whole exchange."""
 
-    def __init__(self, admissions: dict[str, PoolAdmission]) -> None:
+    def __init__(self, admissions: Mapping[str, PoolAdmission]) -> None:
         self._admissions = admissions
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:

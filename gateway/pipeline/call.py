@@ -8,7 +8,7 @@ from typing import Protocol
 
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
-from gateway.tasks import Cancellation
+from gateway.runtime import Cancellation
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
@@ -34,7 +34,7 @@ class Call:
     facts: RequestFacts
     deadline: float  # event-loop time by which the whole exchange must end
     # The request's task, and why it is being cancelled (a deadline, the client gone, the
-    # drain): `gateway.tasks`.
+    # drain): `gateway.runtime`.
     cancellation: Cancellation
     attempts: int = 0
     # The attempt after which the retry tier allows no other (a retry on a lone instance may

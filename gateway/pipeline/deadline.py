@@ -10,19 +10,18 @@ initial guess alone while its peers know better.
 
 from __future__ import annotations
 
-import asyncio
-
 from gateway.core.concurrency import prompt_tokens
 from gateway.core.timeouts import Load
 from gateway.pipeline.call import Call, Handler
+from gateway.runtime import Clock
 from gateway.upstream.response import UpstreamResponse
 
 _NO_GENERATION = "/v1/embeddings"  # nothing is generated: only the prefill counts
 
 
 class DeadlineLayer:
-    def __init__(self) -> None:
-        self._clock = asyncio.get_running_loop().time
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         instance = call.instance

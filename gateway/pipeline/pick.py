@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from gateway.core.balancer import choose, load_cost, slow_start_weight
 from gateway.core.breaker import ADMITTING
 from gateway.core.panic import least_bad
 from gateway.errors import NoInstanceAvailable
 from gateway.pipeline.call import Call, Handler
+from gateway.runtime import Clock
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
@@ -33,8 +32,8 @@ class Pick:
     Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
-    def __init__(self) -> None:
-        self._clock = asyncio.get_running_loop().time
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         pool = call.pool

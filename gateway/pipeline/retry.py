@@ -25,6 +25,7 @@ from opentelemetry import trace
 from gateway.core.backoff import backoff_s, retry_after_s
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
+from gateway.runtime import Clock
 from gateway.upstream.registry import PoolState
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.stats import outcome_label
@@ -42,10 +43,10 @@ _AVOID_AFTER = frozenset(("connect_failure", "reset", "timeout"))
 
 
 class Retry:
-    """The retry layer; built inside the running loop (it keeps the loop's clock)."""
+    """The retry layer. `traced`: events on the request's span."""
 
-    def __init__(self, traced: bool = False) -> None:
-        self._clock = asyncio.get_running_loop().time
+    def __init__(self, clock: Clock, traced: bool = False) -> None:
+        self._clock = clock
         self._traced = traced  # events on the request's span: retries, budget refusals
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:

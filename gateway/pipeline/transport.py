@@ -13,11 +13,16 @@ replaces the clients' own keys (`strip_headers`).
 from __future__ import annotations
 
 import asyncio
+import ssl
+from collections.abc import Callable
+from typing import Protocol
+
+from yarl import URL
 
 from gateway.errors import UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
-from gateway.upstream.h1 import H1Client, UpstreamResponseHead
-from gateway.upstream.response import UpstreamResponse
+from gateway.runtime import Clock
+from gateway.upstream.response import ResponseHead, UpstreamResponse
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 # Bodies up to this size are read whole before the commit point (so a backend dying mid-body
@@ -25,13 +30,34 @@ from gateway.upstream.watchdog import Deadline, Watchdog, expired
 WHOLE_BODY_LIMIT = 1024 * 1024
 
 
+class UpstreamClient(Protocol):
+    """What sends an attempt's request and hands back its head: the data plane's HTTP/1.1
+    client (`upstream.h1.H1Client`), or a test's in-memory one. It bounds the wait for a
+    free connection and the connect by `connect_s` each, and calls `on_sent` as the request
+    is written; every later wait is the transport's deadline."""
+
+    async def post(
+        self,
+        url: URL,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        query: str = "",
+        connect_s: float,
+        tls: ssl.SSLContext | bool,
+        max_connections: int | None = None,
+        max_idle: int | None = None,
+        on_sent: Callable[[], None] | None = None,
+    ) -> ResponseHead: ...
+
+
 class Transport:
     """Sends one attempt and reads it up to the commit point."""
 
-    def __init__(self, client: H1Client, watchdog: Watchdog) -> None:
+    def __init__(self, client: UpstreamClient, watchdog: Watchdog, clock: Clock) -> None:
         self._client = client
         self._watchdog = watchdog
-        self._loop_time = asyncio.get_running_loop().time
+        self._loop_time = clock
 
     async def __call__(self, call: Call) -> UpstreamResponse:
         instance = call.instance
@@ -73,7 +99,7 @@ class Transport:
             strip = pool.strip_headers
             sent = [h for h in sent if h[0] not in strip]
             sent += pool.credential_headers
-        raw: UpstreamResponseHead | None = None
+        raw: ResponseHead | None = None
         try:
             raw = await self._client.post(
                 instance.urls[call.path],
@@ -123,7 +149,7 @@ class Transport:
             if held:
                 instance.release_hold(self._loop_time())
 
-    def _abandon(self, raw: UpstreamResponseHead | None, deadline: Deadline) -> None:
+    def _abandon(self, raw: ResponseHead | None, deadline: Deadline) -> None:
         """Undo an attempt that failed before reaching the client."""
         self._watchdog.disarm(deadline)
         if raw is not None:

@@ -20,7 +20,7 @@ import logging
 
 import aiohttp
 
-from gateway.tasks import cancel_and_wait
+from gateway.runtime import cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
 log = logging.getLogger("gateway.health")

@@ -5,15 +5,52 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, overload
 
 from gateway.core.outcome import Outcome
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
-    from gateway.upstream.h1 import UpstreamResponseHead
     from gateway.upstream.registry import InstanceState
+
+
+class HeaderLookup(Protocol):
+    """A response's headers by name, case-insensitive."""
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+
+class ResponseHead(Protocol):
+    """A response whose status and headers arrived, its body read through it: what the data
+    plane's HTTP/1.1 client hands over (`upstream.h1.UpstreamResponseHead`), or a test's
+    in-memory one. `release()` or `close()` ends it, once."""
+
+    status: int
+    raw_headers: list[tuple[bytes, bytes]]
+    content_length: int | None
+
+    @property
+    def headers(self) -> HeaderLookup: ...
+
+    @property
+    def connection(self) -> object | None:
+        """What the body still holds (a connection) while it has not been read to its end."""
+        ...
+
+    async def readany(self) -> bytes: ...
+
+    async def read(self) -> bytes: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 # A stream is stalled when a gap runs this many times past its own largest one so far (or past
 # the instance's learned idle timeout, whichever is longer): an instance that turned slow keeps
@@ -68,7 +105,7 @@ class UpstreamResponse:
     def __init__(
         self,
         instance: InstanceState,
-        raw: UpstreamResponseHead,
+        raw: ResponseHead,
         *,
         body: bytes | None,
         first_chunk: bytes,

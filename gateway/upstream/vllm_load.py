@@ -18,7 +18,7 @@ import aiohttp
 from gateway.config.models import VllmSignalsPolicy
 from gateway.core.concurrency import vllm_saturated
 from gateway.core.vllm_metrics import read_running, read_vllm_load
-from gateway.tasks import cancel_and_wait
+from gateway.runtime import cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
 log = logging.getLogger("gateway.vllm_load")

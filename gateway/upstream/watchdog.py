@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from gateway.tasks import DEADLINE, Cancellation, cancel_and_wait
+from gateway.runtime import DEADLINE, Cancellation, cancel_and_wait
 
 # A stall that the whole instance shares (none of its streams got a byte since this one's wait
 # began) is the engine pausing, not this stream failing: a prefill, a long batch step, a CPU
@@ -188,7 +188,7 @@ class Watchdog:
 
 def expired(deadline: Deadline) -> bool:
     """After a CancelledError: True if this deadline caused it (the cancel is then consumed;
-    not while the request itself is ending: see `gateway.tasks`)."""
+    not while the request itself is ending: see `gateway.runtime`)."""
     if deadline.fired and deadline.cancellation.consume(DEADLINE):
         deadline.fired = False
         return True

@@ -1,4 +1,5 @@
-"""Tasks: why a request's task is cancelled, and how background tasks end.
+"""The event loop's services every layer shares: its clock, why a request's task is cancelled,
+and how background tasks end.
 
 Three parties may cancel a request's task while it waits: the watchdog when an attempt's
 deadline passes (`DEADLINE`), the data plane when the client disconnects (`CLIENT_GONE`), and
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, Literal
+
+# Event-loop time (seconds, monotonic): the one clock of the request path, handed to every
+# layer by the composition (`gateway.request_path`), so a test can run them all on another.
+Clock = Callable[[], float]
 
 CancelReason = Literal["deadline", "client_gone", "drain"]
 DEADLINE: Final = "deadline"

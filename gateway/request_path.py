@@ -1,0 +1,79 @@
+"""The request path, top to bottom: what a proxied request goes through, in order, and why.
+
+    front end   `ingress.asgi.DataPlane`: the connection's limits (`ingress.protocol`), the
+                body read within its cap, `model`, `stream` and `max_tokens` read from it,
+                the client's key checked (`ingress.auth`), the pool chosen by model, the
+                request's deadline (the pool's ceiling or `x-gateway-timeout`), the
+                request's `Cancellation` (`runtime`), a watch for the client leaving
+    admit       `pipeline.admit.Admit`: in pools with `admission`, a slot for the whole
+                exchange, by priority class; a request it cannot queue is shed (429)
+    retry       `pipeline.retry.Retry`: the attempts, each re-running everything below;
+                retries as the pool's failure-rate tier and retry budget allow, with backoff
+    pick        `pipeline.pick.Pick`: the instance for this attempt (peak-EWMA p2c over the
+                admitting instances, untried ones first; panic routing when none admits)
+    account     `pipeline.account.Account`: the attempt counted against its instance and
+                pool when it ends (breaker, failure rate, latency EWMAs, limiter)
+    deadline    `pipeline.deadline.DeadlineLayer`: the attempt's timeouts, predicted from the
+                instance's latency (connect, first byte, idle gap of a stream)
+    attempt span `pipeline.attempt_span.AttemptSpans` (tracing on): a CLIENT span per attempt
+    transport   `pipeline.transport.Transport`: the request sent (`upstream.clients`), read up
+                to the commit point: a whole body up to 1 MiB, else the first chunk
+    ---------   the commit point: from here the response goes to the client, no retry
+    relay       `ingress.relay.relay`: the response forwarded; a stream that breaks ends with
+                an error event, never silently; after it, the work the layers registered
+                with `UpstreamResponse.after` (the attempt's span, its accounting, the slot)
+
+Why this order: admission wraps the retries, so a request holds one slot however many attempts
+it makes. The retry loop wraps `pick`, so every attempt picks again (and can avoid the
+instances that failed it). Accounting wraps the deadline, so an attempt that timed out is
+counted too, and the deadline sits inside the retry loop, so it bounds one attempt (the
+request's own deadline bounds them all). Everything before the commit point can still be
+retried; nothing after it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.pipeline.account import Account, OnTransition
+from gateway.pipeline.admit import Admit, PoolAdmission
+from gateway.pipeline.attempt_span import AttemptSpans
+from gateway.pipeline.call import Handler, Layer
+from gateway.pipeline.chain import compose
+from gateway.pipeline.deadline import DeadlineLayer
+from gateway.pipeline.pick import Pick
+from gateway.pipeline.retry import Retry
+from gateway.pipeline.transport import Transport, UpstreamClient
+from gateway.runtime import Clock
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.registry import PoolState
+from gateway.upstream.watchdog import Watchdog
+
+
+def build_pipeline(
+    *,
+    admissions: Mapping[str, PoolAdmission],
+    account_pools: dict[str, PoolState],
+    on_transition: OnTransition,
+    client: UpstreamClient,
+    watchdog: Watchdog,
+    clock: Clock,
+    tracing: Tracing | None = None,
+) -> Handler:
+    """The pipeline between the front end and the relay, outermost layer first.
+
+    `admissions`: the pools' admission (a pool without one costs one dict lookup; a reload
+    may add or drop one in place); `account_pools`: the pools attempts are recorded into,
+    dropped ones included while they have attempts in flight; `client`: what sends the
+    requests (the data plane's HTTP/1.1 client, or a test's in-memory one); `clock`: the
+    event loop's time, the one every layer reads."""
+    layers: list[Layer] = [
+        Admit(admissions),
+        Retry(clock, traced=tracing is not None),
+        Pick(clock),
+        Account(account_pools, on_transition, clock),
+        DeadlineLayer(clock),
+    ]
+    if tracing is not None:
+        layers.append(AttemptSpans(tracing))
+    return compose(layers, Transport(client, watchdog, clock))
