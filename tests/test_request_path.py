@@ -1,0 +1,257 @@
+"""The whole pipeline of `gateway.request_path`, in process: instances in memory
+(`tests.memory_upstream`), time virtual (`tests.virtual_time`), no socket. Retries, isolation,
+timeouts and admission are decided by the real layers, and asserted by order, counts and the
+virtual times of events."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.config import parse_policy
+from gateway.core.breaker import ISOLATED, Transition
+from gateway.errors import GatewayError, Shed
+from gateway.pipeline.admit import PoolAdmission
+from gateway.pipeline.call import Call, Handler, RequestFacts
+from gateway.request_path import build_pipeline
+from gateway.runtime import Cancellation
+from gateway.upstream.registry import PoolState, Registry
+from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.watchdog import Watchdog
+from tests.memory_upstream import Answer, Hang, MemoryHead, MemoryUpstreams, Refuse, Script, always
+from tests.virtual_time import run
+
+BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
+
+
+def policy_text(instances: list[str], settings: str = "") -> str:
+    listed = ", ".join(f'{{name: {name}, url: "http://{name}:8000"}}' for name in instances)
+    return f"""
+pools:
+  chat:
+    models: [m]
+    instances: [{listed}]
+    health: {{enabled: false}}
+{settings}
+"""
+
+
+@dataclass
+class Outcome:
+    """How one request ended: the status the client would get, where, after how many
+    attempts, at what virtual time."""
+
+    status: int
+    instance: str | None
+    attempts: int
+    at: float
+    code: str | None = None
+
+
+@dataclass
+class Pipeline:
+    handler: Handler
+    pool: PoolState
+    upstreams: MemoryUpstreams
+    watchdog: Watchdog
+    admissions: dict[str, PoolAdmission]
+    transitions: list[tuple[str, Transition]] = field(default_factory=list)
+
+    def isolations(self) -> list[str]:
+        return [t.instance for _, t in self.transitions if t.to == ISOLATED]
+
+    async def request(self, priority: str | None = None) -> Outcome:
+        """One non-streamed request, as the front end would send it down the pipeline."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        call = Call(
+            pool=self.pool,
+            path="/v1/chat/completions",
+            query="",
+            body=BODY,
+            headers=[("content-type", "application/json")],
+            facts=RequestFacts("m", False, 16),
+            deadline=loop.time() + self.pool.policy.timeouts.ceiling,
+            cancellation=Cancellation(task),
+            priority=priority,  # type: ignore[arg-type]
+        )
+        try:
+            response = await self.handler(call)
+        except GatewayError as error:
+            return Outcome(error.status, None, call.attempts, loop.time(), error.code)
+        response.finish(ok=True)
+        return Outcome(response.status, response.instance.name, call.attempts, loop.time())
+
+
+def pipeline(
+    instances: dict[str, Script], settings: str = "", seed: int = 7
+) -> Callable[[], Awaitable[Pipeline]]:
+    """A factory to await inside the virtual-time loop: the pipeline as the gateway builds it."""
+
+    async def build() -> Pipeline:
+        loop = asyncio.get_running_loop()
+        policy = parse_policy(policy_text(list(instances), settings))
+        registry = Registry(policy, now=loop.time(), rng=random.Random(seed))
+        pool = registry.pools["chat"]
+        admissions = {
+            name: PoolAdmission(state, state.policy.admission)
+            for name, state in registry.pools.items()
+            if state.policy.admission is not None
+        }
+        upstreams = MemoryUpstreams(dict(instances))
+        watchdog = Watchdog()
+        watchdog.start()
+        built = Pipeline(
+            handler=lambda call: asyncio.sleep(0),  # type: ignore[arg-type,return-value]
+            pool=pool,
+            upstreams=upstreams,
+            watchdog=watchdog,
+            admissions=admissions,
+        )
+        built.handler = build_pipeline(
+            admissions=admissions,
+            account_pools=dict(registry.pools),
+            on_transition=lambda pool_name, t: built.transitions.append((pool_name, t)),
+            client=upstreams,
+            watchdog=watchdog,
+            clock=loop.time,
+        )
+        return built
+
+    return build
+
+
+def test_a_failed_attempt_is_retried_on_another_instance() -> None:
+    async def scenario() -> list[Outcome]:
+        p = await pipeline({"a": always(Answer(status=503)), "b": always(Answer())})()
+        try:
+            return [await p.request() for _ in range(6)]
+        finally:
+            await p.watchdog.close()
+
+    outcomes = run(scenario())
+    assert [(o.status, o.instance) for o in outcomes] == [(200, "b")] * 6
+    # Wherever a request went first, it ended on b: after a, in two attempts.
+    assert {o.attempts for o in outcomes} <= {1, 2}
+    assert any(o.attempts == 2 for o in outcomes)
+
+
+def test_an_instance_that_keeps_failing_is_isolated_and_gets_no_more_requests() -> None:
+    async def scenario() -> tuple[Pipeline, list[Outcome], int]:
+        p = await pipeline(
+            {"a": always(Refuse()), "b": always(Answer()), "c": always(Answer())},
+            settings="    breaker: {consecutive_failures: 2, isolation: 30s}",
+        )()
+        try:
+            outcomes = [await p.request() for _ in range(10)]
+            before = p.upstreams.received("a")
+            outcomes += [await p.request() for _ in range(20)]  # all within the isolation
+            return p, outcomes, before
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, tried_before = run(scenario())
+    assert all(o.status == 200 for o in outcomes)  # every request was rescued
+    assert p.isolations() == ["a"]
+    # Refused connections never reach an instance; once isolated, a is not even tried.
+    assert p.upstreams.received("a") == 0
+    assert tried_before == 0
+    assert all(o.attempts == 1 for o in outcomes[10:])
+    assert outcomes[-1].at < 30.0  # virtual: still inside the isolation
+
+
+def test_an_attempt_past_its_deadline_is_given_up_and_retried_elsewhere() -> None:
+    async def scenario() -> tuple[Pipeline, Outcome, float]:
+        p = await pipeline(
+            {"a": always(Hang()), "b": always(Answer(after_s=0.05))},
+            settings="    timeouts: {initial: 2s, floor: 100ms, jitter: 0s}",
+            seed=1,
+        )()
+        try:
+            # What the deadline layer gives a's first attempt: nothing learned yet.
+            [a, _] = p.pool.instances
+            k = p.pool.tiers.choose(p.pool.failure.rate).k
+            now = asyncio.get_running_loop().time()
+            wait_s = p.pool.timeouts_for(a, k, now, stream=False, max_tokens=16).first_byte_s
+            outcomes = [await p.request() for _ in range(4)]
+            return p, next(o for o in outcomes if o.attempts == 2), wait_s
+        finally:
+            await p.watchdog.close()
+
+    p, retried, wait_s = run(scenario())
+    assert (retried.status, retried.instance) == (200, "b")
+    assert wait_s >= 2.0  # the initial timeout at least, before anything is learned
+    hung = next(s for s in p.upstreams.sent if s.instance == "a")
+    answered = next(s for s in p.upstreams.sent if s.instance == "b" and s.at > hung.at)
+    # The second attempt went out once the first one's deadline had passed, within the
+    # watchdog's tick (and the retry's backoff).
+    assert answered.at - hung.at == pytest.approx(wait_s, abs=0.1)
+
+
+def test_admission_holds_a_slot_for_the_whole_exchange_and_sheds_past_the_queue() -> None:
+    admission = """    admission:
+      concurrency: {mode: fixed, limit: 1}
+      batch: {max_queue: 1}"""
+
+    async def scenario() -> list[Outcome]:
+        p = await pipeline({"a": always(Answer(after_s=1.0))}, settings=admission)()
+        try:
+            first = asyncio.ensure_future(p.request("batch"))
+            await asyncio.sleep(0.1)  # it holds the only slot now
+            second = asyncio.ensure_future(p.request("batch"))  # queued
+            await asyncio.sleep(0.1)
+            third = asyncio.ensure_future(p.request("batch"))  # the queue is full
+            return list(await asyncio.gather(first, second, third))
+        finally:
+            await p.watchdog.close()
+
+    first, second, third = run(scenario())
+    assert (first.status, first.at) == (200, pytest.approx(1.0, abs=0.05))
+    # The queued one ran only once the first had left its slot, one second each.
+    assert (second.status, second.at) == (200, pytest.approx(2.0, abs=0.05))
+    assert (third.status, third.code, third.attempts) == (Shed.status, Shed.code, 0)
+    assert third.at == pytest.approx(0.2, abs=0.01)  # refused at once, not after waiting
+
+
+def test_work_after_a_response_runs_once_in_order_and_past_a_failing_step() -> None:
+    async def scenario() -> tuple[list[str], list[str]]:
+        loop = asyncio.get_running_loop()
+        registry = Registry(parse_policy(policy_text(["a"])), now=loop.time())
+        [instance] = registry.pools["chat"].instances
+        watchdog = Watchdog()
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = watchdog.arm(Cancellation(task), loop.time() + 10, "first_byte")
+        response = UpstreamResponse(
+            instance,
+            MemoryHead(Answer()),
+            body=None,
+            first_chunk=b"",
+            is_sse=False,
+            deadline=deadline,
+            watchdog=watchdog,
+            started_at=loop.time(),
+            clock=loop.time,
+        )
+        ran: list[str] = []
+
+        def failing(r: UpstreamResponse, error: object) -> None:
+            ran.append("account")
+            raise RuntimeError("a step that fails")
+
+        response.after(lambda r, error: ran.append("span"))
+        response.after(failing)
+        response.after(lambda r, error: ran.append("slot"))
+        response.finish(ok=True)
+        first = list(ran)
+        response.finish(ok=True)  # a second end runs nothing again
+        return first, ran
+
+    first, after_second = run(scenario())
+    assert first == ["span", "account", "slot"]
+    assert after_second == first
