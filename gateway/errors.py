@@ -143,27 +143,18 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
     kind = "timeout"
 
-    def __init__(self, message: str, *, phase: str) -> None:
+    def __init__(self, message: str, *, phase: Phase) -> None:
         super().__init__(message)
         self.phase = phase
 
     @property
     def outcome(self) -> Outcome:
-        return Outcome.from_error("timeout", _TIMEOUT_PHASES.get(self.phase, "first_byte"))
+        return Outcome.from_error("timeout", self.phase)
 
 
 _PROTOCOL = Outcome.from_error("protocol")
-_CONNECT_FAILURE = Outcome.from_error("connect_failure", "connect")
+_CONNECT_FAILURE = Outcome.from_error("connect_failure", Phase.CONNECT)
 _RESET = Outcome.from_error("reset")
-# Our deadline phases, as the outcome classification names them: a whole non-streamed body
-# is part of its first byte; the ceiling can only run out while a stream flows.
-_TIMEOUT_PHASES: dict[str, Phase] = {
-    "connect": "connect",
-    "first_byte": "first_byte",
-    "body": "first_byte",
-    "idle": "idle",
-    "total": "idle",
-}
 
 
 class NoInstanceAvailable(GatewayError):
@@ -172,7 +163,7 @@ class NoInstanceAvailable(GatewayError):
     code = "no_instance_available"
 
 
-def map_upstream_exception(exc: BaseException, *, phase: str) -> UpstreamError:
+def map_upstream_exception(exc: BaseException, *, phase: Phase) -> UpstreamError:
     """The gateway's error for an exception raised while talking to a backend. The data
     plane's client raises the gateway's own errors already; anything else that escapes it (a
     socket error while writing, a bug) is named here.

@@ -4,14 +4,35 @@ from __future__ import annotations
 
 from collections.abc import Container, Set
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 OutcomeKind = Literal["ok", "connect_failure", "reset", "timeout", "status", "oom", "protocol"]
 ErrorKind = Literal["connect_failure", "reset", "timeout", "protocol"]
-Phase = Literal["connect", "first_byte", "idle"]
 
+
+class Phase(StrEnum):
+    """What an attempt is waiting for: the one vocabulary of timeouts, from the deadline the
+    watchdog enforces to the error, the outcome and the metrics' `phase` label."""
+
+    CONNECT = "connect"  # a connection: DNS, TCP, the TLS handshake (or a free one)
+    FIRST_BYTE = "first_byte"  # the answer's head and first byte
+    BODY = "body"  # the rest of a whole (non-streamed) body
+    IDLE = "idle"  # the next chunk of a stream
+    TOTAL = "total"  # the request's own deadline, once its answer flows
+
+    @property
+    def counted_as(self) -> Phase:
+        """How an outcome counts a timeout in this phase: a whole body is part of its first
+        byte (one prediction covers both), and the request's own deadline can only run out
+        while a stream flows (an idle wait)."""
+        return _COUNTED_AS.get(self, self)
+
+
+_COUNTED_AS = {Phase.BODY: Phase.FIRST_BYTE, Phase.TOTAL: Phase.IDLE}
 _ERROR_KINDS: tuple[ErrorKind, ...] = ("connect_failure", "reset", "timeout", "protocol")
-_PHASES: tuple[Phase | None, ...] = (None, "connect", "first_byte", "idle")
+# The phases an outcome carries (`Phase.counted_as`).
+_PHASES: tuple[Phase | None, ...] = (None, Phase.CONNECT, Phase.FIRST_BYTE, Phase.IDLE)
 # vLLM reports a CUDA OOM as a 500 whose message says "CUDA out of memory"; the fake backend
 # also marks it with this header.
 _OOM_TEXT = b"out of memory"
@@ -85,9 +106,11 @@ class Outcome:
     def from_error(kind: ErrorKind, phase: Phase | None = None) -> Outcome:
         """The outcome of an attempt that got no usable response.
 
-        A `timeout` must say its `phase`; the other kinds may (for telemetry). Raises ValueError
-        for an unknown kind or phase.
+        A `timeout` must say its `phase` (counted as `Phase.counted_as`); the other kinds may
+        (for telemetry). Raises ValueError for an unknown kind or phase.
         """
+        if phase is not None:
+            phase = Phase(phase).counted_as
         outcome = _BY_ERROR.get((kind, phase))
         if outcome is None:
             raise ValueError(f"no outcome {kind!r} in phase {phase!r}")

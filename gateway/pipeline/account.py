@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import Transition
-from gateway.core.outcome import Outcome
+from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
@@ -90,9 +90,9 @@ def _timed_out(
             "repeats": held_back,
         }
         log.warning("upstream timeout", extra={"fields": fields})
-    if phase == "first_byte" and not queueing:
+    if phase == Phase.FIRST_BYTE and not queueing:
         instance.latency.timed_out(backoff)  # the next attempt there waits longer
-    elif phase == "idle":
+    elif phase == Phase.IDLE:
         instance.latency.idle_timeouts_in_row += 1  # and its next streams' gaps
 
 
@@ -161,7 +161,7 @@ def _abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: 
     until the engine notices (llama.cpp: once a slot takes it): count it as in flight for about
     as long as an exchange takes there (or as long as it was waited on). One that had a slot is
     dropped by the engine at once."""
-    if outcome.phase == "first_byte":
+    if outcome.phase == Phase.FIRST_BYTE:
         service = instance.latency.service
         instance.abandoned(now, service.mean + service.deviation if service.samples else waited_s)
 
@@ -262,7 +262,9 @@ class Account:
                     instance.breaker.release_probe(now)
                 raise
             outcome = error.outcome
-            queueing = outcome.phase == "first_byte" and _queueing(instance, queued, started, now)
+            queueing = outcome.phase == Phase.FIRST_BYTE and _queueing(
+                instance, queued, started, now
+            )
             if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
             _record(

@@ -1,15 +1,5 @@
-"""Composition of the request pipeline, in one place.
-
-Order, outermost first (each layer wraps everything after it):
-  retry     - the retry loop, per client request; every attempt below re-runs what follows
-  pick      - chooses the instance for the attempt (round robin, skipping tried and paused ones)
-  account   - counts the attempt against its instance and pool when it ends
-  deadline  - sets the attempt's timeouts from the instance's latency prediction
-  transport - sends the attempt and reads up to the first byte (terminal)
-
-Retries wrap `pick` so every attempt re-picks; the deadline sits inside the retry loop, so it
-bounds one attempt; accounting wraps the deadline, so a timed-out attempt is counted too.
-"""
+"""Binding the pipeline's layers to each other, once: the order, and why, is
+`gateway.request_path`'s."""
 
 from __future__ import annotations
 

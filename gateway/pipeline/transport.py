@@ -19,6 +19,7 @@ from typing import Protocol
 
 from yarl import URL
 
+from gateway.core.outcome import Phase
 from gateway.errors import UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
 from gateway.runtime import Clock
@@ -75,7 +76,7 @@ class Transport:
         deadline = self._watchdog.arm(
             call.cancellation,
             min(started_at + 2 * connect_s + wait_s, call.deadline),
-            "connect",
+            Phase.CONNECT,
             instance,
             started_at,
         )
@@ -87,7 +88,7 @@ class Transport:
         def request_sent() -> None:
             nonlocal held
             now = self._loop_time()
-            deadline.move(min(now + wait_s, call.deadline), "first_byte")
+            deadline.move(min(now + wait_s, call.deadline), Phase.FIRST_BYTE)
             deadline.waiting_since = now
             if holds and not held:
                 held = True

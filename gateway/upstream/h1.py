@@ -52,6 +52,7 @@ from typing import Any, Final, NamedTuple, cast, overload
 import httptools
 from yarl import URL
 
+from gateway.core.outcome import Phase
 from gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectionLimit,
@@ -262,7 +263,7 @@ class _Connection(asyncio.Protocol):
         if self._until_close and self._head.done() and exc is None and self._eof:
             self.on_message_complete()
             return
-        phase = "body" if self._head.done() else "first_byte"
+        phase = Phase.BODY if self._head.done() else Phase.FIRST_BYTE
         self._fail(UpstreamReset(f"the upstream closed the connection ({phase})"), close=False)
 
     def eof_received(self) -> None:
@@ -689,7 +690,9 @@ class _OriginPool:
                 else:
                     conn = await self._connect_resolved(server_hostname)
         except TimeoutError:
-            raise UpstreamTimeout("connecting to the upstream timed out", phase="connect") from None
+            raise UpstreamTimeout(
+                "connecting to the upstream timed out", phase=Phase.CONNECT
+            ) from None
         except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
             reason = exc.strerror or str(exc) or type(exc).__name__
             raise UpstreamConnectError(f"cannot connect to the upstream: {reason}") from None

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, overload
 
-from gateway.core.outcome import Outcome
+from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
@@ -156,11 +156,11 @@ class UpstreamResponse:
             # The stream's own pace: a stall is a gap well beyond the ones it already had.
             idle_s = STREAM_PACE * paced
         if now + idle_s < end_at:
-            deadline.move(now + idle_s, "idle")
+            deadline.move(now + idle_s, Phase.IDLE)
             deadline.idle_s = idle_s
             deadline.waiting_since = now
         else:
-            deadline.move(end_at, "total")
+            deadline.move(end_at, Phase.TOTAL)
         try:
             chunk = await self._raw.readany()
         except asyncio.CancelledError:
@@ -168,9 +168,9 @@ class UpstreamResponse:
                 raise self.timeout() from None
             raise
         except Exception as exc:
-            raise map_upstream_exception(exc, phase="body") from exc
+            raise map_upstream_exception(exc, phase=Phase.BODY) from exc
         finally:
-            deadline.move(end_at, "total")  # while the client is being written to
+            deadline.move(end_at, Phase.TOTAL)  # while the client is being written to
         if chunk:
             arrived = self._loop_time()
             gap = arrived - self.last_at

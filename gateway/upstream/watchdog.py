@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from gateway.core.outcome import Phase
 from gateway.runtime import DEADLINE, Cancellation, cancel_and_wait
 
 # A stall that the whole instance shares (none of its streams got a byte since this one's wait
@@ -57,7 +58,7 @@ class Deadline:
         self,
         cancellation: Cancellation,
         at: float,
-        phase: str,
+        phase: Phase,
         holder: Holder | None = None,
         since: float = 0.0,
     ) -> None:
@@ -65,14 +66,14 @@ class Deadline:
         self.at = at  # event-loop time; moved forward by the owner as the attempt progresses
         self.base_at = at  # where the owner put it, before any pause of its instance
         self.credit_s = 0.0  # pauses of its instance credited to its first-byte wait
-        self.phase = phase  # what the attempt is waiting for: first_byte, body, idle, total
+        self.phase = phase  # what the attempt is waiting for now
         self.fired = False
         self.holder = holder
         self.holding = False  # its own prompt is one of the holder's holds
         self.idle_s = 0.0  # the idle timeout, while phase is "idle"
         self.waiting_since = since  # since when it waits for its first byte or next chunk
 
-    def move(self, at: float, phase: str) -> None:
+    def move(self, at: float, phase: Phase) -> None:
         self.at = self.base_at = at
         self.phase = phase
 
@@ -98,7 +99,7 @@ class Deadline:
         if holder is None:
             return at
         phase = self.phase
-        if phase == "first_byte":
+        if phase == Phase.FIRST_BYTE:
             if self.holding:
                 return at
             released = holder.hold_released_at
@@ -110,7 +111,7 @@ class Deadline:
             if holder.holds > 0:
                 return max(due, now + tick_s)
             return due
-        if phase != "idle":
+        if phase != Phase.IDLE:
             return at
         if holder.holds > 0:
             at = max(at, holder.hold_until, now + tick_s)
@@ -148,7 +149,7 @@ class Watchdog:
         self,
         cancellation: Cancellation,
         at: float,
-        phase: str,
+        phase: Phase,
         holder: Holder | None = None,
         since: float = 0.0,
     ) -> Deadline:
