@@ -51,11 +51,11 @@ class Gateway:
         self.reloads = ReloadStats(loaded_at=time.time(), source=policy_path)
         self.reloader = Reloader(self, policy_path, self.reloads)
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
-        clock = asyncio.get_running_loop().time  # the one clock, handed to every layer
+        clock = self._clock = asyncio.get_running_loop().time  # the one clock, for every layer
         self.registry = Registry(policy, now=clock())
         self.session: aiohttp.ClientSession = new_session()  # health checks, vLLM scrapes
         self.upstream = new_client()  # the requests themselves
-        self.health = HealthChecker(self.registry, self.session)
+        self.health = HealthChecker(self.registry, self.session, self._clock)
         self.vllm_load = VllmLoadScraper(self.registry, self.session)
         self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
@@ -171,7 +171,7 @@ class Gateway:
         """After a reload that changed the pools: the background work follows the new pools.
         New instances are checked at once and take traffic only once healthy (as at start)."""
         old_health, old_load = self.health, self.vllm_load
-        self.health = HealthChecker(self.registry, self.session)
+        self.health = HealthChecker(self.registry, self.session, self._clock)
         self.vllm_load = VllmLoadScraper(self.registry, self.session)
         await asyncio.gather(old_health.close(), old_load.close())
         await self.health.check_instances(added)

@@ -56,6 +56,8 @@ class PoolAdmission:
         self.running = 0
         self.completions = ArrivalRate(window_s=10)
         self.waits = {name: Histogram(QUEUE_WAIT_BUCKETS_S) for name in CLASSES}
+        # Its clock is the loop it sets its queue timers on (`call_at`): the same as the
+        # layers' (`gateway.request_path`), read from there so the two can never disagree.
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         pool.capacity_listeners.append(self.dispatch)

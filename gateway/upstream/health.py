@@ -20,21 +20,21 @@ import logging
 
 import aiohttp
 
-from gateway.runtime import cancel_and_wait
+from gateway.runtime import Clock, cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
 log = logging.getLogger("gateway.health")
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, session: aiohttp.ClientSession) -> None:
+    def __init__(self, registry: Registry, session: aiohttp.ClientSession, clock: Clock) -> None:
         self._pools = [p for p in registry.pools.values() if p.policy.health.enabled]
         self._session = session
         self._timeouts = {
             p.name: aiohttp.ClientTimeout(total=p.policy.health.timeout) for p in self._pools
         }
         self._tasks: list[asyncio.Task[None]] = []
-        self._clock = asyncio.get_running_loop().time
+        self._clock = clock
 
     async def first_round(self) -> None:
         """Check every instance once: the process is not ready before it knows who is healthy."""
