@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway.tasks import CLIENT_GONE, DEADLINE, DRAIN, Cancellation
+from gateway.runtime import CLIENT_GONE, DEADLINE, DRAIN, Cancellation
 
 
 async def _waiting() -> tuple[asyncio.Task[None], Cancellation]:

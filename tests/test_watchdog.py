@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.tasks import Cancellation
+from gateway.runtime import Cancellation
 from gateway.upstream.watchdog import INSTANCE_STALL_GRACE, Watchdog, expired
 
 
