@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -74,10 +75,19 @@ class ManagedProcess:
             bufsize=1,
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-        if not self._ready_event.wait(ready_timeout_s) or not self.ready:
+        try:
+            self._reader.start()
+            ready = self._ready_event.wait(ready_timeout_s) and bool(self.ready)
+        except BaseException:
+            # Interrupted while waiting (Ctrl-C, a test's timeout): the caller never gets this
+            # object, so nothing else could stop the child.
+            self.stop()
+            raise
+        if not ready:
             self.stop()
             raise ProcessFailed(f"{self.argv!r} did not become ready:\n{self.output()}")
+        with _started_lock:
+            _started.add(self)
 
     @property
     def pid(self) -> int:
@@ -116,7 +126,8 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
-        self._reader.join(timeout=2.0)
+        if self._reader.ident is not None:
+            self._reader.join(timeout=2.0)
         return self.proc.returncode
 
     def __enter__(self) -> ManagedProcess:
@@ -124,6 +135,19 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# Every process started here and not yet collected: `running()` finds those still up, for a
+# last-resort cleanup (the test session's end) of whatever a failed caller did not stop.
+_started: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
+_started_lock = threading.Lock()
+
+
+def running() -> list[ManagedProcess]:
+    """The ManagedProcesses of this interpreter whose child has not exited."""
+    with _started_lock:
+        procs = list(_started)
+    return [proc for proc in procs if proc.proc.poll() is None]
 
 
 def gateway_process(

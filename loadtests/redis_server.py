@@ -8,29 +8,35 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+from loadtests.ports import PortHold, hold_port
 
 
 class RedisServer:
+    """redis-server on `port`, or on a port held for it (see loadtests/ports.py) until `close()`:
+    a restart after a kill or a stop comes back on the same port, and while it is down nothing
+    else takes the port and connections to it are refused."""
+
     def __init__(self, port: int | None = None, ready_timeout_s: float = 10.0) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/install-system-deps)")
         self.binary = binary
-        self.port = port or free_port()
+        self._hold: PortHold | None = None
+        if port is None:
+            self._hold = hold_port()
+            port = self._hold.port
+        self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start(ready_timeout_s)
+        try:
+            self.start(ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -40,6 +46,9 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def start(self, ready_timeout_s: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            # A second one could not bind the port, and the first would be left untracked.
+            raise RuntimeError(f"redis-server on port {self.port} is already running")
         argv = [
             self.binary,
             *("--port", str(self.port), "--bind", "127.0.0.1"),
@@ -49,16 +58,26 @@ class RedisServer:
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + ready_timeout_s
+        try:
+            self._wait_ready(self.proc, ready_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}")
             try:
-                if self.client().ping():
-                    return
+                client = self.client()
+                try:
+                    if client.ping():
+                        return
+                finally:
+                    client.close()
             except redis.exceptions.ConnectionError:
                 time.sleep(0.02)
-        self.kill()
         raise RuntimeError(f"redis-server on port {self.port} did not answer")
 
     def kill(self) -> None:
@@ -85,8 +104,16 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(10)
 
+    def close(self) -> None:
+        """Stopped for good: the port it held is let go."""
+        try:
+            self.stop()
+        finally:
+            if self._hold is not None:
+                self._hold.close()
+
     def __enter__(self) -> RedisServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()

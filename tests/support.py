@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from loadtests.ports import PortHold, hold_port
 from loadtests.procs import ManagedProcess, gateway_process, python_module
 
 
@@ -20,6 +21,9 @@ class Backend:
 
     name: str
     proc: ManagedProcess
+    # The port held for it (see loadtests/ports.py) from its start to `stop()`, so that a test
+    # can kill it and start it again on the same port without anything taking the port between.
+    hold: PortHold | None = None
 
     @property
     def url(self) -> str:
@@ -44,21 +48,63 @@ class Backend:
         return result
 
     def stop(self) -> None:
-        self.proc.stop()
+        """Stops the process and lets its port go."""
+        try:
+            self.proc.stop()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            if _holders.get(hold.port) is self:
+                del _holders[hold.port]
+            hold.close()
 
 
-def start_backend(name: str, models: list[str], *extra: str, port: int = 0) -> Backend:
+# Who holds which port: a backend started again on the port of one that was killed (not
+# stopped) takes its hold over, and releases it when it is stopped in turn.
+_holders: dict[int, Backend] = {}
+
+
+def start_backend(name: str, models: list[str], *extra: str, port: int | None = None) -> Backend:
+    """A fake backend on a port held for it (restartable there), or on `port` (0: one the
+    process picks itself)."""
+    hold: PortHold | None = None
+    if port is None:
+        hold = hold_port()
+        port = hold.port
+    else:
+        previous = _holders.pop(port, None)
+        if previous is not None:
+            hold, previous.hold = previous.hold, None
     argv = python_module(
         "loadtests.fake_vllm",
         *("--port", str(port), "--name", name, "--models", ",".join(models)),
         *extra,
     )
-    return Backend(name, ManagedProcess(argv))
+    try:
+        backend = Backend(name, ManagedProcess(argv), hold)
+    except BaseException:
+        if hold is not None:
+            hold.close()
+        raise
+    if hold is not None:
+        _holders[hold.port] = backend
+    return backend
 
 
 def start_backends(names: tuple[str, ...], models: list[str], *extra: str) -> dict[str, Backend]:
-    """Several fake backends serving the same models, by name."""
-    return {name: start_backend(name, models, *extra) for name in names}
+    """Several fake backends serving the same models, by name (none left running if one of
+    them fails to start)."""
+    started: dict[str, Backend] = {}
+    try:
+        for name in names:
+            started[name] = start_backend(name, models, *extra)
+    except BaseException:
+        stop_backends(started)
+        raise
+    return started
 
 
 def running_backends(
@@ -73,8 +119,15 @@ def running_backends(
 
 
 def stop_backends(backends: dict[str, Backend]) -> None:
+    """Stop them all, even if stopping one fails."""
+    errors: list[BaseException] = []
     for backend in backends.values():
-        backend.stop()
+        try:
+            backend.stop()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def instances_yaml(backends: dict[str, Backend]) -> str:
@@ -127,12 +180,19 @@ def start_gateway(
     return Gateway(proc)
 
 
+# Held for the rest of the session: see closed_port.
+_closed_ports: list[PortHold] = []
+
+
 def closed_port() -> int:
-    """A loopback port with nothing listening (bound then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    """A loopback port that refuses connections for the rest of the test session.
+
+    Bound (by a socket that never listens) and kept: a port released at once could be taken by
+    another server, or given to an outgoing connection, even to the very connection made to it
+    (a TCP self-connect, which then succeeds)."""
+    hold = hold_port()
+    _closed_ports.append(hold)
+    return hold.port
 
 
 def raw_http(port: int, request: bytes, timeout_s: float = 5.0) -> bytes:

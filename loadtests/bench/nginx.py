@@ -2,8 +2,10 @@
 
 Each server runs from its own temporary prefix (config, pid file, logs, temp paths), in the
 foreground (`daemon off`), in its own session so a forced stop can take its worker along.
-nginx cannot announce a port it picked itself, so a free port is chosen first and the start is
-retried if another process grabbed it in between.
+nginx cannot announce a port it picked itself, so its port is chosen first: outside the kernel's
+ephemeral range and held until the server stops (loadtests/ports.py), so that nothing else can
+take it before nginx binds it (nginx sets SO_REUSEADDR, which lets it bind next to the hold).
+Should nginx fail to start all the same, it is tried again a few times, each on a new port.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from loadtests.ports import PortHold, hold_port
 
 NGINX_CANDIDATES = (
     "nginx",
@@ -106,13 +110,6 @@ def proxy_config(prefix: Path, port: int, cpu: int | None, upstream_port: int) -
     return _config(prefix, port, cpu, server, upstream)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 def _accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -139,10 +136,13 @@ class NginxServer:
         if os.geteuid() == 0:
             self.prefix.chmod(0o711)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._hold: PortHold | None = None
         self.port = 0
         try:
             for _ in range(attempts):
-                self.port = _free_port()
+                self._release_port()
+                self._hold = hold_port()
+                self.port = self._hold.port
                 conf = self.prefix / "nginx.conf"
                 conf.write_text(render(self.prefix, self.port))
                 if self._start(binary, conf, start_timeout_s):
@@ -171,12 +171,22 @@ class NginxServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                return False  # most likely the port was taken meanwhile: try another
-            if _accepts(self.port):
+                self._terminate()  # its worker, if it got that far
+                return False  # most likely it could not bind its port: try another
+            # nginx writes its pid file once its listening sockets are open: with the pid of
+            # this nginx in it, what accepts on the port is this nginx, not another server.
+            if self._pid_written() and _accepts(self.port):
                 return True
             time.sleep(0.02)
         self._terminate()
         return False
+
+    def _pid_written(self) -> bool:
+        assert self.proc is not None
+        try:
+            return (self.prefix / "nginx.pid").read_text().strip() == str(self.proc.pid)
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 20) -> str:
         text = ""
@@ -201,6 +211,14 @@ class NginxServer:
             proc.wait(timeout_s)
         self.proc = None
 
+    def _release_port(self) -> None:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
+
     def stop(self) -> None:
-        self._terminate()
-        shutil.rmtree(self.prefix, ignore_errors=True)
+        try:
+            self._terminate()
+        finally:
+            self._release_port()
+            shutil.rmtree(self.prefix, ignore_errors=True)

@@ -6,8 +6,11 @@ fault knobs (the fake's `/_fake/` control endpoints): the scenario refuses `set`
 for it, and the knob methods here refuse its instances.
 
 Each instance keeps its port for the whole run, so a killed or stopped instance can be started
-again where clients and the gateway expect it. Instances that a scenario degrades at the network
-level get a fault proxy in front of them from the start, and their URL is the proxy's.
+again where clients and the gateway expect it. The cluster holds each such port from the start
+to the end of the run (loadtests/ports.py): while an instance is down its port refuses
+connections, and no other process can take it meanwhile. Instances that a scenario degrades at
+the network level get a fault proxy in front of them from the start, and their URL is the
+proxy's.
 
 A scenario that shares decisions (`shared: true`, or a fault step on target `redis`) also gets a
 real redis-server on a loopback port, started with the backends and kept on that port through
@@ -21,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,17 +37,20 @@ import yaml
 from loadtests.chaos.engines import EngineLauncher
 from loadtests.chaos.scenario import EngineBackendSpec, Scenario
 from loadtests.engine.server import Engine
+from loadtests.ports import PortHold, close_all, hold_port
 from loadtests.procs import ManagedProcess, gateway_process, python_module
 from loadtests.redis_server import RedisServer
 
 REDIS_KEY_PREFIX = "chaos"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+# Transport failures after which a control request is sent again, on a new connection, up to
+# CONTROL_ATTEMPTS times in all: the server accepted the connection, then dropped it before it
+# answered (a server busy starting or stopping can). A refused connection or a timeout is not
+# one of them: an instance that is down or frozen must show as a failed action.
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+CONTROL_ATTEMPTS = 3
+CONTROL_RETRY_PAUSE_S = 0.1
 
 
 @dataclass
@@ -97,17 +102,32 @@ class Cluster:
         self.gateway: ManagedProcess | None = None
         self.redis: RedisServer | None = None
         self.redis_starts: list[float] = []  # run-clock times Redis was (re)started
-        self._http = httpx.AsyncClient(timeout=5.0)
+        # A new connection for every control request: a kept-alive one can be closed by the
+        # server (its idle timeout, or a restart of the instance) just as a request is sent on
+        # it, and the request then fails with "Server disconnected" though the server is up.
+        self._http = httpx.AsyncClient(
+            timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+        self._holds: list[PortHold] = []
         # Process starts still running in a thread: `close` waits for them, so that a start the
         # run's end cancelled still has its process stopped.
-        self._launches: set[asyncio.Future[None]] = set()
-        backend = scenario.backend
-        proxied = {step.target for step in scenario.faults if step.action == "network"}
+        self._launches: set[asyncio.Future[object]] = set()
+        self._proxied = {step.target for step in scenario.faults if step.action == "network"}
+        try:
+            self._plan_instances()
+        except BaseException:
+            close_all(self._holds)
+            raise
+
+    def _plan_instances(self) -> None:
+        scenario, backend, workdir = self.scenario, self.scenario.backend, self.workdir
         index = 0
         for pool, spec in scenario.pools.items():
             for i in range(spec.instances):
                 name = f"{pool}-{i}"
-                port = free_port()
+                hold = hold_port()
+                self._holds.append(hold)
+                port = hold.port
                 if isinstance(backend, EngineBackendSpec):
                     launcher = EngineLauncher(name, backend, port, spec.models[0], workdir)
                     self.instances[name] = Instance(
@@ -123,7 +143,6 @@ class Cluster:
                 )
                 self.instances[name] = Instance(name, pool, list(spec.models), port, argv)
                 index += 1
-        self._proxied = proxied
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -144,6 +163,16 @@ class Cluster:
                         *("--control-port", "0", "--seed", str(self.scenario.seed)),
                     )
                 )
+
+    async def launch_all(self) -> None:
+        """`start_all` in a thread that `close` waits for (see `_launch`)."""
+        await self._launch(self.start_all)
+
+    async def launch_gateway(self) -> str:
+        """`start_gateway` in a thread that `close` waits for; returns the gateway's URL."""
+        await self._launch(self.start_gateway)
+        assert self.gateway is not None
+        return f"http://{self.gateway.ready['data']}"
 
     def _start_engines(self) -> None:
         """Every engine at once (each takes a second or more to load its model); each one that
@@ -188,30 +217,56 @@ class Cluster:
         if self.gateway is None:
             return None
         try:
-            response = await self._http.get(f"http://{self.gateway.ready['admin']}/admin/state")
+            response = await self._control(
+                "GET", f"http://{self.gateway.ready['admin']}/admin/state"
+            )
             response.raise_for_status()
             state: dict[str, Any] = response.json()
             return state
         except httpx.HTTPError:
             return None
 
+    async def _control(
+        self, method: str, url: str, json: dict[str, Any] | None = None
+    ) -> httpx.Response:
+        """One control request (each of them idempotent: a read, a merge of knobs, a reset),
+        sent again if the connection was dropped before the answer came."""
+        for attempt in range(1, CONTROL_ATTEMPTS):
+            try:
+                return await self._http.request(method, url, json=json)
+            except _DROPPED:
+                await asyncio.sleep(CONTROL_RETRY_PAUSE_S * attempt)
+        return await self._http.request(method, url, json=json)
+
     async def close(self) -> None:
-        await self._http.aclose()
-        if self._launches:
-            await asyncio.gather(*self._launches, return_exceptions=True)
-        procs = [self.gateway] if self.gateway else []
-        for inst in self.instances.values():
-            procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
-        # Killed, not stopped: llama-server can hang in its shutdown while a stream is open.
-        engines = [inst.engine for inst in self.instances.values() if inst.engine is not None]
+        """Stop every process of the run (even if stopping one fails), then let the ports go."""
         try:
-            await asyncio.gather(
-                *(asyncio.to_thread(p.stop) for p in procs),
-                *(asyncio.to_thread(e.kill) for e in engines),
-            )
+            await self._http.aclose()
+            if self._launches:
+                await asyncio.gather(*self._launches, return_exceptions=True)
+            procs = [self.gateway] if self.gateway else []
+            for inst in self.instances.values():
+                procs.extend(p for p in (inst.proxy, inst.proc) if p is not None)
+            # Killed, not stopped: llama-server can hang in its shutdown while a stream is open.
+            engines = [inst.engine for inst in self.instances.values() if inst.engine is not None]
+            try:
+                results = await asyncio.gather(
+                    *(asyncio.to_thread(p.stop) for p in procs),
+                    *(asyncio.to_thread(e.kill) for e in engines),
+                    return_exceptions=True,
+                )
+            finally:
+                # After the gateway, which hands its probe leases back to Redis as it exits.
+                try:
+                    await self.stop_redis(kill=False)
+                finally:
+                    if self.redis is not None:
+                        await asyncio.to_thread(self.redis.close)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         finally:
-            # After the gateway, which hands its probe leases back to Redis as it exits.
-            await self.stop_redis(kill=False)
+            close_all(self._holds)
         if self.gateway is not None:
             # Its log (breaker transitions, shared state lost/connected) for the run directory.
             (self.workdir / "gateway.log").write_text(self.gateway.output() + "\n")
@@ -228,20 +283,22 @@ class Cluster:
     async def set_faults(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
         """Merge knobs into an instance's faults; returns their previous values (to revert)."""
         inst = self._fake(name)
-        before = (await self._http.get(f"{inst.backend_url}/_fake/faults")).json()
-        response = await self._http.post(f"{inst.backend_url}/_fake/faults", json=knobs)
-        response.raise_for_status()
-        return {key: before.get(key) for key in knobs}
+        return await self._merge_knobs(f"{inst.backend_url}/_fake/faults", knobs)
 
     async def clear_faults(self, name: str) -> None:
         inst = self._fake(name)
-        (await self._http.post(f"{inst.backend_url}/_fake/reset")).raise_for_status()
+        (await self._control("POST", f"{inst.backend_url}/_fake/reset")).raise_for_status()
 
     async def set_network(self, name: str, knobs: dict[str, Any]) -> dict[str, Any]:
         inst = self.instances[name]
-        before = (await self._http.get(f"{inst.control_url}/faults")).json()
-        response = await self._http.post(f"{inst.control_url}/faults", json=knobs)
+        return await self._merge_knobs(f"{inst.control_url}/faults", knobs)
+
+    async def _merge_knobs(self, url: str, knobs: dict[str, Any]) -> dict[str, Any]:
+        """POST knobs to a faults endpoint; returns their values before (to revert)."""
+        response = await self._control("GET", url)
         response.raise_for_status()
+        before: dict[str, Any] = response.json()
+        (await self._control("POST", url, json=knobs)).raise_for_status()
         return {key: before.get(key) for key in knobs}
 
     def signal(self, name: str, sig: int) -> None:
@@ -287,7 +344,7 @@ class Cluster:
         await self._launch(launch)
         inst.starts.append(now)
 
-    async def _launch(self, start: Callable[[], None]) -> None:
+    async def _launch(self, start: Callable[[], object]) -> None:
         """Run `start` (which records the process it starts) in a thread to its end, even when
         the step awaiting it is cancelled: the thread cannot be stopped, and a process it starts
         after the caller gave up would otherwise outlive the run."""

@@ -40,10 +40,10 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
     events = JsonlWriter(out / "events.jsonl", flush_every=1)
     timeline_task: asyncio.Task[None] | None = None
     try:
-        await asyncio.to_thread(cluster.start_all)
+        await cluster.launch_all()
         targets = _targets(scenario, cluster, mode)
         if mode == "gateway":
-            gateway_url = await asyncio.to_thread(cluster.start_gateway)
+            gateway_url = await cluster.launch_gateway()
             gateway = [Target("gateway", gateway_url, gateway=True)]
             targets = {model: gateway for model in scenario.models()}
         workload = scenario.workload
@@ -86,11 +86,13 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
         _write_meta(out, scenario, cluster, mode, stats, state, timeline.errors)
         return ModeResult(mode, stats, timeline.errors)
     finally:
-        if timeline_task is not None:
-            timeline_task.cancel()
-        ledger.close()
-        events.close()
-        await cluster.close()
+        try:
+            if timeline_task is not None:
+                timeline_task.cancel()
+            ledger.close()
+            events.close()
+        finally:
+            await cluster.close()
 
 
 def _targets(scenario: Scenario, cluster: Cluster, mode: str) -> dict[str, list[Target]]:
