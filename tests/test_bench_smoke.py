@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -27,6 +28,10 @@ from loadtests.procs import ManagedProcess, python_module
 REPO = Path(__file__).resolve().parent.parent
 HAVE_NGINX = find_nginx() is not None
 HAVE_WRK = find_wrk() is not None
+# The longer benchmarks' own bounds. pytest's per-test timeout is set well above each, so a
+# benchmark that hangs is stopped by its bound, with its output, before pytest gives up.
+ADMISSION_TIMEOUT_S = 180
+OPERATIONS_TIMEOUT_S = 120
 
 
 def run_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
@@ -161,6 +166,7 @@ def test_otlp_sink_counts_spans() -> None:
     }
 
 
+@pytest.mark.timeout(ADMISSION_TIMEOUT_S + 60)
 def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -> None:
     out = tmp_path / "admission.json"
     done = subprocess.run(
@@ -178,7 +184,7 @@ def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=ADMISSION_TIMEOUT_S,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -195,6 +201,7 @@ def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -
     assert "| with admission | 300 % | interactive |" in done.stdout
 
 
+@pytest.mark.timeout(OPERATIONS_TIMEOUT_S + 60)
 def test_the_operations_benchmark_loses_no_request_to_reloads_or_a_drain() -> None:
     done = subprocess.run(
         [
@@ -211,7 +218,7 @@ def test_the_operations_benchmark_loses_no_request_to_reloads_or_a_drain() -> No
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=OPERATIONS_TIMEOUT_S,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr

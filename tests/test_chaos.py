@@ -37,6 +37,10 @@ REQUIRED = {
     "redis-outage",
 }
 ROOT = Path(__file__).resolve().parent.parent
+# The runs' own bounds. pytest's per-test timeout is set well above each, so a run that hangs
+# is stopped by its bound, with its output, before pytest gives up.
+CHAOS_MIX_TIMEOUT_S = 600
+ANTHROPIC_MIX_TIMEOUT_S = 120
 
 
 def test_every_required_scenario_ships() -> None:
@@ -201,6 +205,7 @@ async def test_timeline_plays_redis_faults_on_a_real_redis(tmp_path: Path) -> No
     ]
 
 
+@pytest.mark.timeout(CHAOS_MIX_TIMEOUT_S + 120)
 def test_chaos_mix_smoke_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = subprocess.run(
@@ -217,7 +222,7 @@ def test_chaos_mix_smoke_run(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=CHAOS_MIX_TIMEOUT_S,
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -250,6 +255,7 @@ def test_anthropic_pool_declares_its_models() -> None:
         )
 
 
+@pytest.mark.timeout(ANTHROPIC_MIX_TIMEOUT_S + 60)
 def test_anthropic_mix_short_run(tmp_path: Path) -> None:
     """Both pools side by side, the Anthropic one called with /v1/messages in both modes."""
     run_dir = tmp_path / "run"
@@ -261,7 +267,7 @@ def test_anthropic_mix_short_run(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=ANTHROPIC_MIX_TIMEOUT_S,
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -21,6 +21,9 @@ from tests.engine import engine_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = {"engine": "llama.cpp", "preset": "slow", "slots": 4}
+# The run's own bound. pytest's per-test timeout is set well above it (the model file may be
+# written first), so a run that hangs is stopped by its bound, with its output.
+RUN_TIMEOUT_S = 300
 
 
 def engine_scenario(**extra: Any) -> dict[str, Any]:
@@ -86,6 +89,7 @@ def test_bad_engine_backends_are_refused(backend: dict[str, Any], message: str) 
         Scenario.model_validate(engine_scenario(backend=backend))
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_real_engine_short_run_on_the_tiny_model(tmp_path: Path) -> None:
     """Both modes on two tiny engines, one killed and started again on its port."""
     engine_model("tiny")  # written once, before the run (and a missing engine fails here)
@@ -103,7 +107,7 @@ def test_real_engine_short_run_on_the_tiny_model(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=RUN_TIMEOUT_S,
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -42,6 +42,9 @@ GATEWAY_CONTAINER = "gateway"
 # then drain in-flight streams until this deadline.
 SHUTDOWN_DELAY_S = 5
 DRAIN_DEADLINE_S = 40
+# The image's `pip install`, run by the `image_venv` fixture inside whichever of its tests
+# runs first: each of those tests' pytest timeout leaves room for it on top of its own waits.
+INSTALL_TIMEOUT_S = 300
 
 Manifest = dict[str, Any]
 
@@ -485,14 +488,14 @@ def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [*argv, "--quiet", "--disable-pip-version-check"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=INSTALL_TIMEOUT_S,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return inside("/opt/venv")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
 def test_the_built_virtualenv_checks_the_policies(image_venv: Path) -> None:
     gateway = image_venv / "bin" / "gateway"
     env = {**os.environ, "POD_NAME": "vllm-llama-8b-0"}
@@ -514,7 +517,7 @@ def test_the_built_virtualenv_checks_the_policies(image_venv: Path) -> None:
     assert done.stdout.count(": ok") == len(policies)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 180)
 def test_the_entrypoint_makes_the_gateway_pid_1_and_it_stops_on_sigterm(
     image_venv: Path, tmp_path: Path
 ) -> None:
@@ -568,7 +571,7 @@ def test_the_entrypoint_makes_the_gateway_pid_1_and_it_stops_on_sigterm(
             process.wait()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
 def test_the_fake_target_serves_as_the_compose_file_runs_it(
     image_venv: Path, tmp_path: Path
 ) -> None:

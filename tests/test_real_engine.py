@@ -104,6 +104,9 @@ def test_metrics_count_requests_and_tokens(engine: Engine, client: httpx.Client)
     assert metric(engine, "llamacpp:prompt_tokens_total") > 0
 
 
+# Its own bounds add up past pytest's default: the engine's start (up to 60 s for its port,
+# 60 s more for its health), two waits of 30 s, then the streams' joins of 60 s.
+@pytest.mark.timeout(300)
 def test_requests_beyond_the_slots_wait_for_one_to_end(slow_model: Path, tmp_path: Path) -> None:
     """Two slots, four streams: the last two get no response at all (not even headers) until a
     running one has finished. The slow model makes a token take tens of milliseconds, so the

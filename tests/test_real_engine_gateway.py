@@ -28,6 +28,11 @@ SLOTS = 4
 STREAMS = 12  # 1.5 times the slots of the two engines
 LONG_PROMPTS = 2
 WORDS = "the river runs over stone and light in the early morning while people come and go "
+# Bounds of one round of load: a stream's wait for a read, and the wait for its thread. The
+# test runs five rounds after starting two engines; its pytest timeout is well above
+# THREAD_JOIN_S so that a stuck round is reported by these bounds, not by pytest.
+READ_TIMEOUT_S = 180.0
+THREAD_JOIN_S = 300.0
 
 
 @dataclass
@@ -52,7 +57,7 @@ def stream(url: str, body: dict[str, Any], out: Outcome, started: threading.Even
     out.sent_at = time.monotonic()
     try:
         with (
-            httpx.Client(timeout=180.0) as http,
+            httpx.Client(timeout=READ_TIMEOUT_S) as http,
             http.stream("POST", f"{url}/v1/chat/completions", json=body) as response,
         ):
             out.status = response.status_code
@@ -122,7 +127,7 @@ def run_load(
         threads.append(thread)
         time.sleep(0.5)
     for thread in threads:
-        thread.join(300)
+        thread.join(THREAD_JOIN_S)
         assert not thread.is_alive()
     return shorts, longs
 
@@ -163,6 +168,7 @@ def instances(gateway: Gateway) -> dict[str, dict[str, Any]]:
     return {i["name"]: i for i in state["pools"]["llama"]["instances"]}
 
 
+@pytest.mark.timeout(THREAD_JOIN_S + 300)
 def test_busy_engines_with_long_prompts_are_not_broken(
     engines: list[Engine], gateway: Gateway
 ) -> None:

@@ -488,7 +488,7 @@ def test_reload_of_drain_settings_applies_at_sigterm(
     backends: dict[str, Backend], tmp_path: Path
 ) -> None:
     """Started with a 10 s delay and a 30 s timeout, reloaded to none and 300 ms: SIGTERM
-    ends streams of 10 s within a second or two."""
+    ends streams of 10 s at the new deadline."""
     for backend in backends.values():
         backend.reset()
     path = tmp_path / "policy.yaml"
@@ -500,17 +500,19 @@ def test_reload_of_drain_settings_applies_at_sigterm(
         assert response.json()["changes"]["settings"] == ["drain.delay", "drain.timeout"]
         with ThreadPoolExecutor(STREAMS) as pool:
             futures = start_streams(pool, gw, max_tokens=1000)  # 10 s each
-            signalled = time.monotonic()
             gw.proc.signal(signal.SIGTERM)
             results = [f.result(timeout=10) for f in futures]
             code = gw.proc.proc.wait(5)
         assert code == 0
+        # Cut at the reloaded deadline: under the first settings (40 s) every stream would
+        # have run to its end, without an error event.
         for stream in results:
             events = stream.events()
             assert events[-1] == "[DONE]", events[-3:]
             assert json.loads(events[-2])["error"]["code"] == "shutting_down"
-            assert stream.ended_at - signalled < 3.0
         gw.stop()  # joins the output reader
         assert "drain started delay_s=0 timeout_s=0.3 " in gw.proc.output()
+        finished = next(line for line in gw.proc.lines if "drain finished" in line)
+        assert f"ended_at_deadline={STREAMS}" in finished, finished
     finally:
         gw.stop()

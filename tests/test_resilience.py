@@ -20,7 +20,8 @@ from tests.support import (
 )
 
 NAMES = ("r0", "r1", "r2")
-TICK_S = 0.025  # the watchdog's resolution
+# A backend fault: no answer for this long, then a 504 of its own.
+HANG_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,23 @@ def sse_lines(response: httpx.Response) -> list[str]:
     return [line for line in response.iter_lines() if line.startswith("data: ")]
 
 
+def timeouts_in(instance: dict[str, Any], phase: str, blamed_only: bool) -> int:
+    """The timeouts /admin/state counts against an instance in `phase`."""
+    return sum(
+        t["count"]
+        for t in instance["timeouts_by_phase"]
+        if t["phase"] == phase and (t["blamed"] or not blamed_only)
+    )
+
+
+def first_byte_timeouts(instance: dict[str, Any]) -> int:
+    return timeouts_in(instance, "first_byte", blamed_only=False)
+
+
+def idle_timeouts(instance: dict[str, Any]) -> int:
+    return timeouts_in(instance, "idle", blamed_only=True)
+
+
 def test_instances_learned_their_latency(gateway: Gateway) -> None:
     for name, inst in instance_state(gateway).items():
         assert inst["ewma"]["ttfb"]["samples"] >= 3, name
@@ -95,7 +113,7 @@ def test_instances_learned_their_latency(gateway: Gateway) -> None:
 def test_hang_before_headers_fails_over_within_the_predicted_timeout(
     gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
 ) -> None:
-    predicted = instance_state(gateway)["r0"]["timeouts"]["stream_first_byte_s"]
+    before = first_byte_timeouts(instance_state(gateway)["r0"])
     backends["r0"].set_faults(hang_rate=1.0)
     answers = []
     while not backends["r0"].requests() and len(answers) < 60:  # until the balancer tries r0
@@ -108,10 +126,9 @@ def test_hang_before_headers_fails_over_within_the_predicted_timeout(
     hung = backends["r0"].requests()
     hung = backends["r0"].requests(wait_for=len(hung))
     assert hung and all(r["outcome"] == "cancelled" for r in hung)
-    for record in hung:
-        spent = record["ended"] - record["started"]
-        # Given up after the predicted first-byte timeout, give or take a watchdog tick.
-        assert spent <= predicted + 2 * TICK_S + 0.1, (spent, predicted)
+    # Each one was given up by r0's first-byte timeout (the one the gateway predicts for it),
+    # and counted against r0 as such.
+    assert first_byte_timeouts(instance_state(gateway)["r0"]) == before + len(hung)
 
 
 def test_stall_mid_stream_ends_with_error_event_within_the_idle_timeout(
@@ -119,15 +136,16 @@ def test_stall_mid_stream_ends_with_error_event_within_the_idle_timeout(
 ) -> None:
     for name in NAMES:
         backends[name].set_faults(stall_rate=1.0, stall_after=3)
-    idle = max(i["timeouts"]["stream_idle_s"] for i in instance_state(gateway).values())
-    started = time.monotonic()
+    before = instance_state(gateway)
     with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=50)) as r:
         lines = sse_lines(r)
-    elapsed = time.monotonic() - started
+        served = r.headers["x-gateway-instance"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "upstream_timeout"
     assert len(lines) >= 3  # the tokens sent before the stall came through
-    assert elapsed < 0.1 + idle + 2 * TICK_S + 0.3, (elapsed, idle)
+    # Cut by the idle timeout between chunks (the request's own ceiling is far off).
+    after = instance_state(gateway)
+    assert idle_timeouts(after[served]) == idle_timeouts(before[served]) + 1
     # After the first byte nothing is retried: exactly one request reached a backend.
     assert sum(len(backends[n].requests()) for n in NAMES) == 1
 
@@ -173,12 +191,6 @@ def test_a_stall_mid_stream_is_an_idle_timeout_of_its_instance(
     assert "upstream_timeout" in lines[-2]
     after = instance_state(gateway)
     assert after[served]["failures"] == before[served]["failures"] + 1
-
-    def idle_timeouts(state: dict[str, Any]) -> int:
-        return sum(
-            t["count"] for t in state["timeouts_by_phase"] if t["phase"] == "idle" and t["blamed"]
-        )
-
     assert idle_timeouts(after[served]) == idle_timeouts(before[served]) + 1
     metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
     line = (
@@ -243,18 +255,32 @@ def test_total_outage_stays_within_the_retry_budget(
 
 
 def test_client_deadline_header_bounds_the_whole_request(
-    client: httpx.Client, backends: dict[str, Backend]
+    gateway: Gateway, client: httpx.Client, backends: dict[str, Backend]
 ) -> None:
+    # A whole answer this long gets a first-byte timeout of at least 1.5 x its tokens x the
+    # learned time per token: far beyond the backends' hang, which is far beyond the budget.
+    # Only the client's budget can end the request while the backends still hang.
+    max_tokens = 100_000
+    learned = instance_state(gateway).values()
+    assert max_tokens * 1.5 * min(i["ewma"]["per_token"]["mean_s"] for i in learned) > 2 * HANG_S
     for name in NAMES:
-        backends[name].set_faults(hang_rate=1.0)
+        backends[name].set_faults(hang_rate=1.0, hang_s=HANG_S)
     started = time.monotonic()
     response = client.post(
-        "/v1/chat/completions", json=chat(max_tokens=4), headers={"x-gateway-timeout": "0.3"}
+        "/v1/chat/completions",
+        json=chat(max_tokens=max_tokens),
+        headers={"x-gateway-timeout": "0.3"},
     )
     elapsed = time.monotonic() - started
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "upstream_timeout"
-    assert elapsed < 0.3 + 2 * TICK_S + 0.3
+    # The budget ran out during the first attempt: none was left for a retry, and the one
+    # backend asked was let go while it still hung (else it would end "hung", its 504 relayed).
+    assert response.headers["x-gateway-attempts"] == "1"
+    assert elapsed >= 0.3
+    (asked,) = [name for name in NAMES if backends[name].requests()]
+    (record,) = backends[asked].requests(wait_for=1)
+    assert record["outcome"] == "cancelled"
 
 
 def test_admin_state_shows_failure_rate_and_tier(gateway: Gateway) -> None:

@@ -169,12 +169,12 @@ def test_refuse_refuses_new_connections_and_keeps_open_ones(proxy: Proxy) -> Non
     with proxy.client() as open_client:
         open_client.post(CHAT, json=chat()).raise_for_status()
         proxy.set(mode="refuse")
-        started = time.monotonic()
+        # Refused outright: a connect left to time out would raise TimeoutError here and
+        # httpx's ConnectTimeout (not a ConnectError) below.
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", proxy.proc.port()), timeout=2).close()
         with proxy.client() as client, pytest.raises(httpx.ConnectError):
             client.post(CHAT, json=chat())
-        assert time.monotonic() - started < 2.0
         assert proxy.stats()["listening"] is False
         # A keep-alive connection accepted before is not affected.
         open_client.post(CHAT, json=chat()).raise_for_status()

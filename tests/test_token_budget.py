@@ -15,6 +15,9 @@ from tests.support import Backend, Gateway, pool_policy, running_backends, start
 from tests.test_admission import max_concurrency
 
 TTFT_S = 0.4
+# A large request (600 tokens) holds its instance 1.8 s longer than a small one (20 tokens):
+# a small one that went straight through ends long before any large one does.
+PER_TOKEN_S = 0.003
 # A budget of 1000 tokens per instance: one 600-token request fits, two do not.
 BIG = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
 SMALL = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
@@ -22,7 +25,9 @@ SMALL = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tok
 
 @pytest.fixture(scope="module")
 def backends() -> Iterator[dict[str, Backend]]:
-    yield from running_backends(("a", "b"), ["m"], "--ttft", str(TTFT_S), "--per-token", "0")
+    yield from running_backends(
+        ("a", "b"), ["m"], "--ttft", str(TTFT_S), "--per-token", str(PER_TOKEN_S)
+    )
 
 
 @pytest.fixture
@@ -65,11 +70,18 @@ async def test_large_requests_are_spread_by_kv_tokens_and_small_ones_pass_them(
     # Six large requests, one at a time per instance: three rounds of the backend's TTFT.
     big_times = sorted(elapsed for _, elapsed in results[:6])
     assert big_times[-1] >= 3 * TTFT_S
-    # The small ones fit beside a large one and never waited for a round to end.
-    assert all(elapsed < 2 * TTFT_S for _, elapsed in results[6:]), results[6:]
-    for backend in backends.values():
-        done = [r for r in backend.requests() if r["path"] == "/v1/chat/completions"]
-        large = [r for r in done if r["max_tokens"] == 600]
-        assert max_concurrency(large) == 1, backend.name
+    logs = {
+        name: [r for r in backend.requests() if r["path"] == "/v1/chat/completions"]
+        for name, backend in backends.items()
+    }
+    for name, log in logs.items():
+        large = [r for r in log if r["max_tokens"] == 600]
+        assert max_concurrency(large) == 1, name
+    # The small ones fit beside a large one and never waited for a round to end: both were
+    # over before the first large one was.
+    small_ends = [r["ended"] for log in logs.values() for r in log if r["max_tokens"] == 20]
+    large_ends = [r["ended"] for log in logs.values() for r in log if r["max_tokens"] == 600]
+    assert len(small_ends) == 2 and len(large_ends) == 6, logs
+    assert max(small_ends) < min(large_ends), logs
     for instance in state["pools"]["chat"]["instances"]:
         assert instance["kv_tokens"] == {"in_use": 0, "budget": 1000}

@@ -3,7 +3,6 @@ receiver on loopback."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,11 +188,12 @@ def test_a_dead_collector_does_not_stop_the_gateway(
             ]
         assert statuses == [200] * 200
         assert httpx.get(f"{gw.admin_url}/healthz", timeout=5).status_code == 200
-        started = time.monotonic()
     finally:
         exit_code = gw.proc.stop()
-    # The last flush goes nowhere: the exit waits for it a few seconds at most.
-    assert exit_code == 0 and time.monotonic() - started < 8
+    # The last flush goes nowhere, and the exporter would retry it for a minute: the gateway
+    # exited by itself all the same (0), rather than being killed once stop() ran out of
+    # patience (-9).
+    assert exit_code == 0
 
 
 def test_an_unsampled_request_records_nothing_but_passes_its_context_on(

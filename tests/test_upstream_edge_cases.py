@@ -193,23 +193,43 @@ def test_upstream_cannot_speak_for_the_gateway(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("model", ["trickled-body", "trickled-headers"])
-def test_trickling_backend_is_cut_at_the_ceiling(client: httpx.Client, model: str) -> None:
+def test_trickling_backend_is_cut_at_the_ceiling(
+    client: httpx.Client, gateway: Gateway, model: str
+) -> None:
+    before = timeouts_by_phase(gateway)
     started = time.monotonic()
     response = client.post("/v1/chat/completions", json=post(model))
     elapsed = time.monotonic() - started
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "upstream_timeout"
-    assert 0.9 <= elapsed < 4.0  # ceiling 2 s; each byte alone would reset an idle timer
+    assert elapsed >= 0.9  # the first-byte timeout (1 s) ran out, then the ceiling (2 s)
+    # The whole head and body are under the first-byte deadline, which each trickled byte
+    # does not move (the trickle would take 10 s or more): that deadline ran out, and no
+    # gap between bytes was treated as an idle stream's.
+    after = timeouts_by_phase(gateway)
+    assert after.get("first_byte", 0) > before.get("first_byte", 0)
+    assert after.get("idle", 0) == before.get("idle", 0)
 
 
 def test_stream_is_cut_at_the_ceiling_with_an_error_event(client: httpx.Client) -> None:
-    started = time.monotonic()
     with client.stream("POST", "/v1/chat/completions", json=post("trickled-stream")) as response:
         lines = [line for line in response.iter_lines() if line]
-    assert time.monotonic() - started < 4.0
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "upstream_timeout"
+    # Cut by the request's ceiling (2 s), not by an idle gap: an event comes every 0.25 s.
+    assert error["message"].endswith("(total)"), error
     assert len(lines) > 3  # events flowed until the ceiling
+
+
+def timeouts_by_phase(gateway: Gateway) -> dict[str, int]:
+    """The timeouts /admin/state counts against the scripted instance, by phase."""
+    state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+    (instance,) = state["pools"]["edge"]["instances"]
+    counts: dict[str, int] = {}
+    for entry in instance["timeouts_by_phase"]:
+        counts[entry["phase"]] = counts.get(entry["phase"], 0) + entry["count"]
+    return counts
 
 
 def test_compressed_stream_is_aborted_not_corrupted(client: httpx.Client) -> None:
