@@ -354,7 +354,7 @@ async def test_redis_killed_mid_traffic_costs_nothing(
     assert state(r[0])["shared_state"]["connected"]
     assert metric(r[0], "gateway_shared_state_connected") == 1.0
     traffic = await drive(list(r.gateways), duration_s=3.0, events=[(1.0, redis_server.kill)])
-    assert len(traffic.results) > 100
+    assert len(traffic.results) > 20  # traffic flowed (how much: the machine's pace)
     assert not traffic.failures
     # Redis is never on the request path: once it was dead, every client still got answers to
     # new requests (a request waiting on a Redis call would hold its client back).
@@ -384,7 +384,7 @@ async def test_redis_paused_mid_traffic_costs_nothing(
         seen.append(state(r[0])["shared_state"]["connected"])
 
     traffic = await drive(list(r.gateways), duration_s=3.5, events=[(0.5, pause), (1.5, look)])
-    assert len(traffic.results) > 100
+    assert len(traffic.results) > 20  # traffic flowed (how much: the machine's pace)
     assert not traffic.failures
     assert seen == [False], "a paused Redis counts as lost"
     # Redis is never on the request path: while it held every command (from the moment the

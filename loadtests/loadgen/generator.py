@@ -204,8 +204,15 @@ class _Run:
                 self.stopped_by = "time_limit"
                 return
             due = loop_t0 + offset
+            waited = False
             while not self._ended and loop.time() < due - EARLY_TOLERANCE_S:
                 await self._wait(loop, due)
+                waited = True
+            if not waited:
+                # Behind schedule (after a stall): catch up, but let the loop run between two
+                # sends, so a stop, the time limit and the requests in flight are not held
+                # back by a burst.
+                await asyncio.sleep(0)
             if self.cap:
                 while not self._ended and len(self.tasks) >= self.cap:
                     self._want_slot = True
