@@ -134,7 +134,8 @@ class UpstreamResponse:
             self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)
         else:
             self.outcome = Outcome.from_status(status)
-        self._after: list[FinishHook] = []
+        # Made on the first `after`: whole answers (most) register none.
+        self._after: list[FinishHook] | None = None
         self.probe = False  # this attempt is its isolated instance's probe
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
@@ -198,8 +199,8 @@ class UpstreamResponse:
             self._raw.close()
         else:
             self._raw.release()
-        hooks, self._after = self._after, []
-        for hook in hooks:
+        hooks, self._after = self._after, None
+        for hook in hooks or ():
             try:
                 hook(self, error)
             except Exception:  # one layer's failure must not skip the next (a slot, a count)
@@ -211,4 +212,7 @@ class UpstreamResponse:
         innermost layer first, as the response came back through the layers (the attempt's
         span ends, then the attempt is accounted, then the admission slot is freed, so a
         request waiting for it sees the accounting already done)."""
-        self._after.append(hook)
+        if self._after is None:
+            self._after = [hook]
+        else:
+            self._after.append(hook)
