@@ -74,7 +74,7 @@ class Gateway:
         # The pools the account layer records into: the current ones and those a reload
         # dropped while requests were in flight on them (until those have finished).
         self._account_pools: dict[str, PoolState] = dict(self.registry.pools)
-        handler = build_pipeline(  # the request path: gateway.request_path
+        path = build_pipeline(  # the request path: gateway.request_path
             admissions=self.admissions,
             account_pools=self._account_pools,
             on_transition=on_transition,
@@ -87,13 +87,14 @@ class Gateway:
         self.auth = ClientAuth(policy.auth)
         self.data_app = DataPlane(
             self.registry,
-            handler,
+            path.handle,
             auth=self.auth,
             access_log=self.access_log.current,
             max_request_bytes=policy.limits.max_request_bytes,
             readiness=self.readiness,
             tracing=self.tracing,
             limits=policy.limits,
+            resume_handler=path.resume,
         )
         self.operations = Operations(
             self.registry.pools,

@@ -138,6 +138,19 @@ class UpstreamProtocolError(UpstreamError):
     kind = "protocol"
 
 
+class UpstreamStreamCut(UpstreamProtocolError):
+    """A stream that ended cleanly before its protocol's last event: as broken as a reset."""
+
+    code = "upstream_stream_cut"
+
+
+class UpstreamStreamError(UpstreamProtocolError):
+    """The engine's own error event inside a stream (vLLM's `data: {"error": ...}`,
+    Anthropic's `event: error`)."""
+
+    code = "upstream_stream_error"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

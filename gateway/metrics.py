@@ -32,6 +32,7 @@ from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import ReloadStats
 from gateway.upstream.h1 import H1Client
 from gateway.upstream.registry import PoolState
+from gateway.upstream.stats import HEDGE_RESULTS
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,31 @@ class GatewayCollector(Collector):
             "Retries the pool's retry budget refused",
             labels=["pool"],
         )
+        resumes = CounterMetricFamily(
+            "gateway_stream_resumes",
+            "Streams continued on another attempt after their first byte, by the instance "
+            "that broke them and why (reset, eof, idle_timeout, error_event, protocol)",
+            labels=["pool", "backend", "reason"],
+        )
+        not_resumed = CounterMetricFamily(
+            "gateway_stream_resume_refusals",
+            "Streams that broke after their first byte and were not continued, by why not",
+            labels=["pool", "reason"],
+        )
+        hedges = CounterMetricFamily(
+            "gateway_hedges",
+            "Hedged first attempts by how they ended: won (answered first), lost, failed "
+            "(both attempts failed), no_budget (due, but the retry budget refused it)",
+            labels=["pool", "result"],
+        )
         for pool in self._observed.pools.values():
             stats = pool.stats
+            for (instance, reason), count in stats.resumes.items():
+                resumes.add_metric([pool.name, instance, reason], count)
+            for reason, count in stats.resume_refusals.items():
+                not_resumed.add_metric([pool.name, reason], count)
+            for result in HEDGE_RESULTS:
+                hedges.add_metric([pool.name, result], stats.hedges.get(result, 0))
             for (model, klass), count in stats.requests.items():
                 requests.add_metric([pool.name, model, klass], count)
             for model, histogram in stats.duration.items():
@@ -218,7 +242,9 @@ class GatewayCollector(Collector):
             for phase, count in stats.timeouts.items():
                 timeouts.add_metric([pool.name, phase], count)
             exhausted.add_metric([pool.name], stats.budget_exhausted)
-        yield from (requests, duration, ttfb, retries, timeouts, exhausted)
+        yield from (
+            requests, duration, ttfb, retries, timeouts, exhausted, resumes, not_resumed, hedges
+        )  # fmt: skip
 
     def _instances(self) -> Iterator[Metric]:
         labels = ["pool", "backend"]

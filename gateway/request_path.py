@@ -11,6 +11,9 @@
                 retries as the pool's failure-rate tier and retry budget allow, with backoff
     pick        `pipeline.pick.Pick`: the instance for this attempt (peak-EWMA p2c over the
                 admitting instances, untried ones first; panic routing when none admits)
+    hedge       `pipeline.hedge.Hedge`: a first attempt still without its first byte at its
+                instance's predicted p95 gets a second one on another instance (picked by
+                the pick layer); the first to answer wins, the other is cancelled
     account     `pipeline.account.Account`: the attempt counted against its instance and
                 pool when it ends (breaker, failure rate, latency EWMAs, limiter)
     deadline    `pipeline.deadline.DeadlineLayer`: the attempt's timeouts, predicted from the
@@ -19,21 +22,30 @@
     transport   `pipeline.transport.Transport`: the request sent (`upstream.clients`), read up
                 to the commit point: a whole body up to 1 MiB, else the first chunk
     ---------   the commit point: from here the response goes to the client, no retry
-    relay       `ingress.relay.relay`: the response forwarded; a stream that breaks ends with
-                an error event, never silently; after it, the work the layers registered
-                with `UpstreamResponse.after` (the attempt's span, its accounting, the slot)
+    relay       `ingress.relay.relay`: the response forwarded; after it, the work the layers
+                registered with `UpstreamResponse.after` (the attempt's span, its
+                accounting, the slot)
+    resume      `ingress.resume`: a stream that breaks after its first byte (a reset, an
+                EOF before its last event, an idle timeout, the engine's error event) is
+                continued: its text so far goes in a continuation request, sent through
+                the layers below admission (`RequestPath.resume`: retry, pick, account,
+                deadline, transport) to another instance, and the continuation's events
+                are rewritten into the same stream (`core.continuation`). A stream that
+                cannot be continued ends with an error event, never silently.
 
 Why this order: admission wraps the retries, so a request holds one slot however many attempts
-it makes. The retry loop wraps `pick`, so every attempt picks again (and can avoid the
-instances that failed it). Accounting wraps the deadline, so an attempt that timed out is
-counted too, and the deadline sits inside the retry loop, so it bounds one attempt (the
-request's own deadline bounds them all). Everything before the commit point can still be
-retried; nothing after it is.
+it makes. The hedge sits after the pick, so its timer is that instance's prediction, and before
+the accounting, so each of the two attempts is accounted against its own instance. The retry
+loop wraps `pick`, so every attempt picks again (and can avoid the instances that failed it).
+Accounting wraps the deadline, so an attempt that timed out is counted too, and the deadline
+sits inside the retry loop, so it bounds one attempt (the request's own deadline bounds them
+all). Everything before the commit point can still be retried; nothing after it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from gateway.pipeline.account import Account, OnTransition
 from gateway.pipeline.admit import Admit, PoolAdmission
@@ -41,6 +53,7 @@ from gateway.pipeline.attempt_span import AttemptSpans
 from gateway.pipeline.call import Handler, Layer
 from gateway.pipeline.chain import compose
 from gateway.pipeline.deadline import DeadlineLayer
+from gateway.pipeline.hedge import Hedge
 from gateway.pipeline.pick import Pick
 from gateway.pipeline.retry import Retry
 from gateway.pipeline.transport import Transport, UpstreamClient
@@ -48,6 +61,14 @@ from gateway.runtime import Clock
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream.registry import PoolState
 from gateway.upstream.watchdog import Watchdog
+
+
+class RequestPath(NamedTuple):
+    """`handle`: a client request, from admission on; `resume`: the continuation of a stream
+    that broke, from the retry loop on (the request already holds its admission slot)."""
+
+    handle: Handler
+    resume: Handler
 
 
 def build_pipeline(
@@ -59,7 +80,7 @@ def build_pipeline(
     watchdog: Watchdog,
     clock: Clock,
     tracing: Tracing | None = None,
-) -> Handler:
+) -> RequestPath:
     """The pipeline between the front end and the relay, outermost layer first.
 
     `admissions`: the pools' admission (a pool without one costs one dict lookup; a reload
@@ -67,13 +88,16 @@ def build_pipeline(
     dropped ones included while they have attempts in flight; `client`: what sends the
     requests (the data plane's HTTP/1.1 client, or a test's in-memory one); `clock`: the
     event loop's time, the one every layer reads."""
+    admit = Admit(admissions)
+    pick = Pick(clock)
     layers: list[Layer] = [
-        Admit(admissions),
         Retry(clock, traced=tracing is not None),
-        Pick(clock),
+        pick,
+        Hedge(pick, clock),
         Account(account_pools, on_transition, clock),
         DeadlineLayer(clock),
     ]
     if tracing is not None:
         layers.append(AttemptSpans(tracing))
-    return compose(layers, Transport(client, watchdog, clock))
+    transport = Transport(client, watchdog, clock)
+    return RequestPath(compose([admit, *layers], transport), compose(layers, transport))

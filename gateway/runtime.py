@@ -1,14 +1,17 @@
 """The event loop's services every layer shares: its clock, why a request's task is cancelled,
 and how background tasks end.
 
-Three parties may cancel a request's task while it waits: the watchdog when an attempt's
-deadline passes (`DEADLINE`), the data plane when the client disconnects (`CLIENT_GONE`), and
-the drain when its deadline ends the open streams (`DRAIN`). Each says why through the
-request's `Cancellation`, and the code that catches the CancelledError asks it whether the
-reason it handles is the one (`consume`), so no place guesses from flags of the others.
+Several parties may cancel a request's task while it waits: the watchdog when an attempt's
+deadline passes (`DEADLINE`), a hedged attempt that answered first (`SUPERSEDED`), the gateway
+moving a stream off its instance (`MIGRATE`), the data plane when the client disconnects
+(`CLIENT_GONE`), and the drain when its deadline ends the open streams (`DRAIN`). Each says why
+through the request's `Cancellation`, and the code that catches the CancelledError asks it
+whether the reason it handles is the one (`consume`), so no place guesses from flags of the
+others.
 
-A deadline only ends the attempt (the retry layer may go on); a client gone or a drain ends the
-request. So a deadline is consumed only when nothing else is pending: when the client left (or
+A deadline (or a hedge, or a migration) only ends the attempt (the retry layer may go on); a
+client gone or a drain ends the request. So an attempt's reason is consumed only when nothing
+else is pending: when the client left (or
 the drain came) meanwhile, the CancelledError goes on up to where that is handled, which takes
 back every cancel at once.
 """
@@ -24,10 +27,16 @@ from typing import Any, Final, Literal
 # layer by the composition (`gateway.request_path`), so a test can run them all on another.
 Clock = Callable[[], float]
 
-CancelReason = Literal["deadline", "client_gone", "drain"]
+CancelReason = Literal["deadline", "superseded", "migrate", "client_gone", "drain"]
 DEADLINE: Final = "deadline"
+# A hedged attempt answered first: the attempt still waiting is given up (`pipeline.hedge`).
+SUPERSEDED: Final = "superseded"
+# The stream's instance is being left (isolated, or too slow): the stream moves on.
+MIGRATE: Final = "migrate"
 CLIENT_GONE: Final = "client_gone"
 DRAIN: Final = "drain"
+# Reasons that end one attempt; the others end the request.
+_ATTEMPT_REASONS: Final = frozenset((DEADLINE, SUPERSEDED, MIGRATE))
 
 
 class Cancellation:
@@ -53,8 +62,8 @@ class Cancellation:
         pending = self._pending
         if reason not in pending:
             return False
-        if reason == DEADLINE:
-            if any(other != DEADLINE for other in pending):
+        if reason in _ATTEMPT_REASONS:
+            if any(other not in _ATTEMPT_REASONS for other in pending):
                 return False  # the request itself is ending: its handler takes them all
             pending.remove(reason)
             self.task.uncancel()

@@ -234,6 +234,19 @@ def drive_traffic(gateway: Gateway, backends: dict[str, Backend]) -> None:
     finally:
         backends["c"].reset()
 
+    # A stream cut once on each instance: resumed twice, whole. The same with two choices,
+    # which cannot be resumed: ended with an error event.
+    for extra, cuts in (({}, 1), ({"n": 2}, 3)):
+        for name in ("a", "b"):
+            backends[name].set_faults(die_next=cuts, die_after=2)
+        body = {**CHAT, "model": "m", "stream": True, "max_tokens": 8, **extra}
+        with httpx.Client(base_url=gateway.url, timeout=10) as http:
+            text = http.post("/v1/chat/completions", json=body).text
+        assert text.endswith("data: [DONE]\n\n")
+        assert ('"error"' in text) == bool(extra)
+    for name in ("a", "b"):
+        backends[name].reset()
+
 
 def test_dashboard_queries_only_metrics_the_gateway_exports(
     dashboard: dict[str, Any], gateway: Gateway, backends: dict[str, Backend]
@@ -248,5 +261,11 @@ def test_dashboard_queries_only_metrics_the_gateway_exports(
     unused = sorted(name for name, samples in families.items() if not samples & referenced)
     assert not unused, f"exported families no panel shows: {unused}"
     # The traffic above produced the series the error and breaker panels rely on.
-    for family in ("gateway_backend_ooms", "gateway_probes", "gateway_timeouts"):
+    for family in (
+        "gateway_backend_ooms",
+        "gateway_probes",
+        "gateway_timeouts",
+        "gateway_stream_resumes",
+        "gateway_stream_resume_refusals",
+    ):
         assert families[family], f"{family} has no samples"

@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 
-from loadtests.fake_vllm.responses import OOM_MESSAGE
+from loadtests.fake_vllm.responses import OOM_MESSAGE, text
 from loadtests.procs import ManagedProcess, python_module
 
 MODELS = ("m1", "m2")
@@ -411,3 +411,36 @@ def test_engine_kv_need_counts_prompt_and_max_tokens() -> None:
         assert httpx.get(f"{url}/_fake/engine").json()["ooms"] == 1
     finally:
         assert proc.stop() == 0, proc.output()
+
+
+# --- prefill, as the API does it --------------------------------------------------------------
+
+
+def test_a_prefill_is_continued_and_one_ending_in_whitespace_refused(
+    sdk: anthropic.Anthropic,
+) -> None:
+
+    prefill = [*USER, {"role": "assistant", "content": text(4)}]
+    message = sdk.messages.create(model="m1", max_tokens=5, messages=prefill)
+    assert text(4) + message.content[0].text == text(9)  # type: ignore[union-attr]
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        sdk.messages.create(
+            model="m1", max_tokens=5, messages=[*USER, {"role": "assistant", "content": "Hi "}]
+        )
+
+
+def test_an_echoing_engine_streams_the_prefill_again() -> None:
+
+    proc = start_fake("--echo-prefill")
+    try:
+        url = f"http://127.0.0.1:{proc.port()}"
+        prefill = [*USER, {"role": "assistant", "content": text(3)}]
+        with httpx.Client(base_url=url, timeout=5) as http:
+            request = {"model": "m1", "max_tokens": 4, "messages": prefill, "stream": True}
+            with http.stream("POST", "/v1/messages", json=request) as response:
+                events = list(sse(response))
+    finally:
+        assert proc.stop() == 0
+    deltas = [d["delta"]["text"] for n, d in events if n == "content_block_delta"]
+    # llama.cpp's server: the prefill again, then the continuation.
+    assert "".join(deltas) == text(3) + text(7)[len(text(3)) :]

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.fake_vllm.responses import OOM_MESSAGE
+from loadtests.fake_vllm.responses import OOM_MESSAGE, text
 from loadtests.procs import ManagedProcess, python_module
 
 MODELS = ("m1", "m2")
@@ -471,3 +471,66 @@ def test_serve_at_opens_the_port_no_earlier_than_asked() -> None:
         assert response.status_code == 200
     finally:
         proc.stop()
+
+
+# --- continuation, as vLLM does it ------------------------------------------------------------
+
+
+def test_a_continued_final_message_picks_up_where_its_text_ends(client: httpx.Client) -> None:
+
+    prefix = text(5)
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": prefix}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 7,
+    }
+    reply = client.post("/v1/chat/completions", json=body).json()
+    assert prefix + reply["choices"][0]["message"]["content"] == text(12)
+    # The prompt counts the continued text (the fake counts words).
+    assert reply["usage"] == {"prompt_tokens": 6, "total_tokens": 13, "completion_tokens": 7}
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(d) for _, d in sse_events(r) if d != "[DONE]"]
+    # vLLM's first chunk names the role with empty content; the text follows.
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert prefix + streamed == text(12)
+
+
+def test_continue_final_message_needs_add_generation_prompt_off(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the"}]
+    both = {"model": "m1", "messages": messages, "continue_final_message": True}
+    reply = client.post("/v1/chat/completions", json=both)  # add_generation_prompt: true
+    assert reply.status_code == 400
+    assert "add_generation_prompt" in reply.json()["error"]["message"]
+    user_last = {**both, "messages": messages[:1], "add_generation_prompt": False}
+    assert client.post("/v1/chat/completions", json=user_last).status_code == 400
+
+
+def test_a_completion_continues_its_prompt(client: httpx.Client) -> None:
+
+    reply = client.post(
+        "/v1/completions", json={"model": "m1", "prompt": "once " + text(3), "max_tokens": 4}
+    ).json()
+    assert text(3) + reply["choices"][0]["text"] == text(7)
+
+
+@pytest.mark.parametrize("fault", ["die_next", "error_next"])
+def test_the_next_streams_can_be_cut_after_n_tokens(client: httpx.Client, fault: str) -> None:
+    set_faults(client, **{fault: 1}, die_after=2, stall_after=2)
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 6}) as r:
+        try:
+            data = [d for _, d in sse_events(r)]
+        except httpx.RemoteProtocolError:
+            data = []  # die: the connection dropped after the tokens
+    if fault == "error_next":
+        assert data[-1] == "[DONE]"
+        assert json.loads(data[-2])["error"]["code"] == 500  # vLLM's error event
+        assert len(data) == 4
+    # Only the next one: the stream after it is whole.
+    with client.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 6}) as r:
+        assert [d for _, d in sse_events(r)][-1] == "[DONE]"
+    log = ended_log(client, 2)
+    assert [r["fault"] for r in log] == ["die" if fault == "die_next" else "stream_error", None]

@@ -120,7 +120,7 @@ def pipeline(
             client=upstreams,
             watchdog=watchdog,
             clock=loop.time,
-        )
+        ).handle
         return built
 
     return build

@@ -41,6 +41,10 @@ pools:
     models: [res]
     instances: [{instances}]
     timeouts: {{initial: 2s, min_samples: 3, floor: 100ms, jitter: 0ms}}
+    # Timeouts, failover and a stream's error ending without the rescues layered on them
+    # (tests/test_resume.py, tests/test_hedge.py).
+    resume: false
+    hedging: false
   outage:
     models: [outage]
     instances: [{instances}]

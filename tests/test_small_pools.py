@@ -177,7 +177,8 @@ def test_a_fresh_instance_in_a_warm_pool_is_rescued_from_a_hang(tmp_path: Path) 
     backends["c"].set_faults(unhealthy=True)  # still loading its model
     gateway = start_gateway(
         tmp_path / "policy.yaml",
-        pool_policy(backends, "health: {interval: 200ms, timeout: 150ms}"),
+        # Without hedging, which would rescue these requests before any timeout.
+        pool_policy(backends, "health: {interval: 200ms, timeout: 150ms}\nhedging: false"),
     )
     try:
         with httpx.Client(base_url=gateway.url, timeout=60) as http:

@@ -460,6 +460,46 @@ class AuthPolicy(Strict):
         return self._keys
 
 
+def _switch(value: object) -> object:
+    """`section: false` turns a section off, `section: true` keeps its defaults."""
+    if value is False:
+        return {"enabled": False}
+    if value is True:
+        return {}
+    return value
+
+
+class ResumePolicy(Strict):
+    """A stream that breaks after its first byte continued on another attempt (on by
+    default): the text the client has is a prefix the next instance extends."""
+
+    enabled: bool = True
+    max_resumes: int = Field(default=2, ge=0)  # per request; each also spends retry budget
+    # The text kept per stream to continue it from; a longer stream is not resumable.
+    max_text: Size = Field(default=1024 * 1024, gt=0)
+    # Whether the pool's engines stream a continued prefix again before the continuation
+    # (llama.cpp's server does on the Messages route): `auto` drops it when it comes.
+    echo: Literal["auto", "never", "always"] = "auto"
+
+
+Resume = Annotated[ResumePolicy, BeforeValidator(_switch)]
+
+
+class HedgingPolicy(Strict):
+    """A first attempt that has not answered within its instance's predicted first byte plus
+    `k` deviations gets a second one on another instance; the first to answer wins (on by
+    default; never in a pool of one; each hedge spends retry budget)."""
+
+    enabled: bool = True
+    k: float = Field(default=2.0, ge=0)
+    # Never sooner: a hedge costs a whole attempt, and below this a machine's own hiccups
+    # would send hedges for answers that were never late.
+    min_delay: Duration = Field(default=0.05, ge=0)
+
+
+Hedging = Annotated[HedgingPolicy, BeforeValidator(_switch)]
+
+
 class PoolPolicy(Strict):
     models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(min_length=1)
     instances: tuple[InstancePolicy, ...] = Field(min_length=1)
@@ -468,6 +508,8 @@ class PoolPolicy(Strict):
     connections: ConnectionsPolicy = ConnectionsPolicy()
     retries: RetriesPolicy = RetriesPolicy()
     breaker: BreakerPolicy = BreakerPolicy()
+    resume: Resume = ResumePolicy()
+    hedging: Hedging = HedgingPolicy()
     admission: AdmissionPolicy | None = None
     tls: TlsPolicy | None = None
     credentials: CredentialsPolicy | None = None

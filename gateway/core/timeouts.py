@@ -247,3 +247,45 @@ def attempt_timeouts(
     return AttemptTimeouts(
         min(max(first_byte, floor), ceiling), None, policy.connect, holds_s, doublings
     )
+
+
+def hedge_delay(
+    latency: LatencyState,
+    policy: TimeoutsConfig,
+    k: float,
+    *,
+    stream: bool,
+    max_tokens: int | None,
+    prior: LatencyState | None = None,
+) -> float | None:
+    """How long an attempt on the instance whose estimators are `latency` may go without its
+    first byte before a hedged attempt is sent elsewhere: its predicted first byte plus `k`
+    deviations (the EWMA's mean absolute deviation: `k = 2` puts it near the 95th
+    percentile), learned as for `attempt_timeouts` (its own figures, else its pool's prior).
+    No floor: the point is to act well before the timeout. None while nothing is learned:
+    a guess would hedge every request or none.
+
+    - stream: `ttfb_pred + k·ttfb_dev`;
+    - non-streamed: `ttfb_pred + m·tok_pred + k·sqrt(ttfb_dev² + (m·tok_dev)²)` with
+      `m = max_tokens` (or `policy.assumed_max_tokens`), as `attempt_timeouts` times a whole
+      answer, without its headroom."""
+    min_samples = policy.min_samples
+    headroom = PRIOR_HEADROOM
+
+    def estimate(index: int) -> tuple[float, float] | None:
+        own = latency.estimators[index]
+        return _learned(
+            own, prior.estimators[index] if prior is not None else None, min_samples, headroom
+        )
+
+    ttfb = estimate(_TTFB)
+    if stream:
+        if ttfb is None:
+            return None
+        return ttfb[0] + k * ttfb[1]
+    per_token = estimate(_PER_TOKEN)
+    if per_token is None:
+        return None
+    ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (0.0, 0.0)
+    n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
+    return ttfb_pred + n * per_token[0] + k * math.hypot(ttfb_dev, n * per_token[1])

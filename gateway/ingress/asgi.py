@@ -9,6 +9,7 @@ client that disconnects and cancels the work, which closes the upstream request 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from gateway.errors import (
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
+    UpstreamProtocolError,
 )
 from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
 from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
@@ -38,13 +40,15 @@ from gateway.ingress.headers import split_request_headers
 from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
+from gateway.ingress.resume import StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing, incoming_context
-from gateway.upstream.registry import Registry
+from gateway.upstream.registry import InstanceState, Registry
+from gateway.upstream.response import UpstreamResponse
 
 log = logging.getLogger("gateway.ingress")
 
@@ -111,6 +115,7 @@ class DataPlane:
         readiness: Callable[[], tuple[bool, dict[str, Any]]],
         tracing: Tracing | None = None,
         limits: LimitsPolicy | None = None,
+        resume_handler: Handler | None = None,
     ) -> None:
         # The connection-level limits (deadlines, header caps...) are the HTTP protocol's:
         # `protocol` is the class uvicorn serves this app's connections with
@@ -127,6 +132,8 @@ class DataPlane:
         self._tracer = tracing.tracer if tracing is not None else None
         self._access = access_log  # None: off
         self._handler = handler
+        # The request path below admission, for a broken stream's continuation (None: off).
+        self._resume_handler = resume_handler
         self._limit = max_request_bytes
         self._readiness = readiness
         self._loop = asyncio.get_running_loop()
@@ -262,6 +269,7 @@ class DataPlane:
         ttfb_s: float | None,
         client: str | None,
         stream_error: str | None = None,
+        resume: StreamResume | None = None,
     ) -> None:
         fields: dict[str, object] = {
             "method": "POST",
@@ -269,8 +277,8 @@ class DataPlane:
             "status": status,
             "pool": pool,
             "model": facts.model,
-            "instance": call.instance.name if call.instance is not None else None,
-            "attempts": call.attempts,
+            "instance": _instance_name(call, resume),
+            "attempts": call.attempts + (resume.attempts if resume is not None else 0),
             "streamed": facts.stream,
             "duration_s": self._loop.time() - started,
             "ttfb_s": ttfb_s,
@@ -279,12 +287,73 @@ class DataPlane:
         if stream_error is not None:
             # The status went out with the first byte; what ended the stream did not.
             fields["stream_error"] = stream_error
+        if resume is not None and resume.resumes:
+            # Headers (x-gateway-attempts) went out before: the log tells of the resumes.
+            fields["resumes"] = resume.resumes
+            fields["resumed_on"] = resume.reasons
         if self._tracer is not None:
             span_context = trace.get_current_span().get_span_context()
             if span_context.is_valid:
                 fields["trace_id"] = format(span_context.trace_id, "032x")
         assert self._access is not None
         self._access.write(fields)
+
+    def _resumable(self, call: Call, path: str) -> StreamResume:
+        """A stream's resume: its transcript (or why it has none), and how a continuation is
+        sent: the same request with the continuation's body, through the layers below
+        admission, avoiding the instances that broke it."""
+        pool = call.pool
+        policy = pool.policy.resume
+        transcript, refusal = transcript_for(path, call.facts.request, policy)
+        handler = self._resume_handler
+        assert handler is not None
+        traced = self._tracer is not None
+
+        async def start(body: bytes, broken: InstanceState) -> tuple[UpstreamResponse, float]:
+            continued = dataclasses.replace(
+                call,
+                body=body,
+                attempts=0,
+                tried=[],
+                avoid=[broken, *call.avoid],
+                instance=None,
+                timeouts=None,
+                probe=False,
+                reserved=None,
+                tokens=0,
+                prompt_tokens=0,
+            )
+            if traced:
+                trace.get_current_span().add_event(
+                    "stream resumed",
+                    {
+                        "gateway.resume.reason": resume.reasons[-1],
+                        "gateway.resume.from_instance": broken.name,
+                        "gateway.resume.count": resume.resumes,
+                    },
+                )
+            try:
+                response = await handler(continued)
+            finally:
+                resume.attempts += continued.attempts
+                if continued.instance is not None:
+                    resume.instance = continued.instance
+            if response.status != 200 or not response.is_sse:
+                # The engine refused the continuation (an engine that does not continue a
+                # final message answers 400): the stream ends as it would have.
+                response.finish(ok=response.body is not None)
+                pool.stats.not_resumed("refused")
+                raise UpstreamProtocolError(
+                    f"the continuation was answered with HTTP {response.status}"
+                )
+            timeouts = continued.timeouts
+            assert timeouts is not None
+            return response, timeouts.idle_s or timeouts.first_byte_s
+
+        resume = StreamResume(
+            transcript, refusal, policy, pool, start, self._loop.time, call.deadline
+        )
+        return resume
 
     async def _proxy_traced(
         self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
@@ -384,6 +453,7 @@ class DataPlane:
         status = CLIENT_CLOSED
         ttfb_s: float | None = None
         stream_error: str | None = None  # what cut a stream short after its first byte
+        resume: StreamResume | None = None
         try:
             try:
                 response = await self._handler(call)
@@ -398,6 +468,8 @@ class DataPlane:
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
+            if response.is_sse and response.status == 200 and self._resume_handler is not None:
+                resume = self._resumable(call, path)
             broke = await relay(
                 send,
                 response,
@@ -407,6 +479,7 @@ class DataPlane:
                 dialect,
                 self.streams,
                 cancellation,
+                resume,
             )
             if broke is not None:
                 stream_error = broke.message
@@ -437,6 +510,7 @@ class DataPlane:
                     ttfb_s,
                     address,
                     stream_error,
+                    resume,
                 )
             if self._tracer is not None:
                 span = trace.get_current_span()
@@ -444,13 +518,24 @@ class DataPlane:
                     {
                         "gen_ai.request.model": facts.model,
                         "gateway.pool": pool.name,
-                        "gateway.attempts": call.attempts,
+                        "gateway.attempts": call.attempts
+                        + (resume.attempts if resume is not None else 0),
                         "gateway.streamed": bool(facts.stream),
                     }
                 )
-                if call.instance is not None:
-                    span.set_attribute("gateway.instance", call.instance.name)
+                instance = _instance_name(call, resume)
+                if instance is not None:
+                    span.set_attribute("gateway.instance", instance)
+                if resume is not None and resume.resumes:
+                    span.set_attribute("gateway.resumes", resume.resumes)
                 if ttfb_s is not None:
                     span.set_attribute("gateway.time_to_first_byte_s", ttfb_s)
                 if status == CLIENT_CLOSED:
                     span.add_event("client disconnected")
+
+
+def _instance_name(call: Call, resume: StreamResume | None) -> str | None:
+    """The instance that served the end of the answer."""
+    if resume is not None and resume.instance is not None:
+        return resume.instance.name
+    return call.instance.name if call.instance is not None else None

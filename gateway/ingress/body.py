@@ -69,4 +69,4 @@ def read_facts(body: bytes) -> RequestFacts:
         not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0
     ):
         raise InvalidRequest("'max_tokens' must be a non-negative integer")
-    return RequestFacts(model, stream, max_tokens)
+    return RequestFacts(model, stream, max_tokens, data)

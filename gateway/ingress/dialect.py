@@ -35,6 +35,13 @@ class Dialect:
     """OpenAI's: the gateway's native error shape."""
 
     name = "openai"
+    # What marks an engine's error event inside a stream (vLLM's `data: {"error": ...}`): a
+    # chunk's JSON cannot hold these bytes elsewhere (a string escapes its quotes).
+    error_marker = b'{"error"'
+
+    def ended(self, last: bytes) -> bool:
+        """Whether a stream whose last events were `last` ended as its protocol ends one."""
+        return last.rstrip().endswith(b"data: [DONE]")
 
     def body(self, error: GatewayError) -> bytes:
         return error.body()
@@ -46,6 +53,11 @@ class Dialect:
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
+    error_marker = b"event: error"
+
+    def ended(self, last: bytes) -> bool:
+        # After an `error` event nothing comes: it ends the stream too.
+        return b"event: message_stop" in last or b"event: error" in last
 
     def body(self, error: GatewayError) -> bytes:
         kind = _ANTHROPIC_TYPES.get(error.status, "api_error")

@@ -6,18 +6,23 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.core.continuation import Rewriter, Transcript
+from gateway.core.sse import event_boundary, split_events
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamStreamCut,
+    UpstreamStreamError,
     shutting_down,
 )
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
+from gateway.ingress.resume import Continue, StreamResume
 from gateway.ingress.streams import OpenStreams, ended_by_drain
 from gateway.runtime import Cancellation
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import RequestHooks, UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -75,13 +80,25 @@ def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI) -> bytes:
     return dialect.stream_ending(error)
 
 
-def _event_boundary(data: bytes | bytearray, start: int = 0) -> int:
-    """Length of the prefix of `data` made of complete SSE events (ending in a blank line:
-    the spec's lines end in LF, CRLF or CR alone), looking from `start` on; 0 if none."""
-    lf = data.rfind(b"\n\n", start)
-    crlf = data.rfind(b"\r\n\r\n", start)
-    cr = data.rfind(b"\r\r", start)
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
+class _Current:
+    """The attempt whose stream the client is being sent: another one after a resume. Between
+    the two, its response is None and `hooks` holds the request's work, with what broke it."""
+
+    __slots__ = ("broken", "error", "hooks", "response")
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self.response: UpstreamResponse | None = response
+        self.hooks: RequestHooks | None = None
+        self.broken = response
+        self.error: UpstreamError | None = None
+
+    def finish(self, ok: bool, error: UpstreamError | None) -> None:
+        response, self.response = self.response, None
+        if response is not None:
+            response.finish(ok, error)
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.run(self.broken, self.error or error)
 
 
 async def relay(
@@ -93,15 +110,18 @@ async def relay(
     dialect: Dialect,
     streams: OpenStreams,
     cancellation: Cancellation,
+    resume: StreamResume | None = None,
 ) -> UpstreamError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
     Returns what broke an SSE stream the upstream cut short, if anything did.
 
-    A stream that breaks after the commit point ends, for SSE, with an error event (and
-    `[DONE]` for OpenAI clients: `dialect`), never a silent truncation: incomplete events are
-    held back until their end arrives, so the error event never lands inside half an event.
-    Any other body is aborted (ResponseAborted) so the client sees an incomplete response, not
-    a short one that looks whole.
+    A stream that breaks after the commit point is continued on another attempt when `resume`
+    allows (`ingress.resume`): the client sees one stream. Otherwise it ends, for SSE, with an
+    error event (and `[DONE]` for OpenAI clients: `dialect`), never a silent truncation:
+    incomplete events are held back until their end arrives, so the error event never lands
+    inside half an event, and a stream that ends before its protocol's last event counts as
+    broken. Any other body is aborted (ResponseAborted) so the client sees an incomplete
+    response, not a short one that looks whole.
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain): the
     stream is registered with `streams` by the request's `cancellation`.
@@ -109,6 +129,7 @@ async def relay(
     ok = False
     broke: UpstreamError | None = None  # what broke the body, when the upstream did
     stream: Cancellation | None = None
+    current = _Current(response)
     try:
         no_body = response.status in _NO_BODY_STATUSES
         headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
@@ -128,11 +149,12 @@ async def relay(
             if streams.ending:  # started after the drain's deadline: end it at once
                 error = shutting_down()
             else:
-                error = await _relay_body(send, response, idle_s, end_at, stream)
+                error = await _relay_events(send, current, idle_s, end_at, stream, dialect, resume)
             streams.discard(stream)  # its last event is not the drain's to interrupt
             stream = None
         else:
-            error = await _relay_body(send, response, idle_s, end_at, None)
+            broken = await _relay_body(send, response, idle_s, end_at, None, response.first_chunk)
+            error = broken[0] if broken is not None else None
         if isinstance(error, UpstreamError):
             broke = error
         if error is None:
@@ -148,7 +170,95 @@ async def relay(
             streams.discard(stream)
         # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
         # failure, accounted now like any other.
-        response.finish(ok, broke)
+        current.finish(ok, broke)
+
+
+async def _relay_events(
+    send: Send,
+    current: _Current,
+    idle_s: float,
+    end_at: float,
+    stream: Cancellation,
+    dialect: Dialect,
+    resume: StreamResume | None,
+) -> GatewayError | None:
+    """Forward an SSE stream, continuing it on another attempt each time it breaks and
+    `resume` allows; returns what ended it short, if anything did."""
+    response = current.response
+    assert response is not None
+    chunk = response.first_chunk
+    watch = _Watch(dialect, resume.transcript if resume is not None else None, None)
+    while True:
+        broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch)
+        if broken is None:
+            return None
+        error, pending = broken
+        if resume is None or not isinstance(error, UpstreamError):
+            plan: Continue | bytes | str = "off"
+        else:
+            plan = resume.plan(error, response.instance)
+        if isinstance(plan, str):
+            if pending:
+                # The engine's own error event, not continued: relayed as it came, as the
+                # rest of the stream.
+                watch = _Watch(dialect, None, None, errors=False)
+                broken = await _relay_body(send, response, idle_s, end_at, stream, pending, watch)
+                return None if broken is None else broken[0]
+            return error
+        assert isinstance(error, UpstreamError)
+        if isinstance(plan, bytes):
+            # The generation had ended; only the stream's last events were lost.
+            if plan:
+                await send({"type": "http.response.body", "body": plan, "more_body": True})
+            current.response = None
+            response.finish(False, error)
+            return None
+        # Continued on another attempt: this one is accounted as broken now, the request's
+        # own work (its admission slot) waits for the next.
+        current.response = None
+        current.hooks = response.finish_attempt(False, error)
+        current.broken = response
+        current.error = error
+        assert resume is not None
+        try:
+            response, idle_s = await resume.start(plan.body, response.instance)
+        except GatewayError:
+            return error  # the next attempt failed before its first byte: ended as without
+        current.hooks.move_to(response)
+        current.hooks = None
+        current.error = None
+        current.response = response
+        chunk = response.first_chunk
+        watch = _Watch(dialect, resume.transcript, plan.rewriter)
+
+
+class _Watch:
+    """What the relay looks for in a stream it may continue: the engine's error event, and a
+    proper last event; what it keeps (`transcript`) or rewrites (`rewriter`, a continuation)."""
+
+    __slots__ = ("dialect", "last", "marker", "rewriter", "transcript")
+
+    def __init__(
+        self,
+        dialect: Dialect,
+        transcript: Transcript | None,
+        rewriter: Rewriter | None,
+        errors: bool = True,
+    ) -> None:
+        self.dialect = dialect
+        self.transcript = transcript
+        self.rewriter = rewriter
+        self.marker = dialect.error_marker if errors and transcript is not None else None
+        self.last = b""
+
+
+def _split_at_error(chunk: bytes, marker: bytes) -> tuple[bytes, bytes]:
+    """`chunk` (complete events) cut before the event holding `marker`."""
+    events = split_events(chunk)
+    for i, event in enumerate(events):
+        if marker in event:
+            return b"".join(events[:i]), b"".join(events[i:])
+    return chunk, b""
 
 
 async def _relay_body(
@@ -157,44 +267,77 @@ async def _relay_body(
     idle_s: float,
     end_at: float,
     stream: Cancellation | None,
-) -> GatewayError | None:
-    """Forward the body chunk by chunk; returns the error that broke it, if any.
+    chunk: bytes,
+    watch: _Watch | None = None,
+) -> tuple[GatewayError, bytes] | None:
+    """Forward the body chunk by chunk, from `chunk` on; returns the error that broke it, if
+    any, with the engine's error event and what followed it when that is what broke it.
 
     `stream`: for an SSE stream, its request's cancellation, registered with the drain,
-    which may end it."""
+    which may end it. `watch`: for an SSE stream, what to look for in it."""
     events = response.is_sse
     # SSE only: the start of an event whose end has not arrived yet. Searched for an end only
     # where the new bytes could complete one, so a long event costs linear time.
     held = bytearray()
-    chunk = response.first_chunk
     try:
         while chunk:
             if events and (held or not chunk.endswith(b"\n\n")):
                 # vLLM sends whole events: this is the rare path.
                 start = max(0, len(held) - 3)
                 held += chunk
-                cut = _event_boundary(held, start)
+                cut = event_boundary(held, start)
                 chunk = bytes(held[:cut])
                 del held[:cut]
                 if len(held) > MAX_EVENT_BYTES:
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    return UpstreamProtocolError(
+                    too_long = UpstreamProtocolError(
                         "the upstream sent a stream event over "
                         f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
                     )
+                    return too_long, b""
+            if chunk and watch is not None:
+                if watch.marker is not None and watch.marker in chunk:
+                    chunk, pending = _split_at_error(chunk, watch.marker)
+                    if pending:
+                        if chunk:
+                            chunk = _watched(watch, chunk)
+                            await send(
+                                {"type": "http.response.body", "body": chunk, "more_body": True}
+                            )
+                        reported = UpstreamStreamError("the upstream reported an error mid-stream")
+                        return reported, pending
+                chunk = _watched(watch, chunk)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await response.next_chunk(idle_s, end_at)
+        if watch is not None and not watch.dialect.ended(watch.last):
+            # A clean end before the protocol's last event: as broken as a reset.
+            return UpstreamStreamCut("the upstream ended the stream before its last event"), b""
         await send({"type": "http.response.body", "body": bytes(held)})
     except UpstreamError as error:
-        return error
+        return error, b""
+    except ValueError:
+        # A continuation's event the rewriter could not read.
+        return UpstreamProtocolError("the upstream sent an unreadable stream event"), b""
     except asyncio.CancelledError:
         timeout = response.cancelled_by_deadline()
         if timeout is not None:
-            return timeout
+            return timeout, b""
         drained = ended_by_drain(stream) if stream is not None else None
         if drained is None:
             raise  # not a deadline: the client went away
-        return drained
+        return drained, b""
     return None
+
+
+def _watched(watch: _Watch, chunk: bytes) -> bytes:
+    """A chunk of complete events on its way to the client: rewritten when it comes from a
+    continuation, else kept by reference for a resume."""
+    if watch.rewriter is not None:
+        chunk = watch.rewriter.rewrite(chunk)
+    elif watch.transcript is not None:
+        watch.transcript.keep(chunk)
+    if chunk:
+        watch.last = chunk
+    return chunk

@@ -21,7 +21,7 @@ from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
-from gateway.runtime import Clock
+from gateway.runtime import SUPERSEDED, Clock
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -63,6 +63,7 @@ _SIGNS_OF_DOWN = frozenset(("timeout", "connect_failure", "reset"))
 # Statuses that say "too busy": 529 is Anthropic's overloaded_error.
 _BUSY = frozenset((429, 503, 529))
 _STREAM_ERROR = Outcome.from_error("protocol")
+_LOST_RACE = Outcome.from_error("timeout", Phase.FIRST_BYTE)
 
 
 def _timed_out(
@@ -130,6 +131,7 @@ def _record(
         if queueing and not probe:
             return
     if outcome.kind == "ok":
+        instance.races_lost = 0
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.
         instance.peak.observe(now, elapsed_s)
@@ -233,6 +235,24 @@ class Account:
             )
             _learning(self._pools[instance.pool_name], instance)
 
+    def _lost_race(self, call: Call, instance: InstanceState, now: float, waited_s: float) -> None:
+        """A hedge answered first and this attempt was given up: not a failure once, but an
+        instance that loses as many races in a row as it may time out (with no answer in
+        between) is not answering: each further loss counts as a first-byte timeout."""
+        instance.races_lost += 1
+        if instance.races_lost < call.pool.policy.breaker.consecutive_timeouts:
+            return
+        _record(
+            self._timeout_log,
+            call.pool,
+            instance,
+            _LOST_RACE,
+            now,
+            waited_s,
+            call.probe,
+            self._on_transition,
+        )
+
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         instance = call.instance
         assert instance is not None, "the pick layer runs first"
@@ -282,8 +302,11 @@ class Account:
             raise
         except asyncio.CancelledError:
             _end(instance, tokens)  # the client left: nobody's fault, but a probe is lost
+            now = self._clock()
             if call.probe:
-                instance.breaker.release_probe(self._clock())
+                instance.breaker.release_probe(now)
+            if call.cancellation.pending(SUPERSEDED):
+                self._lost_race(call, instance, now, now - started)
             raise
         if response.body is None:
             response.probe = call.probe

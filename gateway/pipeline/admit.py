@@ -250,7 +250,7 @@ class Admit:
         if response.body is not None:
             admission.leave()
             return response
-        response.after(lambda r, error: admission.leave())
+        response.after(lambda r, error: admission.leave(), request=True)
         return response
 
 

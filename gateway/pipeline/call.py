@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
@@ -20,6 +20,9 @@ class RequestFacts:
     model: str
     stream: bool
     max_tokens: int | None
+    # The body as parsed (kept by reference, not copied): what a resumed stream's next request
+    # is built from.
+    request: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

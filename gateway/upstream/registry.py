@@ -27,6 +27,7 @@ from gateway.core.timeouts import (
     AttemptTimeouts,
     Load,
     attempt_timeouts,
+    hedge_delay,
 )
 from gateway.upstream.stats import InstanceStats, PoolStats
 from gateway.upstream.tls import client_ssl
@@ -62,6 +63,7 @@ class InstanceState:
         "peak",
         "pool_name",
         "progress_at",
+        "races_lost",
         "requests",
         "saturated",
         "stats",
@@ -111,6 +113,8 @@ class InstanceState:
         self.hold_until = 0.0
         self.hold_started_at = -1.0
         self.hold_released_at = -1.0
+        # Hedges that answered before it, in a row (`pipeline.account`): reset by an answer.
+        self.races_lost = 0
         self.requests = 0  # attempts sent
         self.failures = 0  # attempts that failed through the instance's fault
         self.latency = LatencyState(smoothing)
@@ -354,6 +358,22 @@ class PoolState:
             prior=prior,
             load=load,
             final=final,
+        )
+
+    def hedge_delay(
+        self, inst: InstanceState, now: float, *, stream: bool, max_tokens: int | None
+    ) -> float | None:
+        """When an attempt on `inst` without its first byte gets a hedge (`hedge_delay`)."""
+        policy = self.policy.timeouts
+        latency = inst.latency
+        prior = self.latency_prior(now) if latency.young(policy.min_samples) else None
+        return hedge_delay(
+            latency,
+            policy,
+            self.policy.hedging.k,
+            stream=stream,
+            max_tokens=max_tokens,
+            prior=prior,
         )
 
     def alone(

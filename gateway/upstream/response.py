@@ -12,6 +12,7 @@ from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exceptio
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
+    from gateway.runtime import Cancellation
     from gateway.upstream.registry import InstanceState
 
 
@@ -80,6 +81,7 @@ class UpstreamResponse:
 
     __slots__ = (
         "_after",
+        "_after_request",
         "_deadline",
         "_loop_time",
         "_raw",
@@ -136,6 +138,7 @@ class UpstreamResponse:
             self.outcome = Outcome.from_status(status)
         # Made on the first `after`: whole answers (most) register none.
         self._after: list[FinishHook] | None = None
+        self._after_request: list[FinishHook] | None = None
         self.probe = False  # this attempt is its isolated instance's probe
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
@@ -181,6 +184,11 @@ class UpstreamResponse:
             self.tail = chunk
         return chunk
 
+    def bind(self, cancellation: Cancellation) -> None:
+        """The attempt was sent from another task (a hedge): from now on its deadline
+        cancels the request's."""
+        self._deadline.cancellation = cancellation
+
     def cancelled_by_deadline(self) -> UpstreamError | None:
         """After a CancelledError outside `next_chunk`: the timeout it stands for, if any."""
         return self.timeout() if expired(self._deadline) else None
@@ -194,25 +202,67 @@ class UpstreamResponse:
 
         `ok`: the body reached the client whole; `error`: what broke it, if the upstream did.
         """
+        left = self.finish_attempt(ok, error)
+        left.run(self, error)
+
+    def finish_attempt(self, ok: bool, error: UpstreamError | None = None) -> RequestHooks:
+        """`finish` for an attempt whose stream goes on in another one (a resume): the
+        attempt's own work runs now; the request's (`after(..., request=True)`) is handed
+        back, to move to the next attempt's response or to run when there is none."""
         self._watchdog.disarm(self._deadline)
         if self._raw.connection is not None and not ok:
             self._raw.close()
         else:
             self._raw.release()
         hooks, self._after = self._after, None
-        for hook in hooks or ():
-            try:
-                hook(self, error)
-            except Exception:  # one layer's failure must not skip the next (a slot, a count)
-                log.exception("work after a response failed")
+        _run(hooks, self, error)
+        left, self._after_request = self._after_request, None
+        return RequestHooks(left)
 
-    def after(self, hook: FinishHook) -> None:
+    def after(self, hook: FinishHook, *, request: bool = False) -> None:
         """Run `hook(response, error)` when the relay ends (`finish`): the one way a layer
         does work after a streamed response. Hooks run in the order registered: the
         innermost layer first, as the response came back through the layers (the attempt's
         span ends, then the attempt is accounted, then the admission slot is freed, so a
-        request waiting for it sees the accounting already done)."""
-        if self._after is None:
+        request waiting for it sees the accounting already done).
+
+        `request`: the work belongs to the whole request, not this attempt (the admission
+        slot): when the stream is resumed on another attempt, it moves there."""
+        if request:
+            if self._after_request is None:
+                self._after_request = [hook]
+            else:
+                self._after_request.append(hook)
+        elif self._after is None:
             self._after = [hook]
         else:
             self._after.append(hook)
+
+
+class RequestHooks:
+    """The request's work left by an attempt that was resumed elsewhere: it moves to the next
+    attempt's response, or runs when no next attempt came."""
+
+    __slots__ = ("_hooks",)
+
+    def __init__(self, hooks: list[FinishHook] | None) -> None:
+        self._hooks = hooks
+
+    def move_to(self, response: UpstreamResponse) -> None:
+        hooks, self._hooks = self._hooks, None
+        for hook in hooks or ():
+            response.after(hook, request=True)
+
+    def run(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
+        hooks, self._hooks = self._hooks, None
+        _run(hooks, response, error)
+
+
+def _run(
+    hooks: list[FinishHook] | None, response: UpstreamResponse, error: UpstreamError | None
+) -> None:
+    for hook in hooks or ():
+        try:
+            hook(response, error)
+        except Exception:  # one layer's failure must not skip the next (a slot, a count)
+            log.exception("work after a response failed")

@@ -28,6 +28,10 @@ def status_class(status: int) -> str:
 _CLASSES = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
+# How a hedged first attempt ended (`pipeline.hedge`): a bounded label set, all exported.
+HEDGE_RESULTS = ("won", "lost", "failed", "no_budget")
+
+
 class InstanceStats:
     """Per instance: attempts by outcome, probes by result, timeouts by phase and blame (a
     timeout that was queueing behind a busy instance is not blamed on it)."""
@@ -53,9 +57,21 @@ class InstanceStats:
 
 class PoolStats:
     """Per pool: client requests by model and status class with their latencies; retries by
-    the outcome that caused them; timeouts by phase; retries the budget refused."""
+    the outcome that caused them; timeouts by phase; retries the budget refused; streams
+    resumed after their first byte (by the instance that broke them and why) and streams
+    that broke and could not be (by the reason)."""
 
-    __slots__ = ("budget_exhausted", "duration", "requests", "retries", "timeouts", "ttfb")
+    __slots__ = (
+        "budget_exhausted",
+        "duration",
+        "hedges",
+        "requests",
+        "resume_refusals",
+        "resumes",
+        "retries",
+        "timeouts",
+        "ttfb",
+    )
 
     def __init__(self, models: list[str]) -> None:
         self.requests: dict[tuple[str, str], int] = {}
@@ -64,6 +80,21 @@ class PoolStats:
         self.retries: dict[str, int] = {}
         self.timeouts: dict[str, int] = {}
         self.budget_exhausted = 0
+        self.resumes: dict[tuple[str, str], int] = {}  # (instance, reason)
+        self.resume_refusals: dict[str, int] = {}
+        # Hedged first attempts by how they ended: won, lost, failed (both failed), or
+        # no_budget (due, but the retry budget refused it).
+        self.hedges: dict[str, int] = {}
+
+    def hedged(self, result: str) -> None:
+        self.hedges[result] = self.hedges.get(result, 0) + 1
+
+    def resumed(self, instance: str, reason: str) -> None:
+        key = (instance, reason)
+        self.resumes[key] = self.resumes.get(key, 0) + 1
+
+    def not_resumed(self, reason: str) -> None:
+        self.resume_refusals[reason] = self.resume_refusals.get(reason, 0) + 1
 
     def request(self, model: str, status: int, duration_s: float) -> None:
         key = (model, status_class(status))

@@ -53,6 +53,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="per-token time x (1 + this x running / max-running) as a request starts",
     )
     parser.add_argument(
+        "--echo-prefill",
+        action="store_true",
+        help="stream an Anthropic prefill again before its continuation (llama.cpp's server)",
+    )
+    parser.add_argument(
         "--record-credentials",
         action="store_true",
         default=os.environ.get("FAKE_VLLM_RECORD_CREDENTIALS", "") not in ("", "0"),
@@ -105,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_tokens=args.kv_tokens,
         batch_slowdown=args.batch_slowdown,
         record_credentials=args.record_credentials,
+        echo_prefill=args.echo_prefill,
     )
     if args.serve_at is not None:
         time.sleep(max(0.0, args.serve_at - time.time()))

@@ -40,6 +40,7 @@ from .asgi import (
 )
 from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, OVERLOADED, RATE_LIMIT, STALL, STREAM_ERROR, Faults
+from .continuation import prefill, resumed_at
 from .engine import EngineOOM
 from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
 from .requestlog import RequestRecord
@@ -88,11 +89,15 @@ BLOCK_STOP_EVENT = b'event: content_block_stop\ndata: {"type":"content_block_sto
 MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 
 
-def message_body(mid: str, model_json: str, n: int, input_tokens: int) -> bytes:
-    # Token text is plain ASCII words (responses.VOCAB): safe inside a JSON string as it is.
+def message_body(
+    mid: str, model_json: str, n: int, input_tokens: int, start: int = 0, echo: str = ""
+) -> bytes:
+    # Token text is plain ASCII words (responses.VOCAB): safe inside a JSON string as it is;
+    # an echoed prefill is the client's text, escaped.
+    content = r.dumps(echo + r.generated(n, start)).decode()
     return (
         f'{{"id":"{mid}","type":"message","role":"assistant","model":{model_json},'
-        f'"content":[{{"type":"text","text":"{r.text(n)}"}}],"stop_reason":"max_tokens",'
+        f'"content":[{{"type":"text","text":{content}}}],"stop_reason":"max_tokens",'
         f'"stop_sequence":null,"usage":{{"input_tokens":{input_tokens},"output_tokens":{n}}}}}'
     ).encode()
 
@@ -100,9 +105,11 @@ def message_body(mid: str, model_json: str, n: int, input_tokens: int) -> bytes:
 class EventWriter:
     """The SSE events of one streamed message."""
 
-    def __init__(self, mid: str, model_json: str) -> None:
+    def __init__(self, mid: str, model_json: str, start: int = 0, echo: str = "") -> None:
         self._mid = mid
         self._model_json = model_json
+        self.first = start  # the first token's index: past 0 when a prefill is continued
+        self._echo = echo  # a prefill streamed again, before the first token
 
     def start(self, input_tokens: int) -> bytes:
         """message_start, content_block_start and ping, sent together."""
@@ -114,10 +121,11 @@ class EventWriter:
         head = f'event: message_start\ndata: {{"type":"message_start","message":{message}}}\n\n'
         return head.encode() + BLOCK_START_EVENT + PING_EVENT
 
-    @staticmethod
-    def delta(start: int, end: int) -> bytes:
-        """One content_block_delta carrying tokens `start` .. `end - 1`."""
-        content = r.span(start, end)
+    def delta(self, start: int, end: int) -> bytes:
+        """One content_block_delta carrying tokens `start` .. `end - 1` (of this answer)."""
+        content = r.span(self.first + start, self.first + end)
+        if start == 0 and self._echo:
+            content = r.dumps(self._echo).decode()[1:-1] + content
         return (
             f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":0,'
             f'"delta":{{"type":"text_delta","text":"{content}"}}}}\n\n'
@@ -237,6 +245,7 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
         n = _max_tokens(request)
         record.max_tokens = n
         input_tokens = _input_tokens(request)
+        prefilled = prefill(request)
     except BadRequest as exc:
         await respond(send, exc.status, error_body(exc.status, exc.message), extra=ids)
         app.log.finish(record, "error")
@@ -244,7 +253,12 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
 
     faults = app.faults
     fault = faults.draw(app.rng, stream, anthropic=True)
+    if stream and fault is None:
+        fault = app.forced_fault()
     record.fault = fault
+    start = resumed_at(prefilled) if prefilled else 0
+    # llama.cpp's server streams a prefill again before its continuation.
+    echo = prefilled if prefilled and app.config.echo_prefill else ""
     ttft = faults.ttft_s(app.config)
     per_token_s = faults.per_token_s(app.config)
     engine = app.engine
@@ -254,10 +268,10 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
     async def generate(per_token: float) -> str:
         if stream:
             return await _stream(
-                app, send, ids, EventWriter(mid, model_json), n, input_tokens, ttft, per_token,
-                fault, faults,
+                app, send, ids, EventWriter(mid, model_json, start, echo), n, input_tokens, ttft,
+                per_token, fault, faults,
             )  # fmt: skip
-        full = message_body(mid, model_json, n, input_tokens)
+        full = message_body(mid, model_json, n, input_tokens, start, echo)
         if fault == DIE:
             # Promise the whole body, send half, then let uvicorn drop the connection.
             await pause(ttft + per_token * min(faults.die_after, n))

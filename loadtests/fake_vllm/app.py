@@ -30,7 +30,8 @@ from .asgi import (
     start_message,
 )
 from .bodies import BadRequest, parse_object
-from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, FakeConfig, Faults
+from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, STREAM_ERROR, FakeConfig, Faults
+from .continuation import chat_start, completion_start
 from .engine import Engine, EngineOOM
 from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
 from .requestlog import RequestLog, RequestRecord
@@ -51,6 +52,9 @@ class FakeVllm:
         self.rng = random.Random(config.seed)
         self.log = RequestLog(config.log_size)
         self.oom_count = 0
+        # Streams left to cut after `die_after` tokens (`die_next`), whatever the rates say.
+        self.die_left = 0
+        self.error_left = 0  # and streams left to end with the engine's error event
         self.running = dict.fromkeys(config.models, 0)
         self.success = dict.fromkeys(config.models, 0)
         # None keeps the fake as it was: every request generates at once, without limits.
@@ -118,6 +122,7 @@ class FakeVllm:
             record.stream = stream
             n = _max_tokens(request)
             record.max_tokens = n
+            start = chat_start(request) if chat else completion_start(request)
         except BadRequest as exc:
             await respond(send, exc.status, r.error_body(exc.status, exc.message))
             self.log.finish(record, "error")
@@ -128,6 +133,8 @@ class FakeVllm:
 
         faults = self.faults
         fault = faults.draw(self.rng, stream)
+        if stream and fault is None:
+            fault = self.forced_fault()
         record.fault = fault
         ttft = faults.ttft_s(self.config)
         per_token = faults.per_token_s(self.config)
@@ -135,7 +142,7 @@ class FakeVllm:
         if engine is None and fault is None and not stream and ttft == 0 and per_token == 0:
             # Nothing to wait for, so nothing a disconnect could interrupt: skip the watcher.
             build = r.chat_body if chat else r.completion_body
-            body = build(self._next_rid(), self._model_json[model], n, prompt_tokens)
+            body = build(self._next_rid(), self._model_json[model], n, prompt_tokens, start)
             await respond(send, 200, body)
             self.success[model] += 1
             self.log.finish(record, "ok")
@@ -146,10 +153,11 @@ class FakeVllm:
             if stream:
                 writer = r.ChunkWriter(chat, rid, self._model_json[model])
                 return await self._stream(
-                    send, writer, n, prompt_tokens, include_usage, ttft, per_token, fault, faults
-                )
+                    send, writer, n, prompt_tokens, include_usage, ttft, per_token, fault, faults,
+                    start,
+                )  # fmt: skip
             build = r.chat_body if chat else r.completion_body
-            full = build(rid, self._model_json[model], n, prompt_tokens)
+            full = build(rid, self._model_json[model], n, prompt_tokens, start)
             if fault == DIE:
                 await pause(ttft + per_token * min(faults.die_after, n))
                 return await _die_midway(send, full)
@@ -159,7 +167,7 @@ class FakeVllm:
 
         async def run() -> str:
             # Faults decided before any token is generated are answered outside the engine.
-            if fault is not None and fault not in (DIE, STALL):
+            if fault is not None and fault not in (DIE, STALL, STREAM_ERROR):
                 return await self._fault_reply(send, fault, faults)
             if engine is None:
                 return await generate(per_token)
@@ -185,22 +193,27 @@ class FakeVllm:
         per_token: float,
         fault: str | None,
         faults: Faults,
+        start: int = 0,
     ) -> str:
         # Headers go out as the request starts running, as from vLLM (a Starlette
         # StreamingResponse); tokens follow.
         await send(start_message(200, SSE, None, [(b"cache-control", b"no-cache")]))
-        cut = cut_point(
-            n, faults.die_after if fault == DIE else faults.stall_after if fault == STALL else None
-        )
+        stop_after = faults.stall_after if fault in (STALL, STREAM_ERROR) else None
+        cut = cut_point(n, faults.die_after if fault == DIE else stop_after)
         step = faults.tokens_per_event_n(self.config)
         pacer = Pacer(ttft, per_token)
         await pacer.first_token()
+        if start and writer.chat:
+            await send(body_message(writer.role(), more=True))  # as vLLM's first chunk
         await send_tokens(
-            send, pacer, n, step, cut, lambda start, end: writer.tokens(start, end, end == n)
+            send, pacer, n, step, cut, lambda s, e: writer.tokens(start + s, start + e, e == n)
         )
         ended = await cut_short(fault, faults)
         if ended is not None:
             return ended
+        if fault == STREAM_ERROR:
+            await send(body_message(r.STREAM_ERROR_EVENT + r.DONE, more=False))
+            return "stream_error"
         if include_usage:
             await send(body_message(writer.usage(prompt_tokens, n), more=True))
         await send(body_message(r.DONE, more=False))
@@ -285,6 +298,16 @@ class FakeVllm:
         await respond(send, 504, r.error_body(504, f"hung for {faults.hang_s:g} s"))
         return "hung"
 
+    def forced_fault(self) -> str | None:
+        """A stream's fault from the `die_next` / `error_next` counts, if any is left."""
+        if self.die_left > 0:
+            self.die_left -= 1
+            return DIE
+        if self.error_left > 0:
+            self.error_left -= 1
+            return STREAM_ERROR
+        return None
+
     def _next_rid(self) -> str:
         self._seq += 1
         return f"{self._id_prefix}{self._seq:x}"
@@ -352,6 +375,10 @@ class FakeVllm:
         try:
             patch = parse_object(body)
             self.faults = self.faults.merged(patch)
+            if "die_next" in patch:
+                self.die_left = self.faults.die_next
+            if "error_next" in patch:
+                self.error_left = self.faults.error_next
         except BadRequest as exc:
             await respond(send, exc.status, r.error_body(exc.status, exc.message))
             return
@@ -365,6 +392,8 @@ class FakeVllm:
         self.faults = Faults()
         self.rng = random.Random(self.config.seed)
         self.oom_count = 0
+        self.die_left = 0
+        self.error_left = 0
         if self.engine is not None:
             self.engine.reset()
         self.log.reset()

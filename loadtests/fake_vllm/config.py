@@ -45,6 +45,8 @@ class FakeConfig:
     # Log the exact `x-api-key` and `authorization` of Anthropic requests (`credentials` field);
     # off, the log shows only whether they were present and a short hash of the key.
     record_credentials: bool = False
+    # Stream an Anthropic prefill again before its continuation, as llama.cpp's server does.
+    echo_prefill: bool = False
 
     @property
     def engine_enabled(self) -> bool:
@@ -65,10 +67,15 @@ class Faults:
     stall_after: int = 3
     die_rate: float = 0.0
     die_after: int = 3
+    # The next this many streams are cut after `die_after` tokens, whatever the rates.
+    die_next: int = 0
+    # The next this many streams end with the engine's error event after `stall_after` tokens.
+    error_next: int = 0
     rate_limit_rate: float = 0.0
     retry_after: int = 1
-    # Anthropic requests only: a 529 overloaded_error before any token, and a stream that sends
-    # an `event: error` (overloaded_error) after `stall_after` deltas and ends.
+    # Anthropic requests only: a 529 overloaded_error before any token. Any stream: the
+    # engine's error event after `stall_after` tokens (Anthropic's `event: error`, vLLM's
+    # `data: {"error": ...}` then `[DONE]`), which ends it.
     overloaded_rate: float = 0.0
     stream_error_rate: float = 0.0
     slow_factor: float = 1.0
@@ -108,7 +115,7 @@ class Faults:
             (DIE, self.die_rate),
             (STALL, self.stall_rate if stream else 0.0),
             (OVERLOADED, self.overloaded_rate if anthropic else 0.0),
-            (STREAM_ERROR, self.stream_error_rate if anthropic and stream else 0.0),
+            (STREAM_ERROR, self.stream_error_rate if stream else 0.0),
         ):
             if rate > 0 and rng.random() < rate:
                 return name
@@ -148,7 +155,7 @@ _RATES = {
     "overloaded_rate",
     "stream_error_rate",
 }
-_COUNTS = {"stall_after", "die_after", "retry_after"}
+_COUNTS = {"stall_after", "die_after", "die_next", "error_next", "retry_after"}
 _OPTIONAL_SECONDS = {"ttft", "per_token"}
 
 

@@ -84,20 +84,26 @@ def usage_json(prompt_tokens: int, completion_tokens: int) -> str:
     )
 
 
-def chat_body(rid: str, model_json: str, n: int, prompt_tokens: int) -> bytes:
+def generated(n: int, start: int = 0) -> str:
+    """The text of `n` tokens from token `start` on (a continuation starts past 0)."""
+    return text(n) if start == 0 else span(start, start + n)
+
+
+def chat_body(rid: str, model_json: str, n: int, prompt_tokens: int, start: int = 0) -> bytes:
     return (
         f'{{"id":"chatcmpl-{rid}","object":"chat.completion","created":{int(time.time())},'
         f'"model":{model_json},"choices":[{{"index":0,"message":{{"role":"assistant",'
-        f'"content":"{text(n)}","tool_calls":[]}},"logprobs":null,"finish_reason":"length",'
+        f'"content":"{generated(n, start)}","tool_calls":[]}},"logprobs":null,'
+        f'"finish_reason":"length",'
         f'"stop_reason":null}}],"usage":{usage_json(prompt_tokens, n)},"prompt_logprobs":null}}'
     ).encode()
 
 
-def completion_body(rid: str, model_json: str, n: int, prompt_tokens: int) -> bytes:
+def completion_body(rid: str, model_json: str, n: int, prompt_tokens: int, start: int = 0) -> bytes:
     return (
         f'{{"id":"cmpl-{rid}","object":"text_completion","created":{int(time.time())},'
-        f'"model":{model_json},"choices":[{{"index":0,"text":"{text(n)}","logprobs":null,'
-        f'"finish_reason":"length","stop_reason":null}}],'
+        f'"model":{model_json},"choices":[{{"index":0,"text":"{generated(n, start)}",'
+        f'"logprobs":null,"finish_reason":"length","stop_reason":null}}],'
         f'"usage":{usage_json(prompt_tokens, n)}}}'
     ).encode()
 
@@ -107,6 +113,7 @@ class ChunkWriter:
 
     def __init__(self, chat: bool, rid: str, model_json: str) -> None:
         self._chat = chat
+        self.chat = chat
         if chat:
             head = f'{{"id":"chatcmpl-{rid}","object":"chat.completion.chunk"'
         else:
@@ -130,11 +137,23 @@ class ChunkWriter:
             f'{self._head}"choices":[{choice}"finish_reason":{finish},"stop_reason":null}}]}}\n\n'
         ).encode()
 
+    def role(self) -> bytes:
+        """vLLM's first chunk of a chat stream on its own: the role, with empty content (the
+        fake folds it into the first token's chunk, except in a continuation)."""
+        choice = '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+        return f'{self._head}"choices":[{choice}"finish_reason":null}}]}}\n\n'.encode()
+
     def usage(self, prompt_tokens: int, n: int) -> bytes:
         return f'{self._head}"choices":[],"usage":{usage_json(prompt_tokens, n)}}}\n\n'.encode()
 
 
 DONE = b"data: [DONE]\n\n"
+# How vLLM's OpenAI server ends a stream whose generation failed (its error response as JSON,
+# by `json.dumps`, hence the spaces), before `[DONE]`.
+STREAM_ERROR_EVENT = (
+    b'data: {"error": {"object": "error", "message": "engine error mid-stream", '
+    b'"type": "InternalServerError", "param": null, "code": 500}}\n\n'
+)
 
 
 def embedding(text_in: str) -> list[float]:

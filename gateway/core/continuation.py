@@ -1,0 +1,175 @@
+"""Continuing a stream on another attempt: what every protocol shares.
+
+A streamed answer that breaks after its first byte can be continued: the text the client has
+received is a prefix the next attempt extends (`continuation_openai`,
+`continuation_anthropic`). Each protocol gives a `Transcript` of what the client received and
+a `Rewriter` that turns the next attempt's events into the rest of the same stream.
+
+Happy-path cost: the relay hands each forwarded chunk to `Transcript.keep`, which keeps a
+reference (no copy, no parsing). The events are parsed only when a resume is needed, or when
+the kept bytes pass a bound: they are then folded into the transcript's state (the text and a
+few counters), so a long stream holds its text, not its events. Above `max_bytes` of text the
+stream is simply not resumable.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final, Literal
+
+from gateway.core.sse import split_events
+
+EchoMode = Literal["auto", "never", "always"]
+# Raw bytes kept before they are folded into the transcript's state.
+FOLD_AT: Final = 256 * 1024
+
+
+class NotResumable(Exception):
+    """Why a stream cannot be continued (its message is the reason, a short label)."""
+
+
+class Transcript:
+    """What the client received of one stream, enough to continue it elsewhere.
+
+    Subclasses parse events (`absorb`) and build the next attempt's request."""
+
+    def __init__(self, request: dict[str, Any], max_bytes: int, echo: EchoMode) -> None:
+        self.request = request
+        self.max_bytes = max_bytes
+        self.echo: EchoMode = echo
+        self._kept: list[bytes] = []
+        self._kept_bytes = 0
+        self._text_bytes = 0
+        self.text: list[str] = []
+        self.text_events = 0  # events that carried text: the tokens delivered, one per event
+        self.overflow = False  # past max_bytes: not resumable any more
+        self.unreadable = False  # an event could not be parsed: not resumable
+        self.resumes = 0
+
+    def keep(self, chunk: bytes) -> None:
+        """A chunk of complete events sent to the client (the happy path: a reference)."""
+        if self.overflow:
+            return
+        self._kept.append(chunk)
+        self._kept_bytes += len(chunk)
+        if self._kept_bytes > FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Parse the kept events into the state and drop them."""
+        kept, self._kept = self._kept, []
+        self._kept_bytes = 0
+        if self.overflow:
+            return
+        for event in split_events(b"".join(kept)):
+            try:
+                self.absorb(event)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                self.unreadable = True
+        if self._text_bytes > self.max_bytes:
+            self.overflow = True
+            self.text = []
+
+    def add_text(self, text: str) -> None:
+        self.text.append(text)
+        self.text_events += 1
+        self._text_bytes += len(text)
+
+    @property
+    def delivered_text(self) -> str:
+        return "".join(self.text)
+
+    def absorb(self, event: bytes) -> None:
+        """Take one client-visible event into the state."""
+        raise NotImplementedError
+
+    def why_not(self) -> str | None:
+        """After `fold`: why this stream cannot be continued, None when it can."""
+        if self.overflow:
+            return "too_long"
+        if self.unreadable:
+            return "unreadable"
+        return None
+
+    def finishing(self) -> bytes | None:
+        """After `fold`: when the generation already ended (only the stream's last events were
+        lost), the bytes that end the stream properly; None when there is more to generate."""
+        raise NotImplementedError
+
+    def continuation(self) -> tuple[bytes, Rewriter]:
+        """After `fold`: the next attempt's request body and the rewriter of its events.
+        Raises NotResumable."""
+        raise NotImplementedError
+
+
+class Splice:
+    """Joins a continuation's text to what the client already has.
+
+    `echo`: the prefix the request sent; an engine may stream it again before the continuation
+    (llama.cpp's Anthropic-format prefill does), and it is then dropped. In `auto` mode the
+    text is held while it could still be that echo, and released as soon as it is not.
+    `owed`: whitespace the client received but the request could not carry (Anthropic
+    rejects a prefill ending in whitespace); the continuation's own leading whitespace is
+    matched against it so it is not delivered twice."""
+
+    __slots__ = ("_echo", "_held", "_mode", "_owed")
+
+    def __init__(self, echo: str, mode: EchoMode, owed: str = "") -> None:
+        self._echo = echo if echo and mode != "never" else ""
+        self._mode = mode
+        self._held = ""
+        self._owed = owed
+
+    def feed(self, text: str) -> str:
+        """The part of `text` to deliver now."""
+        if self._echo:
+            self._held += text
+            echo = self._echo
+            held = self._held
+            if len(held) < len(echo) and echo.startswith(held):
+                return ""  # could still be the echo
+            self._echo = ""
+            self._held = ""
+            if held.startswith(echo):
+                text = held[len(echo) :]
+            elif self._mode == "always":
+                # The engine said it echoes, yet this is not the prefix: deliver it unchanged
+                # rather than cut text the client never had.
+                text = held
+            else:
+                text = held
+        if self._owed and text:
+            owed = self._owed
+            matched = 0
+            while matched < len(owed) and matched < len(text) and text[matched] == owed[matched]:
+                matched += 1
+            if matched == len(text) and matched < len(owed):
+                self._owed = owed[matched:]  # all of it was owed; more may follow
+                return ""
+            self._owed = ""
+            text = text[matched:]
+        return text
+
+    def flush(self) -> str:
+        """At the end of the text (a finish, another block): whatever is still held."""
+        held, self._held, self._echo = self._held, "", ""
+        if not held:
+            return ""
+        echo_gone = self.feed(held)
+        return echo_gone
+
+
+class Rewriter:
+    """Turns a continuation's events into the rest of the client's stream."""
+
+    def rewrite(self, events: bytes) -> bytes:
+        """Complete events of the continuation in, the client's events out (maybe none)."""
+        raise NotImplementedError
+
+
+def loads(data: str) -> Any:
+    return json.loads(data)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

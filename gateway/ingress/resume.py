@@ -1,0 +1,147 @@
+"""Resuming a stream that broke after its first byte: whether, and how the next attempt goes.
+
+The relay (`ingress.relay`) asks `plan` when a stream it forwards breaks (a reset, an EOF
+before the protocol's last event, an idle timeout, the engine's own error event). The answer
+is one of:
+- the bytes that end the stream properly, when the generation had ended and only its last
+  events were lost;
+- a `Continue`: the next attempt's body and the rewriter of its events (`core.continuation`),
+  sent through the request path below admission (`start`): it picks another instance (the
+  one that broke is avoided while any other can take it), retries before its own first byte,
+  and keeps the client's deadline;
+- a refusal (its reason), and the stream ends as it would without resume.
+
+A resume is allowed within `resume.max_resumes` per request and the pool's retry budget (each
+spends one retry), before the request's deadline. Every resume is counted per pool, instance
+and reason; a stream that broke and could not be resumed is counted by the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config.models import ResumePolicy
+from gateway.core import continuation_anthropic, continuation_openai
+from gateway.core.continuation import NotResumable, Rewriter, Transcript
+from gateway.errors import UpstreamError, UpstreamStreamCut, UpstreamStreamError, UpstreamTimeout
+from gateway.ingress.dialect import MESSAGES_PATH
+from gateway.runtime import Clock
+from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.response import UpstreamResponse
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+# Sends a continuation through the request path; returns its response and the idle timeout
+# of its stream.
+Start = Callable[[bytes, InstanceState], Awaitable[tuple[UpstreamResponse, float]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    body: bytes
+    rewriter: Rewriter
+
+
+def transcript_for(
+    path: str, request: dict[str, Any], policy: ResumePolicy
+) -> tuple[Transcript | None, str | None]:
+    """The transcript a stream on `path` keeps, or why it cannot be resumed at all."""
+    if not policy.enabled:
+        return None, "off"
+    max_text = policy.max_text
+    if path in (CHAT_PATH, COMPLETIONS_PATH):
+        chat = path == CHAT_PATH
+        refused = continuation_openai.refusal(request, chat)
+        if refused is not None:
+            return None, refused
+        return continuation_openai.OpenAITranscript(request, chat, max_text, policy.echo), None
+    if path == MESSAGES_PATH:
+        refused = continuation_anthropic.refusal(request)
+        if refused is not None:
+            return None, refused
+        return continuation_anthropic.AnthropicTranscript(request, max_text, policy.echo), None
+    return None, "route"
+
+
+def break_reason(error: UpstreamError) -> str:
+    """A bounded label for what broke a stream."""
+    if isinstance(error, UpstreamTimeout):
+        return "idle_timeout"
+    if isinstance(error, UpstreamStreamError):
+        return "error_event"
+    if isinstance(error, UpstreamStreamCut):
+        return "eof"
+    return {"reset": "reset", "protocol": "protocol"}.get(error.kind, "error")
+
+
+class StreamResume:
+    """One streamed request's resumes."""
+
+    def __init__(
+        self,
+        transcript: Transcript | None,
+        refusal: str | None,
+        policy: ResumePolicy,
+        pool: PoolState,
+        start: Start,
+        clock: Clock,
+        deadline: float,
+    ) -> None:
+        self.transcript = transcript
+        self._refusal = refusal
+        self._policy = policy
+        self._pool = pool
+        self.start = start
+        self._clock = clock
+        self._deadline = deadline
+        self.resumes = 0
+        self.reasons: list[str] = []  # why each resume happened, in order
+        self.attempts = 0  # the continuations' attempts, retries included
+        self.instance: InstanceState | None = None  # where the stream ended
+
+    def plan(self, error: UpstreamError, broken: InstanceState) -> Continue | bytes | str:
+        """What to do about a stream `error` broke on `broken`."""
+        refused = self._why_not(error)
+        if isinstance(refused, bytes):
+            return refused
+        if refused is not None:
+            self._pool.stats.not_resumed(refused)
+            return refused
+        transcript = self.transcript
+        assert transcript is not None
+        try:
+            body, rewriter = transcript.continuation()
+        except NotResumable as exc:
+            self._pool.stats.not_resumed(str(exc))
+            return str(exc)
+        reason = break_reason(error)
+        self.resumes += 1
+        self.reasons.append(reason)
+        self._pool.stats.resumed(broken.name, reason)
+        return Continue(body, rewriter)
+
+    def _why_not(self, error: UpstreamError) -> bytes | str | None:
+        if self._refusal is not None:
+            return self._refusal
+        transcript = self.transcript
+        assert transcript is not None
+        transcript.fold()
+        ending = transcript.finishing()
+        if ending is not None:
+            return ending
+        reason = transcript.why_not()
+        if reason is not None:
+            return reason
+        if self.resumes >= self._policy.max_resumes:
+            return "max_resumes"
+        now = self._clock()
+        if now >= self._deadline:
+            return "deadline"
+        pool = self._pool
+        if not pool.budget.try_spend(now):
+            pool.stats.budget_exhausted += 1
+            return "budget"
+        return None

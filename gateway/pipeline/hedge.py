@@ -1,0 +1,238 @@
+"""The hedging layer: a first attempt slow to answer gets a second one elsewhere; the first to
+answer wins.
+
+Between the pick and the rest of an attempt. When an attempt is the first of its retry loop (a
+client request's, or a resumed stream's continuation) and another instance could take it, a
+timer is set at its instance's predicted first byte plus `hedging.k` deviations
+(`PoolState.hedge_delay`: near its 95th percentile), never sooner than `hedging.min_delay`.
+Most attempts answer before it and only cancel the timer. When it fires, and the pool's retry
+budget allows, a hedge picks another instance (the pick layer, avoiding this one) and is sent
+from a task of its own:
+
+- the hedge answers first (a status below 400, read to the commit point): the first attempt
+  is cancelled at once (`SUPERSEDED`: its connection closes, so vLLM frees the sequence), the
+  request takes the hedge's instance, timeouts and response;
+- the first attempt answers first: the hedge is cancelled (or its answer, if it had one,
+  discarded);
+- one fails: the other is waited for; both fail: the first one's failure goes to the retry
+  layer, as without a hedge.
+
+Nothing here runs after the commit point: both attempts end at their first byte. A pool of one
+never hedges, nor does an instance with nothing learned (no prediction to hedge at), nor an
+isolated instance's probe. An attempt given up for a hedge is not a failure, but an instance
+that loses every race is: the account layer counts the losses in a row (`Account`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from gateway.errors import UpstreamError
+from gateway.pipeline.call import Call, Handler, Layer
+from gateway.runtime import SUPERSEDED, Cancellation, Clock
+from gateway.upstream.response import UpstreamResponse
+
+log = logging.getLogger("gateway.hedge")
+
+
+class _Race:
+    """One hedged request's two attempts: the hedge's task, its call and its result."""
+
+    __slots__ = (
+        "first_done",
+        "hedge",
+        "hedge_started",
+        "main",
+        "result",
+        "started",
+        "task",
+        "timer",
+    )
+
+    def __init__(self, call: Call) -> None:
+        self.main = call
+        self.started = 0.0  # when each attempt was sent, for the loser's latency
+        self.hedge_started = 0.0
+        self.first_done = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.hedge: Call | None = None
+        self.result: UpstreamResponse | BaseException | None = None
+
+
+class Hedge:
+    """The layer. `pick`: the pick layer, which chooses the hedge's instance."""
+
+    def __init__(self, pick: Layer, clock: Clock) -> None:
+        self._pick = pick
+        self._clock = clock
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        pool = call.pool
+        policy = pool.policy.hedging
+        instance = call.instance
+        assert instance is not None, "the pick layer runs first"
+        if not policy.enabled or call.attempts != 1 or call.probe:
+            # A probe is the one request that tells whether an isolated instance is back:
+            # it is left to answer or time out.
+            return await next_handler(call)
+        now = self._clock()
+        if pool.alone(instance, now, call.avoid):
+            return await next_handler(call)
+        facts = call.facts
+        delay = pool.hedge_delay(instance, now, stream=facts.stream, max_tokens=facts.max_tokens)
+        if delay is None:
+            return await next_handler(call)
+        delay = max(delay, policy.min_delay)
+        if now + delay >= call.deadline:
+            return await next_handler(call)
+        race = _Race(call)
+        race.started = now
+        loop = asyncio.get_running_loop()
+        race.timer = loop.call_later(delay, self._launch, race, next_handler)
+        try:
+            response = await next_handler(call)
+        except asyncio.CancelledError:
+            race.first_done = True
+            if call.cancellation.consume(SUPERSEDED):
+                return self._hedge_won(race)
+            await self._abandon(race)
+            raise
+        except UpstreamError:
+            race.first_done = True
+            # The hedge may have answered as this one failed: its cancel is not for anyone.
+            call.cancellation.consume(SUPERSEDED)
+            hedged = await self._hedge_result(race)
+            if hedged is not None:
+                return hedged
+            raise
+        race.first_done = True
+        if race.task is None:
+            if race.timer is not None:
+                race.timer.cancel()
+            return response
+        if response.outcome.kind != "ok":
+            hedged = await self._hedge_result(race)
+            if hedged is not None:
+                response.finish(ok=False)
+                return hedged
+            return response
+        pool.stats.hedged("lost")
+        self._slow(race.hedge, race.hedge_started)
+        await self._abandon(race)
+        self._count_attempts(race)
+        return response
+
+    def _launch(self, race: _Race, next_handler: Handler) -> None:
+        """The timer fired: send the hedge, if the first attempt is still waiting."""
+        race.timer = None
+        call = race.main
+        if race.first_done:
+            return
+        pool = call.pool
+        if not pool.budget.try_spend(self._clock()):
+            pool.stats.hedged("no_budget")
+            return
+        assert call.instance is not None
+        hedge = dataclasses.replace(
+            call,
+            avoid=[call.instance, *call.avoid],
+            instance=None,
+            timeouts=None,
+            probe=False,
+            reserved=None,
+            tokens=0,
+        )
+        race.hedge = hedge
+        race.hedge_started = self._clock()
+        task = asyncio.get_running_loop().create_task(self._run(race, hedge, next_handler))
+        hedge.cancellation = Cancellation(task)
+        race.task = task
+
+    async def _run(self, race: _Race, hedge: Call, next_handler: Handler) -> None:
+        try:
+            response = await self._pick(hedge, next_handler)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a failure of the hedge is the first attempt's chance
+            race.result = exc
+            return
+        race.result = response
+        if response.outcome.kind == "ok" and not race.first_done:
+            race.main.cancellation.cancel(SUPERSEDED)  # the first attempt is given up
+
+    def _hedge_won(self, race: _Race) -> UpstreamResponse:
+        call, hedge, response = race.main, race.hedge, race.result
+        assert hedge is not None and isinstance(response, UpstreamResponse)
+        call.pool.stats.hedged("won")
+        self._slow(call, race.started)
+        # The request goes on with the hedge's attempt: its instance, timeouts and deadline.
+        call.instance = hedge.instance
+        call.timeouts = hedge.timeouts
+        call.probe = hedge.probe
+        call.prompt_tokens = hedge.prompt_tokens
+        self._count_attempts(race)
+        response.bind(call.cancellation)
+        return response
+
+    async def _hedge_result(self, race: _Race) -> UpstreamResponse | None:
+        """After the first attempt failed: the hedge's answer when it is a good one."""
+        if race.timer is not None:
+            race.timer.cancel()
+            race.timer = None
+        task = race.task
+        if task is None:
+            return None
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await self._abandon(race)
+            raise
+        result = race.result
+        if isinstance(result, UpstreamResponse) and result.outcome.kind == "ok":
+            return self._hedge_won(race)
+        if isinstance(result, UpstreamResponse):
+            result.finish(ok=False)
+        race.result = None
+        call = race.main
+        call.pool.stats.hedged("failed")
+        self._count_attempts(race)
+        return None
+
+    async def _abandon(self, race: _Race) -> None:
+        """The first attempt won or the request ends: the hedge is cancelled, or its answer
+        (if it came meanwhile) discarded."""
+        if race.timer is not None:
+            race.timer.cancel()
+            race.timer = None
+        task = race.task
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # the request itself was cancelled meanwhile
+        result = race.result
+        if isinstance(result, UpstreamResponse):
+            race.result = None
+            result.finish(ok=False)
+
+    def _slow(self, loser: Call | None, started: float) -> None:
+        """The attempt that lost took at least this long without answering: what the
+        balancer learns of its instance (its attempt was cancelled, so it is accounted as
+        neither a success nor a failure), or it would keep getting first attempts."""
+        if loser is None or loser.instance is None:
+            return
+        now = self._clock()
+        loser.instance.peak.observe(now, now - started)
+
+    @staticmethod
+    def _count_attempts(race: _Race) -> None:
+        hedge = race.hedge
+        if hedge is not None and hedge.attempts > race.main.attempts:
+            race.main.attempts = hedge.attempts

@@ -1,0 +1,344 @@
+"""The pure core of stream resume: transcripts, continuation requests, rewriting, splicing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.core import continuation_anthropic as anthropic_c
+from gateway.core import continuation_openai as openai_c
+from gateway.core.continuation import FOLD_AT, NotResumable, Splice
+from gateway.core.sse import event_boundary, format_event, parse_event, split_events
+
+CHAT_REQUEST: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 10,
+    "stream": True,
+}
+
+
+def chat_chunk(content: str | None = None, role: bool = False, finish: str | None = None,
+               cid: str = "chatcmpl-1", created: int = 100, **extra: Any) -> bytes:  # fmt: skip
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = "assistant"
+    if content is not None:
+        delta["content"] = content
+    chunk = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": "m",
+        "system_fingerprint": "fp-" + cid,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        **extra,
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def data_of(events: bytes) -> list[Any]:
+    out = []
+    for event in split_events(events):
+        _, data = parse_event(event)
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# --- SSE ------------------------------------------------------------------------------------
+
+
+def test_events_split_and_parse_with_any_line_ending() -> None:
+    raw = b"event: a\r\ndata: 1\r\ndata: 2\r\n\r\ndata: x\n\n: comment\rdata: y\r\r"
+    events = split_events(raw)
+    assert b"".join(events) == raw
+    assert [parse_event(e) for e in events] == [("a", "1\n2"), (None, "x"), (None, "y")]
+    assert event_boundary(b"data: 1\n\ndata: 2") == len(b"data: 1\n\n")
+    assert parse_event(format_event("a\nb", "n")) == ("n", "a\nb")
+
+
+# --- splicing --------------------------------------------------------------------------------
+
+
+def test_an_echoed_prefix_is_dropped_once_it_is_whole() -> None:
+    splice = Splice("Hello there", "auto")
+    assert splice.feed("Hello") == ""  # could still be the echo: held
+    assert splice.feed(" there, friend") == ", friend"
+    assert splice.feed(" more") == " more"
+
+
+def test_text_that_is_not_the_echo_is_released_at_once() -> None:
+    splice = Splice("Hello there", "auto")
+    assert splice.feed("Hel") == ""
+    assert splice.feed("p me") == "Help me"
+
+
+def test_held_text_is_released_at_the_end() -> None:
+    splice = Splice("Hello there", "auto")
+    assert splice.feed("Hello") == ""
+    assert splice.flush() == "Hello"
+
+
+def test_never_mode_delivers_everything() -> None:
+    assert Splice("Hello", "never").feed("Hello again") == "Hello again"
+
+
+def test_owed_whitespace_is_not_delivered_twice() -> None:
+    splice = Splice("", "auto", owed="\n\n")
+    assert splice.feed("\n") == ""  # part of what the client has
+    assert splice.feed("\nNext") == "Next"
+    other = Splice("", "auto", owed=" ")
+    assert other.feed("\nNext") == "\nNext"  # different whitespace: the model's own
+
+
+# --- OpenAI ------------------------------------------------------------------------------------
+
+
+def openai_transcript(request: dict[str, Any] | None = None, chat: bool = True,
+                      max_bytes: int = 1 << 20) -> openai_c.OpenAITranscript:  # fmt: skip
+    return openai_c.OpenAITranscript(request or dict(CHAT_REQUEST), chat, max_bytes, "auto")
+
+
+def test_a_chat_continuation_appends_the_text_as_a_final_assistant_message() -> None:
+    t = openai_transcript()
+    t.keep(chat_chunk("", role=True) + chat_chunk("Hello"))
+    t.keep(chat_chunk(" world"))
+    t.fold()
+    assert t.why_not() is None and t.finishing() is None
+    body, _ = t.continuation()
+    request = json.loads(body)
+    assert request["messages"][-1] == {"role": "assistant", "content": "Hello world"}
+    assert request["continue_final_message"] is True
+    assert request["add_generation_prompt"] is False
+    assert request["max_tokens"] == 8  # two chunks carried text: two tokens delivered
+    assert request["stream_options"] == {"include_usage": True}
+    assert request["messages"][:-1] == CHAT_REQUEST["messages"]
+
+
+def test_a_clients_own_final_message_is_extended() -> None:
+    request = {
+        **CHAT_REQUEST,
+        "messages": [*CHAT_REQUEST["messages"], {"role": "assistant", "content": "Sure:"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_completion_tokens": 5,
+    }
+    t = openai_transcript(request)
+    t.keep(chat_chunk(" one", role=True))
+    t.fold()
+    body, _ = t.continuation()
+    sent = json.loads(body)
+    assert sent["messages"][-1] == {"role": "assistant", "content": "Sure: one"}
+    assert len(sent["messages"]) == 2
+    assert sent["max_completion_tokens"] == 4
+
+
+def test_a_completions_continuation_extends_the_prompt() -> None:
+    request = {"model": "m", "prompt": "Once", "max_tokens": 4, "stream": True}
+    t = openai_transcript(request, chat=False)
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": " upon", "finish_reason": None}]}  # fmt: skip
+    t.keep(f"data: {json.dumps(chunk)}\n\n".encode())
+    t.fold()
+    body, _ = t.continuation()
+    assert json.loads(body)["prompt"] == "Once upon"
+    assert json.loads(body)["max_tokens"] == 3
+
+
+def test_the_continuation_is_rewritten_into_the_same_stream() -> None:
+    t = openai_transcript({**CHAT_REQUEST, "stream_options": {"include_usage": True}})
+    t.keep(chat_chunk("", role=True) + chat_chunk("Hello"))
+    t.fold()
+    _, rewriter = t.continuation()
+    out = rewriter.rewrite(
+        chat_chunk("", role=True, cid="chatcmpl-2", created=200)
+        + chat_chunk(" world", cid="chatcmpl-2", created=200)
+        + chat_chunk("", finish="length", cid="chatcmpl-2", created=200)
+    )
+    usage = {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    out += rewriter.rewrite(
+        f"data: {json.dumps({'id': 'chatcmpl-2', 'object': 'chat.completion.chunk', 'created': 200, 'model': 'm', 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()  # noqa: E501
+    )
+    chunks = data_of(out)
+    assert chunks[-1] == "[DONE]"
+    bodies = chunks[:-1]
+    assert {c["id"] for c in bodies} == {"chatcmpl-1"}
+    assert {c["created"] for c in bodies} == {100}
+    assert {c["system_fingerprint"] for c in bodies} == {"fp-chatcmpl-1"}
+    assert all("role" not in c["choices"][0]["delta"] for c in bodies if c["choices"])
+    assert [c["choices"][0]["delta"].get("content") for c in bodies if c["choices"]] == [
+        " world",
+        "",
+    ]
+    # Usage: the original prompt (the continuation's minus the text it carried), every token.
+    assert bodies[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_usage_the_client_did_not_ask_for_is_dropped() -> None:
+    t = openai_transcript()
+    t.keep(chat_chunk("Hi", role=True))
+    t.fold()
+    _, rewriter = t.continuation()
+    usage = {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8}
+    tail = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [], "usage": usage}  # fmt: skip
+    assert data_of(rewriter.rewrite(f"data: {json.dumps(tail)}\n\n".encode())) == []
+
+
+def test_continuous_usage_counts_tokens_exactly() -> None:
+    request = {**CHAT_REQUEST, "stream_options": {"include_usage": True,
+                                                  "continuous_usage_stats": True}}  # fmt: skip
+    t = openai_transcript(request)
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    t.keep(chat_chunk("Hello world", role=True, usage=usage))  # three tokens in one chunk
+    t.fold()
+    body, rewriter = t.continuation()
+    assert json.loads(body)["max_tokens"] == 7
+    usage2 = {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+    out = data_of(rewriter.rewrite(chat_chunk("!", cid="c2", usage=usage2)))
+    assert out[0]["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+def test_a_tool_call_in_progress_is_not_continued() -> None:
+    t = openai_transcript()
+    call = {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": "{"}}
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}  # fmt: skip
+    t.keep(f"data: {json.dumps(chunk)}\n\n".encode())
+    t.fold()
+    assert t.why_not() == "tool_call"
+    with pytest.raises(NotResumable, match="tool_call"):
+        t.continuation()
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"echo": True}, "echo")],
+)
+def test_requests_that_cannot_be_continued_are_known_before_they_are_sent(
+    extra: dict[str, Any], reason: str
+) -> None:
+    assert openai_c.refusal({**CHAT_REQUEST, **extra}, chat=True) == reason
+    assert openai_c.refusal({**CHAT_REQUEST, "n": 1, "logprobs": False}, chat=True) is None
+    assert openai_c.refusal({"prompt": [1, 2, 3]}, chat=False) == "prompt_not_text"
+
+
+def test_a_stream_that_had_finished_is_only_ended() -> None:
+    request = {**CHAT_REQUEST, "stream_options": {"include_usage": True,
+                                                  "continuous_usage_stats": True}}  # fmt: skip
+    t = openai_transcript(request)
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    t.keep(chat_chunk("Hi", role=True, finish="stop", usage=usage))
+    t.fold()
+    ending = data_of(t.finishing() or b"")
+    assert ending[-1] == "[DONE]"
+    assert ending[0]["usage"]["completion_tokens"] == 1 and ending[0]["choices"] == []
+
+
+def test_a_stream_past_its_text_bound_is_not_resumable() -> None:
+    t = openai_transcript(max_bytes=100)
+    piece = chat_chunk("x" * 50)
+    for _ in range(FOLD_AT // len(piece) + 2):
+        t.keep(piece)
+    t.fold()
+    assert t.why_not() == "too_long"
+    assert t.text == []  # the text was let go
+
+
+# --- Anthropic ---------------------------------------------------------------------------------
+
+MESSAGES_REQUEST: dict[str, Any] = {
+    "model": "m",
+    "max_tokens": 10,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+}
+
+
+def event(name: str, **fields: Any) -> bytes:
+    return format_event(json.dumps({"type": name, **fields}), name)
+
+
+def message_start(mid: str = "msg_1", input_tokens: int = 3) -> bytes:
+    message = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": "m",
+               "usage": {"input_tokens": input_tokens, "output_tokens": 1}}  # fmt: skip
+    return event("message_start", message=message)
+
+
+def text_delta(text: str, index: int = 0) -> bytes:
+    return event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+
+
+def block_start(index: int = 0) -> bytes:
+    return event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+
+
+def test_a_prefill_holds_back_trailing_whitespace_and_it_is_not_sent_twice() -> None:
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "auto")
+    t.keep(
+        message_start() + block_start() + event("ping") + text_delta("Hello") + text_delta(",\n\n")
+    )
+    t.fold()
+    body, rewriter = t.continuation()
+    request = json.loads(body)
+    assert request["messages"][-1] == {"role": "assistant", "content": "Hello,"}
+    assert request["max_tokens"] == 8
+    out = rewriter.rewrite(
+        message_start("msg_2", input_tokens=5) + block_start() + event("ping")
+        + text_delta("\n") + text_delta("\nWorld")
+        + event("content_block_stop", index=0)
+        + event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                usage={"output_tokens": 2})
+        + event("message_stop")
+    )  # fmt: skip
+    names = [parse_event(e)[0] for e in split_events(out)]
+    assert names == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    delta = json.loads(parse_event(split_events(out)[0])[1])
+    assert delta["delta"]["text"] == "World" and delta["index"] == 0
+    usage = json.loads(parse_event(split_events(out)[2])[1])["usage"]
+    assert usage["output_tokens"] == 4
+
+
+def test_an_echoed_prefill_is_dropped() -> None:
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "auto")
+    t.keep(message_start() + block_start() + text_delta("One two"))
+    t.fold()
+    _, rewriter = t.continuation()
+    out = rewriter.rewrite(message_start() + block_start() + text_delta("One two three"))
+    (delta,) = [json.loads(parse_event(e)[1]) for e in split_events(out)]
+    assert delta["delta"]["text"] == " three"
+
+
+def test_later_blocks_of_a_continuation_are_renumbered_after_the_clients() -> None:
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "never")
+    t.keep(
+        message_start() + block_start(0) + text_delta("a") + event("content_block_stop", index=0)
+    )
+    t.keep(block_start(1) + text_delta("b", index=1))
+    t.fold()
+    _, rewriter = t.continuation()
+    out = rewriter.rewrite(
+        block_start(0) + text_delta("c", 0) + event("content_block_stop", index=0)
+        + block_start(1) + text_delta("d", 1)
+    )  # fmt: skip
+    indices = [json.loads(parse_event(e)[1]).get("index") for e in split_events(out)]
+    assert indices == [1, 1, 2, 2]
+
+
+def test_thinking_and_tool_use_are_not_continued() -> None:
+    assert anthropic_c.refusal({**MESSAGES_REQUEST, "thinking": {"type": "enabled"}}) == "reasoning"
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "auto")
+    tool = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    t.keep(message_start() + event("content_block_start", index=0, content_block=tool))
+    t.fold()
+    assert t.why_not() == "tool_call"
+
+
+def test_a_message_that_had_stopped_is_only_ended() -> None:
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "auto")
+    t.keep(message_start() + block_start() + text_delta("x") + event("content_block_stop", index=0))
+    t.keep(event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1}))
+    t.fold()
+    assert t.finishing() == anthropic_c.MESSAGE_STOP

@@ -1,0 +1,135 @@
+"""Hedged first attempts through the whole pipeline, in process and in virtual time: a first
+attempt slow to answer gets a second one on another instance, the first to answer wins, and
+the other is given up. Asserted by where requests ended, their attempts, the virtual times of
+events and the pool's hedge counts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.memory_upstream import Answer, Hang, Script, always
+from tests.test_request_path import Outcome, Pipeline, pipeline
+from tests.virtual_time import run
+
+LEARN = 12  # answers each instance gives fast first: more than `timeouts.min_samples`
+FAST_S = 0.01
+SETTINGS = "    timeouts: {jitter: 0s}"
+
+
+def fast_then(act: Answer | Hang) -> Script:
+    """Fast answers while the gateway learns the instance, then `act`."""
+    return lambda n: Answer(after_s=FAST_S) if n < LEARN else act
+
+
+async def learned(p: Pipeline) -> None:
+    """Requests until every instance has answered `LEARN` times."""
+    names = [i.name for i in p.pool.instances]
+    for _ in range(10 * LEARN):
+        if all(p.upstreams.received(name) >= LEARN for name in names):
+            return
+        await p.request()
+    raise AssertionError("the instances never all learned")
+
+
+def test_a_first_attempt_on_a_hung_instance_is_hedged_long_before_its_timeout() -> None:
+    async def scenario() -> tuple[Pipeline, list[Outcome], float, float]:
+        p = await pipeline(
+            {"a": fast_then(Hang()), "b": always(Answer(after_s=FAST_S))}, SETTINGS
+        )()
+        try:
+            await learned(p)
+            [a, _] = p.pool.instances
+            loop = asyncio.get_running_loop()
+            k = p.pool.tiers.choose(p.pool.failure.rate).k
+            timeout_s = p.pool.timeouts_for(a, k, loop.time(), stream=False, max_tokens=16)
+            delay = p.pool.hedge_delay(a, loop.time(), stream=False, max_tokens=16)
+            assert delay is not None
+            starts: list[float] = []
+            outcomes: list[Outcome] = []
+            for _ in range(20):
+                starts.append(loop.time())
+                outcomes.append(await p.request())
+            durations = [o.at - s for o, s in zip(outcomes, starts, strict=True)]
+            return p, outcomes, max(durations), min(timeout_s.first_byte_s, delay * 10)
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, slowest, bound = run(scenario())
+    assert all((o.status, o.instance) == (200, "b") for o in outcomes)
+    hedged = [o for o in outcomes if o.attempts == 2]
+    assert hedged, "some first attempts went to the hung instance"
+    assert p.pool.stats.hedges.get("won", 0) == len(hedged)
+    # Virtual time: a hedged request ended at its hedge delay plus b's answer, well before the
+    # hung attempt's own first-byte timeout.
+    assert slowest < bound
+
+
+def test_a_pool_of_one_never_hedges() -> None:
+    async def scenario() -> tuple[Pipeline, Outcome]:
+        p = await pipeline({"a": fast_then(Answer(after_s=0.2))}, SETTINGS)()
+        try:
+            await learned(p)
+            return p, await p.request()
+        finally:
+            await p.watchdog.close()
+
+    p, slow = run(scenario())
+    assert (slow.status, slow.attempts) == (200, 1)
+    assert p.pool.stats.hedges == {}
+
+
+def test_hedging_off_sends_no_second_attempt() -> None:
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=0.2)), "b": fast_then(Answer(after_s=0.2))},
+            SETTINGS + "\n    hedging: false",
+        )()
+        try:
+            await learned(p)
+            return p, [await p.request() for _ in range(4)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario())
+    assert [(o.status, o.attempts) for o in outcomes] == [(200, 1)] * 4
+    assert p.pool.stats.hedges == {}
+
+
+def test_the_first_answer_wins_and_the_other_attempt_is_dropped() -> None:
+    # After learning, a answers in 50 ms (past its hedge delay) and b takes a second: whichever
+    # went first, the request ends on a, with the other attempt given up.
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=0.05)), "b": fast_then(Answer(after_s=1.0))},
+            SETTINGS,
+        )()
+        try:
+            await learned(p)
+            return p, [await p.request() for _ in range(6)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario())
+    assert [(o.status, o.instance) for o in outcomes] == [(200, "a")] * 6
+    hedged = sum(1 for o in outcomes if o.attempts == 2)
+    assert hedged >= 1
+    hedges = p.pool.stats.hedges
+    assert hedges.get("won", 0) + hedges.get("lost", 0) == hedged
+
+
+def test_hedges_stop_when_the_retry_budget_is_spent() -> None:
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=0.1)), "b": fast_then(Answer(after_s=0.1))},
+            SETTINGS + "\n    retries: {budget: {ratio: 0.0001, min_per_second: 0.0001}}",
+        )()
+        try:
+            await learned(p)
+            return p, [await p.request() for _ in range(5)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario())
+    assert [(o.status, o.attempts) for o in outcomes] == [(200, 1)] * 5
+    assert p.pool.stats.hedges.get("no_budget", 0) >= 1
+    assert set(p.pool.stats.hedges) == {"no_budget"}

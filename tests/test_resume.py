@@ -1,0 +1,330 @@
+"""Streams that break after their first byte are continued on another attempt: the client sees
+one whole stream (every token once, in order, one id, one ending, no error event, usage equal
+to what it received), through the official SDKs and raw SSE, on both protocols.
+
+The fake backends continue a final assistant message, a prompt or a prefill exactly where its
+text ends (their words follow a fixed sequence: `responses.text`), so a stream cut after k
+tokens and continued elsewhere must read as `text(n)`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from loadtests.fake_vllm.responses import text
+from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
+
+FAST = ("--ttft", "0.005", "--per-token", "0.002")
+MESSAGES = [{"role": "user", "content": "tell me about streams"}]
+PROMPT_WORDS = 4  # the fake counts words: "tell me about streams"
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    started: dict[str, Backend] = {}
+    try:
+        for name in ("a", "b", "solo"):
+            started[name] = start_backend(name, ["m"] if name != "solo" else ["s"], *FAST)
+        for name in ("ea", "eb"):
+            started[name] = start_backend(name, ["e"], *FAST, "--echo-prefill")
+        started["off"] = start_backend("off", ["o"], *FAST)
+        yield started
+    finally:
+        for backend in started.values():
+            backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    def url(name: str) -> str:
+        return backends[name].url
+
+    policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  pair:
+    models: [m]
+    instances: [{{name: a, url: "{url("a")}"}}, {{name: b, url: "{url("b")}"}}]
+    retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
+  solo:
+    models: [s]
+    instances: [{{name: solo, url: "{url("solo")}"}}]
+    retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
+  echo:
+    models: [e]
+    instances: [{{name: ea, url: "{url("ea")}"}}, {{name: eb, url: "{url("eb")}"}}]
+    retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
+  noresume:
+    models: [o]
+    instances: [{{name: quiet, url: "{url("off")}"}}]
+    resume: false
+"""
+    gw = start_gateway(tmp_path_factory.mktemp("resume") / "policy.yaml", policy)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.reset()
+
+
+@pytest.fixture
+def sdk(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key="k", max_retries=0, timeout=30
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+def claude(gateway: Gateway) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(
+        base_url=gateway.url, api_key="k", max_retries=0, timeout=30
+    ) as client:
+        yield client
+
+
+def cut(backends: dict[str, Backend], names: tuple[str, ...], after: int, count: int = 1) -> None:
+    """The next `count` streams of each named backend die after `after` tokens."""
+    for name in names:
+        backends[name].set_faults(die_next=count, die_after=after)
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:
+    """(event name, data) of every event of a raw SSE response."""
+    events: list[tuple[str | None, str]] = []
+    name: str | None = None
+    data: list[str] = []
+    for line in response.iter_lines():
+        if not line:
+            if data:
+                events.append((name, "\n".join(data)))
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+    if data:
+        events.append((name, "\n".join(data)))
+    return events
+
+
+def raw_stream(
+    gateway: Gateway, path: str, body: dict[str, Any]
+) -> tuple[httpx.Headers, list[tuple[str | None, str]]]:
+    """A streamed request as raw SSE: the response's headers and its events."""
+    with (
+        httpx.Client(base_url=gateway.url, timeout=30) as http,
+        http.stream("POST", path, json={**body, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        return response.headers, sse_events(response)
+
+
+def outcomes(backend: Backend) -> list[tuple[str | None, str]]:
+    return [(r["fault"], r["outcome"]) for r in backend.requests()]
+
+
+def admin_state(gateway: Gateway) -> dict[str, Any]:
+    response = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5)
+    response.raise_for_status()
+    state: dict[str, Any] = response.json()
+    return state
+
+
+# --- OpenAI chat ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["no-usage", "usage"])
+def test_a_chat_stream_cut_twice_arrives_whole_through_the_sdk(
+    sdk: openai.OpenAI, backends: dict[str, Backend], usage: bool
+) -> None:
+    # Each instance cuts its next stream after 5 tokens: the first attempt breaks, its
+    # continuation (on the other instance) breaks too, and the second continuation completes.
+    cut(backends, ("a", "b"), after=5)
+    options: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage else {}
+    stream = sdk.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=20, stream=True, **options
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == text(20)
+    assert len({c.id for c in chunks}) == 1
+    assert len({c.created for c in chunks}) == 1
+    assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == [
+        "assistant"
+    ]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [r for r in reasons if r] == ["length"]
+    usages = [c.usage for c in chunks if c.usage is not None]
+    if usage:
+        (only,) = usages
+        assert only.completion_tokens == 20
+        assert only.prompt_tokens == PROMPT_WORDS
+        assert only.total_tokens == 20 + PROMPT_WORDS
+    else:
+        assert usages == []
+    died = outcomes(backends["a"]) + outcomes(backends["b"])
+    assert sorted(died, key=str) == [("die", "died"), ("die", "died"), (None, "ok")]
+
+
+def test_a_chat_stream_in_a_pool_of_one_is_continued_on_the_same_instance(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=3)
+    stream = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=12, stream=True)
+    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert content == text(12)
+    assert outcomes(backends["solo"]) == [("die", "died"), (None, "ok")]
+
+
+def test_raw_chat_stream_has_one_ending_and_no_error_event(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=4)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    headers, events = raw_stream(gateway, "/v1/chat/completions", body)
+    assert headers["x-gateway-attempts"] == "1"  # sent before the resume
+    data = [d for _, d in events]
+    assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text(10)
+    assert {c["model"] for c in chunks} == {"s"}
+
+
+def test_an_engine_error_event_mid_stream_is_continued(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    # vLLM reports a failed generation with `data: {"error": ...}` then `[DONE]`.
+    backends["solo"].set_faults(error_next=1, stall_after=4)
+    stream = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=16, stream=True)
+    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert content == text(16)
+    assert outcomes(backends["solo"]) == [("stream_error", "stream_error"), (None, "ok")]
+
+
+def test_an_engine_error_event_not_continued_reaches_the_client_as_it_came(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    # Every stream fails: the resumes allowed (2) fail too, and the last error event is
+    # relayed as the engine sent it, with its [DONE].
+    backends["solo"].set_faults(stream_error_rate=1.0, stall_after=2)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    _, events = raw_stream(gateway, "/v1/chat/completions", body)
+    data = [d for _, d in events]
+    assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+    assert json.loads(data[-2])["error"]["message"] == "engine error mid-stream"
+    contents = [json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-2]]
+    assert "".join(contents) == text(6)  # three attempts of two tokens each, once each
+    assert len(outcomes(backends["solo"])) == 3
+
+
+# --- OpenAI completions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["no-usage", "usage"])
+def test_a_completions_stream_is_continued_from_prompt_and_text(
+    sdk: openai.OpenAI, backends: dict[str, Backend], usage: bool
+) -> None:
+    cut(backends, ("solo",), after=6)
+    options: dict[str, Any] = {"stream_options": {"include_usage": True}} if usage else {}
+    stream = sdk.completions.create(
+        model="s", prompt="once upon a time ", max_tokens=15, stream=True, **options
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text(15)
+    assert len({c.id for c in chunks}) == 1
+    usages = [c.usage for c in chunks if c.usage is not None]
+    if usage:
+        (only,) = usages
+        assert (only.prompt_tokens, only.completion_tokens) == (4, 15)
+    else:
+        assert usages == []
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["m", "e"], ids=["continues", "echoes-prefill"])
+def test_a_messages_stream_cut_twice_arrives_as_one_message(
+    claude: anthropic.Anthropic, backends: dict[str, Backend], pool: str
+) -> None:
+    names = ("a", "b") if pool == "m" else ("ea", "eb")
+    cut(backends, names, after=5)
+    with claude.messages.stream(model=pool, max_tokens=18, messages=MESSAGES) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds.count("message_start") == 1
+    assert kinds.count("message_stop") == 1
+    assert kinds.count("content_block_start") == 1
+    assert {e.index for e in events if e.type == "content_block_delta"} == {0}
+    assert message.content[0].type == "text"
+    assert message.content[0].text == text(18)
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 18
+    assert message.usage.input_tokens == PROMPT_WORDS
+
+
+def test_a_messages_stream_error_event_is_continued(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    backends["solo"].set_faults(error_next=1, stall_after=3)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 9, "stream": True}
+    _, events = raw_stream(gateway, "/v1/messages", body)
+    names = [n for n, _ in events]
+    assert "error" not in names
+    assert names.count("message_start") == 1 and names[-1] == "message_stop"
+    deltas = [json.loads(d)["delta"]["text"] for n, d in events if n == "content_block_delta"]
+    assert "".join(deltas) == text(9)
+    (delta,) = [json.loads(d) for n, d in events if n == "message_delta"]
+    assert delta["usage"]["output_tokens"] == 9
+
+
+# --- what is not resumed ends as before ------------------------------------------------------
+
+
+def test_a_stream_with_two_choices_is_not_continued(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=3)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 10, "stream": True, "n": 2}
+    _, events = raw_stream(gateway, "/v1/chat/completions", body)
+    data = [d for _, d in events]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "upstream_reset"
+    assert outcomes(backends["solo"]) == [("die", "died")]
+
+
+def test_a_pool_with_resume_off_ends_a_broken_stream_with_an_error_event(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("off",), after=3)
+    stream = sdk.chat.completions.create(model="o", messages=MESSAGES, max_tokens=10, stream=True)
+    with pytest.raises(openai.APIError, match="upstream"):
+        for _ in stream:
+            pass
+    assert outcomes(backends["off"]) == [("die", "died")]
+
+
+def test_resumes_are_counted_per_instance_and_reason(
+    sdk: openai.OpenAI, gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=2)
+    stream = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=6, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text(6)
+    metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    line = 'gateway_stream_resumes_total{backend="solo",pool="solo",reason="reset"}'
+    assert any(row.startswith(line) for row in metrics.splitlines()), metrics
