@@ -13,7 +13,7 @@ from starlette.types import ASGIApp
 from gateway.admin import admin_token, build_admin_app
 from gateway.cluster import build_store
 from gateway.config import Policy
-from gateway.core.breaker import ADMITTING, Transition
+from gateway.core.breaker import ADMITTING, ISOLATED, Transition
 from gateway.ingress.asgi import DataPlane
 from gateway.ingress.auth import ClientAuth
 from gateway.metrics import Observed
@@ -119,12 +119,19 @@ class Gateway:
         )
 
     def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
-        """Share a breaker's transition; one back to ADMITTING makes room for waiting requests."""
+        """Share a breaker's transition; one back to ADMITTING makes room for waiting requests;
+        an isolation moves the instance's streams that can go on elsewhere (when another
+        instance can take them: a pool of one keeps its streams where they are)."""
         self.decisions.record(pool, transition, operator)
+        state = self.registry.pools.get(pool)  # None: dropped by a reload meanwhile
+        if state is None:
+            return
         if transition.to == ADMITTING and transition.state_from != ADMITTING:
-            state = self.registry.pools.get(pool)  # None: dropped by a reload meanwhile
-            if state is not None:
-                state.capacity_changed()
+            state.capacity_changed()
+        elif transition.to == ISOLATED and not transition.suppressed:
+            instance = next((i for i in state.instances if i.name == transition.instance), None)
+            if instance is not None and not state.alone(instance, self._clock()):
+                self.data_app.streams.migrate(instance)
 
     async def start(self) -> None:
         """Know which instances are healthy, and what other replicas decided (bounded: Redis

@@ -99,6 +99,8 @@ class UpstreamError(GatewayError):
     kind: ClassVar[str] = "error"
     # The gateway's own limit, not the instance's doing: never charged to the instance.
     local: ClassVar[bool] = False
+    # Whether the attempt it ends is accounted (a stream the gateway moved elsewhere is not).
+    counted: ClassVar[bool] = True
 
     @property
     def outcome(self) -> Outcome:
@@ -136,6 +138,18 @@ class UpstreamReset(UpstreamError):
 class UpstreamProtocolError(UpstreamError):
     code = "upstream_protocol_error"
     kind = "protocol"
+
+
+class UpstreamLeft(UpstreamError):
+    """The gateway moved a stream off its instance (isolated, or too slow) to continue it on
+    another: not the instance's failure on its own, and not counted as one."""
+
+    code = "upstream_left"
+    counted: ClassVar[bool] = False
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the stream left its instance ({reason})")
+        self.reason = reason  # isolated, slow
 
 
 class UpstreamStreamCut(UpstreamProtocolError):

@@ -209,7 +209,8 @@ class GatewayCollector(Collector):
         resumes = CounterMetricFamily(
             "gateway_stream_resumes",
             "Streams continued on another attempt after their first byte, by the instance "
-            "that broke them and why (reset, eof, idle_timeout, error_event, protocol)",
+            "that broke them and why (reset, eof, idle_timeout, error_event, protocol), or "
+            "why the gateway moved them (isolated, slow)",
             labels=["pool", "backend", "reason"],
         )
         not_resumed = CounterMetricFamily(

@@ -2,18 +2,17 @@
 and how background tasks end.
 
 Several parties may cancel a request's task while it waits: the watchdog when an attempt's
-deadline passes (`DEADLINE`), a hedged attempt that answered first (`SUPERSEDED`), the gateway
-moving a stream off its instance (`MIGRATE`), the data plane when the client disconnects
-(`CLIENT_GONE`), and the drain when its deadline ends the open streams (`DRAIN`). Each says why
+deadline passes (`DEADLINE`), a hedged attempt that answered first (`SUPERSEDED`), the data
+plane when the client disconnects (`CLIENT_GONE`), and the drain when its deadline ends the
+open streams (`DRAIN`). Each says why
 through the request's `Cancellation`, and the code that catches the CancelledError asks it
 whether the reason it handles is the one (`consume`), so no place guesses from flags of the
 others.
 
-A deadline (or a hedge, or a migration) only ends the attempt (the retry layer may go on); a
-client gone or a drain ends the request. So an attempt's reason is consumed only when nothing
-else is pending: when the client left (or
-the drain came) meanwhile, the CancelledError goes on up to where that is handled, which takes
-back every cancel at once.
+A deadline (or a hedge) only ends the attempt (the retry layer may go on); a client gone or a
+drain ends the request. So an attempt's reason is consumed only when nothing else is pending:
+when the client left (or the drain came) meanwhile, the CancelledError goes on up to where that
+is handled, which takes back every cancel at once.
 """
 
 from __future__ import annotations
@@ -27,16 +26,14 @@ from typing import Any, Final, Literal
 # layer by the composition (`gateway.request_path`), so a test can run them all on another.
 Clock = Callable[[], float]
 
-CancelReason = Literal["deadline", "superseded", "migrate", "client_gone", "drain"]
+CancelReason = Literal["deadline", "superseded", "client_gone", "drain"]
 DEADLINE: Final = "deadline"
 # A hedged attempt answered first: the attempt still waiting is given up (`pipeline.hedge`).
 SUPERSEDED: Final = "superseded"
-# The stream's instance is being left (isolated, or too slow): the stream moves on.
-MIGRATE: Final = "migrate"
 CLIENT_GONE: Final = "client_gone"
 DRAIN: Final = "drain"
 # Reasons that end one attempt; the others end the request.
-_ATTEMPT_REASONS: Final = frozenset((DEADLINE, SUPERSEDED, MIGRATE))
+_ATTEMPT_REASONS: Final = frozenset((DEADLINE, SUPERSEDED))
 
 
 class Cancellation:

@@ -31,7 +31,7 @@ def backends() -> Iterator[dict[str, Backend]]:
     started: dict[str, Backend] = {}
     try:
         for name in ("a", "b", "solo"):
-            started[name] = start_backend(name, ["m"] if name != "solo" else ["s"], *FAST)
+            started[name] = start_backend(name, ["m", "mv"] if name != "solo" else ["s"], *FAST)
         for name in ("ea", "eb"):
             started[name] = start_backend(name, ["e"], *FAST, "--echo-prefill")
         started["off"] = start_backend("off", ["o"], *FAST)
@@ -63,6 +63,11 @@ pools:
     models: [e]
     instances: [{{name: ea, url: "{url("ea")}"}}, {{name: eb, url: "{url("eb")}"}}]
     retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
+  moving:
+    models: [mv]
+    instances: [{{name: ma, url: "{url("a")}"}}, {{name: mb, url: "{url("b")}"}}]
+    timeouts: {{min_samples: 3}}
+    hedging: false
   noresume:
     models: [o]
     instances: [{{name: quiet, url: "{url("off")}"}}]
@@ -327,4 +332,90 @@ def test_resumes_are_counted_per_instance_and_reason(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text(6)
     metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
     line = 'gateway_stream_resumes_total{backend="solo",pool="solo",reason="reset"}'
+    assert any(row.startswith(line) for row in metrics.splitlines()), metrics
+
+
+def test_a_stream_on_an_instance_being_isolated_moves_to_another(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    # A slow, healthy stream; its instance is isolated by the operator meanwhile: the stream
+    # moves to the other instance at the next event and arrives whole.
+    for name in ("a", "b"):
+        backends[name].set_faults(per_token=0.02)
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 40, "stream": True}
+    pieces: list[str] = []
+    try:
+        with (
+            httpx.Client(base_url=gateway.url, timeout=30) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            first = response.headers["x-gateway-instance"]
+            other = "b" if first == "a" else "a"
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                pieces.append(chunk["choices"][0]["delta"].get("content") or "")
+                if len(pieces) == 5:
+                    isolate = f"{gateway.admin_url}/admin/instances/pair/{first}/isolate"
+                    httpx.post(isolate, timeout=5).raise_for_status()
+        assert "".join(pieces) == text(40)
+        # The first instance's stream was closed: it saw its request cancelled, and the other
+        # one generated the rest.
+        (moved,) = backends[first].requests(wait_for=1)
+        assert moved["outcome"] == "cancelled"
+        (rest,) = backends[other].requests(wait_for=1)
+        assert rest["outcome"] == "ok" and rest["max_tokens"] < 40
+        metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+        line = f'gateway_stream_resumes_total{{backend="{first}",pool="pair",reason="isolated"}}'
+        assert any(row.startswith(line) for row in metrics.splitlines()), metrics
+    finally:
+        httpx.post(f"{gateway.admin_url}/admin/instances/pair/a/restore", timeout=5)
+        httpx.post(f"{gateway.admin_url}/admin/instances/pair/b/restore", timeout=5)
+
+
+def test_a_stream_in_a_pool_of_one_stays_when_its_instance_is_isolated(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    backends["solo"].set_faults(per_token=0.02)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+    pieces: list[str] = []
+    try:
+        with (
+            httpx.Client(base_url=gateway.url, timeout=30) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+                    if len(pieces) == 3:
+                        url = f"{gateway.admin_url}/admin/instances/solo/solo/isolate"
+                        httpx.post(url, timeout=5)
+        assert "".join(pieces) == text(20)
+        assert outcomes(backends["solo"]) == [(None, "ok")]
+    finally:
+        httpx.post(f"{gateway.admin_url}/admin/instances/solo/solo/restore", timeout=5)
+
+
+def test_a_stream_far_slower_than_the_pools_others_moves_to_a_healthier_instance(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        warm = {"model": "mv", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+        for _ in range(12):  # both instances learn their gaps (min_samples: 3)
+            assert http.post("/v1/chat/completions", json=warm).status_code == 200
+        # a turns 50x slower per token after its first byte: a gray failure mid-stream.
+        backends["a"].set_faults(per_token=0.1)
+        body = {**warm, "max_tokens": 80}
+        for _ in range(10):  # until a stream starts on a
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                instance = response.headers["x-gateway-instance"]
+                data = [d for _, d in sse_events(response)]
+            if instance == "ma":
+                break
+        assert instance == "ma"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text(80)
+    metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    line = 'gateway_stream_resumes_total{backend="ma",pool="moving",reason="slow"}'
     assert any(row.startswith(line) for row in metrics.splitlines()), metrics

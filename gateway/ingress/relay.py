@@ -12,6 +12,7 @@ from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
     UpstreamError,
+    UpstreamLeft,
     UpstreamProtocolError,
     UpstreamStreamCut,
     UpstreamStreamError,
@@ -19,8 +20,8 @@ from gateway.errors import (
 )
 from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
-from gateway.ingress.resume import Continue, StreamResume
-from gateway.ingress.streams import OpenStreams, ended_by_drain
+from gateway.ingress.resume import PACE_WINDOW, SLOW_WINDOWS, Continue, StreamResume
+from gateway.ingress.streams import OpenStream, OpenStreams, ended_by_drain
 from gateway.runtime import Cancellation
 from gateway.upstream.response import RequestHooks, UpstreamResponse
 
@@ -145,11 +146,15 @@ async def relay(
         error: GatewayError | None
         if response.is_sse:
             stream = cancellation
-            streams.add(stream)
+            entry = streams.add(
+                stream, response.instance, resume.movable if resume is not None else None
+            )
             if streams.ending:  # started after the drain's deadline: end it at once
                 error = shutting_down()
             else:
-                error = await _relay_events(send, current, idle_s, end_at, stream, dialect, resume)
+                error = await _relay_events(
+                    send, current, idle_s, end_at, stream, dialect, resume, entry
+                )
             streams.discard(stream)  # its last event is not the drain's to interrupt
             stream = None
         else:
@@ -181,13 +186,15 @@ async def _relay_events(
     stream: Cancellation,
     dialect: Dialect,
     resume: StreamResume | None,
+    entry: OpenStream,
 ) -> GatewayError | None:
     """Forward an SSE stream, continuing it on another attempt each time it breaks and
     `resume` allows; returns what ended it short, if anything did."""
     response = current.response
     assert response is not None
     chunk = response.first_chunk
-    watch = _Watch(dialect, resume.transcript if resume is not None else None, None)
+    transcript = resume.transcript if resume is not None else None
+    watch = _Watch(dialect, transcript, None, entry, resume=resume, since=response.first_at)
     while True:
         broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch)
         if broken is None:
@@ -201,7 +208,7 @@ async def _relay_events(
             if pending:
                 # The engine's own error event, not continued: relayed as it came, as the
                 # rest of the stream.
-                watch = _Watch(dialect, None, None, errors=False)
+                watch = _Watch(dialect, None, None, None, errors=False)
                 broken = await _relay_body(send, response, idle_s, end_at, stream, pending, watch)
                 return None if broken is None else broken[0]
             return error
@@ -215,6 +222,7 @@ async def _relay_events(
             return None
         # Continued on another attempt: this one is accounted as broken now, the request's
         # own work (its admission slot) waits for the next.
+        entry.instance = None  # moving: not on any instance meanwhile
         current.response = None
         current.hooks = response.finish_attempt(False, error)
         current.broken = response
@@ -226,30 +234,55 @@ async def _relay_events(
             return error  # the next attempt failed before its first byte: ended as without
         current.hooks.move_to(response)
         current.hooks = None
+        entry.instance = response.instance
+        entry.leave = False
         current.error = None
         current.response = response
         chunk = response.first_chunk
-        watch = _Watch(dialect, resume.transcript, plan.rewriter)
+        watch = _Watch(
+            dialect, resume.transcript, plan.rewriter, entry, resume=resume, since=response.first_at
+        )
 
 
 class _Watch:
     """What the relay looks for in a stream it may continue: the engine's error event, and a
     proper last event; what it keeps (`transcript`) or rewrites (`rewriter`, a continuation)."""
 
-    __slots__ = ("dialect", "last", "marker", "rewriter", "transcript")
+    __slots__ = (
+        "chunks",
+        "dialect",
+        "entry",
+        "last",
+        "marker",
+        "resume",
+        "rewriter",
+        "slow",
+        "transcript",
+        "window_at",
+    )
 
     def __init__(
         self,
         dialect: Dialect,
         transcript: Transcript | None,
         rewriter: Rewriter | None,
+        entry: OpenStream | None,
         errors: bool = True,
+        resume: StreamResume | None = None,
+        since: float = 0.0,
     ) -> None:
         self.dialect = dialect
+        # Its registration with the open streams: `leave` asks it to move (`migrate`).
+        self.entry = entry if transcript is not None else None
         self.transcript = transcript
         self.rewriter = rewriter
         self.marker = dialect.error_marker if errors and transcript is not None else None
         self.last = b""
+        # Its pace: chunks since `window_at`, and windows in a row found too slow.
+        self.resume = resume if self.entry is not None else None
+        self.chunks = 0
+        self.window_at = since
+        self.slow = 0
 
 
 def _split_at_error(chunk: bytes, marker: bytes) -> tuple[bytes, bytes]:
@@ -301,15 +334,17 @@ async def _relay_body(
                     chunk, pending = _split_at_error(chunk, watch.marker)
                     if pending:
                         if chunk:
-                            chunk = _watched(watch, chunk)
+                            chunk = _watched(watch, chunk, response)
                             await send(
                                 {"type": "http.response.body", "body": chunk, "more_body": True}
                             )
                         reported = UpstreamStreamError("the upstream reported an error mid-stream")
                         return reported, pending
-                chunk = _watched(watch, chunk)
+                chunk = _watched(watch, chunk, response)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if watch is not None and watch.entry is not None and watch.entry.leave:
+                    return UpstreamLeft(watch.entry.reason), b""
             chunk = await response.next_chunk(idle_s, end_at)
         if watch is not None and not watch.dialect.ended(watch.last):
             # A clean end before the protocol's last event: as broken as a reset.
@@ -331,13 +366,35 @@ async def _relay_body(
     return None
 
 
-def _watched(watch: _Watch, chunk: bytes) -> bytes:
+def _watched(watch: _Watch, chunk: bytes, response: UpstreamResponse) -> bytes:
     """A chunk of complete events on its way to the client: rewritten when it comes from a
-    continuation, else kept by reference for a resume."""
+    continuation, else kept by reference for a resume; every `PACE_WINDOW` chunks, the
+    stream's pace is judged."""
     if watch.rewriter is not None:
         chunk = watch.rewriter.rewrite(chunk)
     elif watch.transcript is not None:
         watch.transcript.keep(chunk)
     if chunk:
         watch.last = chunk
+    if watch.resume is not None:
+        watch.chunks += 1
+        if watch.chunks >= PACE_WINDOW:
+            _judge_pace(watch, watch.resume, response)
     return chunk
+
+
+def _judge_pace(watch: _Watch, resume: StreamResume, response: UpstreamResponse) -> None:
+    """A stream far slower than the pool's other instances, window after window (a gray
+    failure after the first byte), is asked to move (`leave`) when it can go on elsewhere."""
+    now = response.last_at
+    pace_s = (now - watch.window_at) / watch.chunks
+    watch.window_at = now
+    watch.chunks = 0
+    if not resume.too_slow(response.instance, pace_s):
+        watch.slow = 0
+        return
+    watch.slow += 1
+    entry = watch.entry
+    if watch.slow >= SLOW_WINDOWS and entry is not None and resume.movable():
+        entry.leave = True
+        entry.reason = "slow"

@@ -24,13 +24,25 @@ from typing import Any
 
 from gateway.config.models import ResumePolicy
 from gateway.core import continuation_anthropic, continuation_openai
+from gateway.core.breaker import ADMITTING
 from gateway.core.continuation import NotResumable, Rewriter, Transcript
-from gateway.errors import UpstreamError, UpstreamStreamCut, UpstreamStreamError, UpstreamTimeout
+from gateway.errors import (
+    UpstreamError,
+    UpstreamLeft,
+    UpstreamStreamCut,
+    UpstreamStreamError,
+    UpstreamTimeout,
+)
 from gateway.ingress.dialect import MESSAGES_PATH
 from gateway.runtime import Clock
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
+# A stream is moved for its pace when its mean gap over `PACE_WINDOW` chunks, in
+# `SLOW_WINDOWS` windows in a row, is this many times the best other instance's largest gap.
+SLOW_STREAM_FACTOR = 3.0
+PACE_WINDOW = 16
+SLOW_WINDOWS = 2
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -74,6 +86,8 @@ def break_reason(error: UpstreamError) -> str:
         return "error_event"
     if isinstance(error, UpstreamStreamCut):
         return "eof"
+    if isinstance(error, UpstreamLeft):
+        return error.reason  # isolated, slow: why the gateway moved it
     return {"reset": "reset", "protocol": "protocol"}.get(error.kind, "error")
 
 
@@ -101,6 +115,7 @@ class StreamResume:
         self.reasons: list[str] = []  # why each resume happened, in order
         self.attempts = 0  # the continuations' attempts, retries included
         self.instance: InstanceState | None = None  # where the stream ended
+        self._prepaid = False  # a move (`movable`) spent the next resume's budget already
 
     def plan(self, error: UpstreamError, broken: InstanceState) -> Continue | bytes | str:
         """What to do about a stream `error` broke on `broken`."""
@@ -123,7 +138,49 @@ class StreamResume:
         self._pool.stats.resumed(broken.name, reason)
         return Continue(body, rewriter)
 
+    def too_slow(self, instance: InstanceState, pace_s: float) -> bool:
+        """Whether a stream whose chunks came `pace_s` apart on average is far slower than the
+        pool's other instances make theirs: its mean gap above `SLOW_STREAM_FACTOR` times
+        the learned largest gap of the best other instance that takes traffic (so a healthy
+        stream's pauses never count, and an instance nobody learned is not judged)."""
+        best: float | None = None
+        min_samples = self._pool.policy.timeouts.min_samples
+        for other in self._pool.routable:
+            if other is instance or other.breaker.state != ADMITTING or other.saturated:
+                continue
+            gap = other.latency.gap
+            if gap.samples >= min_samples and (best is None or gap.mean < best):
+                best = gap.mean
+        return best is not None and pace_s > SLOW_STREAM_FACTOR * best
+
+    def movable(self) -> bool:
+        """Whether the stream could be continued elsewhere now, asked before moving it off a
+        healthy-looking attempt (its instance is being left): everything `plan` checks, the
+        retry budget spent now, so a stream that moves is never one that then cannot."""
+        if self._prepaid:
+            return True
+        if self._checks() is not None:
+            return False
+        pool = self._pool
+        if not pool.budget.try_spend(self._clock()):
+            return False
+        self._prepaid = True
+        return True
+
     def _why_not(self, error: UpstreamError) -> bytes | str | None:
+        prepaid, self._prepaid = self._prepaid, False
+        refused = self._checks()
+        if refused is not None or prepaid:
+            return refused
+        now = self._clock()
+        pool = self._pool
+        if not pool.budget.try_spend(now):
+            pool.stats.budget_exhausted += 1
+            return "budget"
+        return None
+
+    def _checks(self) -> bytes | str | None:
+        """All but the budget: an ending to send instead, a refusal, or None."""
         if self._refusal is not None:
             return self._refusal
         transcript = self.transcript
@@ -137,11 +194,6 @@ class StreamResume:
             return reason
         if self.resumes >= self._policy.max_resumes:
             return "max_resumes"
-        now = self._clock()
-        if now >= self._deadline:
+        if self._clock() >= self._deadline:
             return "deadline"
-        pool = self._pool
-        if not pool.budget.try_spend(now):
-            pool.stats.budget_exhausted += 1
-            return "budget"
         return None

@@ -206,6 +206,10 @@ class Account:
         instance = response.instance
         _end(instance, response.tokens)
         instance.streaming -= 1
+        if error is not None and not error.counted:
+            if response.probe:
+                instance.breaker.release_probe(self._clock())
+            return  # moved elsewhere by the gateway: neither a success nor a failure
         outcome = error.outcome if error is not None else response.outcome
         if outcome.kind == "ok" and _STREAM_ERROR_EVENT in response.tail:
             # The backend reported a failure inside the stream (Anthropic's `error` event):
