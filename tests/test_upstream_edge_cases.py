@@ -114,6 +114,15 @@ def endless_event(sock: socket.socket) -> None:
     time.sleep(1)
 
 
+def ends_without_done(sock: socket.socket) -> None:
+    # A clean end of the body (the last chunk) before the protocol's own last event.
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\n') + b"0\r\n\r\n")
+
+
+def done_without_blank_line(sock: socket.socket) -> None:
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\ndata: [DONE]\n') + b"0\r\n\r\n")
+
+
 SCRIPTS = {
     "partial-event": partial_event,
     "control-char-header": control_char_header,
@@ -129,6 +138,8 @@ SCRIPTS = {
     "too-many-fields": too_many_fields,
     "cr-partial-event": cr_partial_event,
     "endless-event": endless_event,
+    "ends-without-done": ends_without_done,
+    "done-without-blank-line": done_without_blank_line,
 }
 
 
@@ -302,3 +313,22 @@ def test_an_event_that_never_ends_is_cut_with_an_error_event(client: httpx.Clien
     error = json.loads(lines[1].removeprefix("data: "))
     assert error["error"]["code"] == "upstream_protocol_error"
     assert lines[2:] == ["data: [DONE]"]
+
+
+def test_a_stream_ending_before_its_last_event_is_no_silent_truncation(
+    client: httpx.Client,
+) -> None:
+    # Token-id prompts cannot be continued: the break ends the stream with an error event.
+    body = {"model": "ends-without-done", "prompt": [1, 2], "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == 'data: {"n":1}'
+    assert json.loads(lines[1].removeprefix("data: "))["error"]["code"] == "upstream_stream_cut"
+    assert lines[2:] == ["data: [DONE]"]
+
+
+def test_a_last_event_without_its_blank_line_still_ends_the_stream(client: httpx.Client) -> None:
+    body = {"model": "done-without-blank-line", "prompt": [1, 2], "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        raw = response.read()
+    assert raw == b'data: {"n":1}\n\ndata: [DONE]\n'

@@ -192,7 +192,7 @@ async def _relay_events(
     `resume` allows; returns what ended it short, if anything did."""
     response = current.response
     assert response is not None
-    chunk = response.first_chunk
+    chunk: bytes | None = response.first_chunk
     transcript = resume.transcript if resume is not None else None
     watch = _Watch(dialect, transcript, None, entry, resume=resume, since=response.first_at)
     while True:
@@ -205,6 +205,12 @@ async def _relay_events(
         else:
             plan = resume.plan(error, response.instance)
         if isinstance(plan, str):
+            if isinstance(error, UpstreamLeft):
+                # Asked to move, yet it cannot any more (a tool call began meanwhile, the
+                # deadline is near): a healthy stream stays where it is.
+                entry.leave = False
+                chunk = None
+                continue
             if pending:
                 # The engine's own error event, not continued: relayed as it came, as the
                 # rest of the stream.
@@ -215,8 +221,7 @@ async def _relay_events(
         assert isinstance(error, UpstreamError)
         if isinstance(plan, bytes):
             # The generation had ended; only the stream's last events were lost.
-            if plan:
-                await send({"type": "http.response.body", "body": plan, "more_body": True})
+            await send({"type": "http.response.body", "body": plan})
             current.response = None
             response.finish(False, error)
             return None
@@ -300,11 +305,12 @@ async def _relay_body(
     idle_s: float,
     end_at: float,
     stream: Cancellation | None,
-    chunk: bytes,
+    chunk: bytes | None,
     watch: _Watch | None = None,
 ) -> tuple[GatewayError, bytes] | None:
-    """Forward the body chunk by chunk, from `chunk` on; returns the error that broke it, if
-    any, with the engine's error event and what followed it when that is what broke it.
+    """Forward the body chunk by chunk, from `chunk` on (None: from the next one); returns the
+    error that broke it, if any, with the engine's error event and what followed it when that
+    is what broke it.
 
     `stream`: for an SSE stream, its request's cancellation, registered with the drain,
     which may end it. `watch`: for an SSE stream, what to look for in it."""
@@ -313,6 +319,8 @@ async def _relay_body(
     # where the new bytes could complete one, so a long event costs linear time.
     held = bytearray()
     try:
+        if chunk is None:  # going on from where an earlier call stopped
+            chunk = await response.next_chunk(idle_s, end_at)
         while chunk:
             if events and (held or not chunk.endswith(b"\n\n")):
                 # vLLM sends whole events: this is the rare path.
@@ -339,14 +347,15 @@ async def _relay_body(
                                 {"type": "http.response.body", "body": chunk, "more_body": True}
                             )
                         reported = UpstreamStreamError("the upstream reported an error mid-stream")
-                        return reported, pending
+                        return reported, pending + bytes(held)  # the start of an event after it
                 chunk = _watched(watch, chunk, response)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if watch is not None and watch.entry is not None and watch.entry.leave:
+                if watch is not None and watch.entry is not None and watch.entry.leave and not held:
+                    # Between two whole events (none half-received): the stream may move.
                     return UpstreamLeft(watch.entry.reason), b""
             chunk = await response.next_chunk(idle_s, end_at)
-        if watch is not None and not watch.dialect.ended(watch.last):
+        if watch is not None and not watch.dialect.ended(watch.last + held):
             # A clean end before the protocol's last event: as broken as a reset.
             return UpstreamStreamCut("the upstream ended the stream before its last event"), b""
         await send({"type": "http.response.body", "body": bytes(held)})
