@@ -5,7 +5,9 @@
 2. Latency at a fixed arrival rate (open loop): direct and through the gateway.
 3. Streaming: time to first byte one stream at a time and with many concurrent streams, and the
    gateway's CPU time per relayed SSE chunk.
-4. Tracing's cost: the gateway's throughput (as in 1) and added latency (as in 2) with tracing
+4. Stream resume's cost: CPU per relayed chunk with resume on and off (the same long streams,
+   side by side), and memory per open stream, each in a gateway of its own.
+5. Tracing's cost: the gateway's throughput (as in 1) and added latency (as in 2) with tracing
    off and with tracing on, every request sampled, spans exported over OTLP/HTTP to a receiver in
    a process of its own (`loadtests.otlp_sink`), which counts the spans that arrive.
 
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -58,6 +61,12 @@ from loadtests.procs import ManagedProcess, ProcessFailed, gateway_process, pyth
 CHAT_PATH = "/v1/chat/completions"
 FIXED_MODEL = "bench-model"
 STREAM_MODEL = "bench-stream"
+# The same streams in a pool with stream resume off, to weigh what resume costs.
+PLAIN_MODEL = "bench-stream-plain"
+PLAIN_POOL_SETTINGS = {"plain": "resume: false"}
+# Open streams held at once while the gateway's memory is read, and their length.
+MEMORY_STREAMS = 100
+MEMORY_TOKENS = 1000
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "bench_overhead.json"
 
 # The project's bars (DESIGN.md): reported as met / not met, never enforced here.
@@ -192,12 +201,18 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         upstream_kind = "fake vLLM --fixed-body (nginx not used)"
         proxy_url = None
     streamer = start_fake_backend(
-        "stream", STREAM_MODEL, "--ttft", "0", "--per-token", str(STREAM_PER_TOKEN_S)
+        "stream",
+        f"{STREAM_MODEL},{PLAIN_MODEL}",
+        *("--ttft", "0", "--per-token", str(STREAM_PER_TOKEN_S)),
     )
     stack.callback(streamer.stop)
     stream_url = url_of(streamer)
-    pools = {"fixed": (FIXED_MODEL, upstream_url), "stream": (STREAM_MODEL, stream_url)}
-    gateway = start_gateway(tmp, pools, placement.proxy_core)
+    pools = {
+        "fixed": (FIXED_MODEL, upstream_url),
+        "stream": (STREAM_MODEL, stream_url),
+        "plain": (PLAIN_MODEL, stream_url),
+    }
+    gateway = start_gateway(tmp, pools, placement.proxy_core, PLAIN_POOL_SETTINGS)
     stack.callback(gateway.stop)
     bare = start_bare_proxy(stream_url, placement.proxy_core)
     stack.callback(bare.stop)
@@ -425,6 +440,16 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
     bare_cpu = _cpu_per_chunk(bare, 0.0)
     per_chunk = _cpu_per_chunk(sustained, idle_per_s)["us_per_chunk"]
     floor = bare_cpu["us_per_chunk"]
+    # The same long streams with resume off, right after: what keeping them resumable costs.
+    plain = streams.run(
+        gateway_url,
+        chat_body(PLAIN_MODEL, stream=True, max_tokens=settings.sustained_tokens),
+        chat_body(PLAIN_MODEL, stream=True, max_tokens=1),
+        requests=settings.sustained_streams,
+        concurrency=settings.sustained_streams,
+        cpu_probe=probe,
+    )
+    plain_per_chunk = _cpu_per_chunk(plain, idle_per_s)["us_per_chunk"]
     return {
         "max_tokens": tokens,
         "per_token_s": STREAM_PER_TOKEN_S,
@@ -441,8 +466,73 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
             "over_bare": None if per_chunk is None or not floor else per_chunk / floor,
             "target_us": CPU_PER_CHUNK_TARGET_US,
             "met": None if per_chunk is None else per_chunk <= CPU_PER_CHUNK_TARGET_US,
+            "resume_off_us_per_chunk": plain_per_chunk,
+            "resume_cost": (
+                None
+                if per_chunk is None or not plain_per_chunk
+                else per_chunk / plain_per_chunk - 1.0
+            ),
         },
     }
+
+
+def _rss_bytes(pid: int) -> int:
+    """A process's resident memory, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _memory_per_stream(
+    tmp: Path, rig: Rig, placement: Placement, resume: bool, settings: Settings
+) -> Json:
+    """A fresh gateway's resident memory while `MEMORY_STREAMS` long streams are open at
+    once, above what it held before, per stream: with or without keeping them resumable."""
+    model = STREAM_MODEL if resume else PLAIN_MODEL
+    pools = {"memory": (model, rig.stream_url)}
+    extra = None if resume else {"memory": "resume: false"}
+    name = f"memory-{'on' if resume else 'off'}.yaml"
+    gateway = start_gateway(tmp, pools, placement.proxy_core, extra, name=name)
+    try:
+        url = url_of(gateway, "data") + CHAT_PATH
+        count = 20 if settings.quick else MEMORY_STREAMS
+        body = chat_body(model, stream=True, max_tokens=MEMORY_TOKENS)
+        warm = chat_body(model, stream=True, max_tokens=1)
+        streams.run(url, warm, warm, requests=count, concurrency=count)
+        baseline = _rss_bytes(gateway.pid)
+        peak = [baseline]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.01):
+                peak[0] = max(peak[0], _rss_bytes(gateway.pid))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            phase = streams.run(url, body, warm, requests=count, concurrency=count)
+        finally:
+            done.set()
+            watcher.join()
+        return {
+            "streams": count,
+            "tokens": MEMORY_TOKENS,
+            "errors": phase.errors,
+            "baseline_mib": baseline / 2**20,
+            "peak_mib": peak[0] / 2**20,
+            "kib_per_stream": (peak[0] - baseline) / count / 1024,
+        }
+    finally:
+        gateway.stop()
+
+
+def memory_section(rig: Rig, settings: Settings, tmp: Path, placement: Placement) -> Json:
+    """Memory per open stream, resume on vs off, each in a gateway of its own."""
+    off = _memory_per_stream(tmp, rig, placement, False, settings)
+    on = _memory_per_stream(tmp, rig, placement, True, settings)
+    return {"resume_on": on, "resume_off": off}
 
 
 def tracing_env(sink_url: str) -> dict[str, str]:
@@ -632,7 +722,7 @@ def _ms(value: float | None) -> str:
 
 def render_tracing(section: Json | None) -> str:
     """Phase 4 of the plain-text report (the other phases are `render`'s)."""
-    title = "4. Tracing cost, off vs on (every request sampled)"
+    title = "5. Tracing cost, off vs on (every request sampled)"
     if section is None:
         return f"{title}: skipped (--skip-tracing)\n"
     if "error" in section:
@@ -741,6 +831,7 @@ def run_benchmark(settings: Settings, placement: Placement) -> Json:
         ("throughput", lambda rig, tmp: throughput_section(rig, settings, tmp)),
         ("open_loop", lambda rig, tmp: open_loop_section(rig, settings)),
         ("streaming", lambda rig, tmp: streaming_section(rig, settings)),
+        ("memory", lambda rig, tmp: memory_section(rig, settings, tmp, placement)),
         ("tracing", tracing),
     ]
     with ExitStack() as stack:

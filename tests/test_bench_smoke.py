@@ -30,6 +30,7 @@ HAVE_NGINX = find_nginx() is not None
 HAVE_WRK = find_wrk() is not None
 # The longer benchmarks' own bounds. pytest's per-test timeout is set well above each, so a
 # benchmark that hangs is stopped by its bound, with its output, before pytest gives up.
+QUICK_TIMEOUT_S = 150
 ADMISSION_TIMEOUT_S = 180
 OPERATIONS_TIMEOUT_S = 120
 
@@ -41,7 +42,7 @@ def run_bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=QUICK_TIMEOUT_S,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -56,7 +57,7 @@ def assert_positive(record: dict[str, Any], *keys: str) -> None:
 
 
 def check_common(data: dict[str, Any], report: str) -> None:
-    for heading in ("1. Throughput", "2. Latency", "3. Streaming"):
+    for heading in ("1. Throughput", "2. Latency", "3. Streaming", "4. Memory"):
         assert heading in report
 
     throughput = data["throughput"]
@@ -81,10 +82,17 @@ def check_common(data: dict[str, Any], report: str) -> None:
         assert {"added_ttfb_p50_ms", "added_ttfb_p99_ms"} <= set(streaming[phase])
     assert_positive(streaming["cpu"], "us_per_chunk", "over_bare")
     assert_positive(streaming["cpu"]["bare_proxy"], "streams", "events", "http_chunks")
+    assert_positive(streaming["cpu"], "resume_off_us_per_chunk")
+    assert isinstance(streaming["cpu"]["resume_cost"], float)
+    assert "4. Memory per open stream" in report
+    for name in ("resume_on", "resume_off"):
+        run = data["memory"][name]
+        assert run["errors"] == 0
+        assert_positive(run, "streams", "baseline_mib", "peak_mib")
 
 
 def check_tracing(section: dict[str, Any], report: str) -> None:
-    assert "4. Tracing cost" in report
+    assert "5. Tracing cost" in report
     for name in ("off", "on"):
         assert_positive(section["throughput"]["runs"][name], "rps", "p50_ms", "p99_ms", "requests")
         run = section["latency"]["runs"][name]
@@ -104,6 +112,7 @@ def check_tracing(section: dict[str, Any], report: str) -> None:
     assert set(spans["by_kind"]) == {"SERVER", "CLIENT"}
 
 
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 60)
 def test_quick_run(tmp_path: Path) -> None:
     args = () if HAVE_NGINX else ("--skip-nginx",)
     data, report = run_bench(tmp_path, *args)
@@ -116,11 +125,12 @@ def test_quick_run(tmp_path: Path) -> None:
         assert_positive(throughput["ratios"], "gateway_vs_nginx")
 
 
+@pytest.mark.timeout(QUICK_TIMEOUT_S + 60)
 def test_quick_run_without_wrk_or_nginx(tmp_path: Path) -> None:
     data, report = run_bench(tmp_path, "--skip-nginx", "--no-wrk", "--skip-tracing")
     check_common(data, report)
     assert data["tracing"] is None
-    assert "4. Tracing cost, off vs on (every request sampled): skipped" in report
+    assert "5. Tracing cost, off vs on (every request sampled): skipped" in report
     throughput = data["throughput"]
     assert throughput["tool"] == "python"
     assert "wrk not used" in report

@@ -202,17 +202,7 @@ def attempt_timeouts(
             # used to: usual prefills are in the gaps the idle timeout learned.
             large = prompt >= LARGE_PROMPT * latency.fit.mean_tokens
             holds_s = pause_s if large and pause_s > idle else 0.0
-        capacity = max(1, load.capacity)
-        waiting = load.in_flight + 1 - capacity
-        if waiting > 0:
-            service = estimate(_SERVICE)
-            if service is not None:
-                turn_s = service[0] + k * service[1]
-                # A queue is worth waiting on only while it moves: an instance that sent
-                # nothing for longer than an exchange takes is not serving it (frozen, hung).
-                if load.quiet_s <= turn_s:
-                    waves = -(-waiting // capacity)
-                    extra_s += waves * turn_s
+        extra_s += _queue_s(estimate(_SERVICE), k, load)
     # The last attempt is stretched, the more after timeouts in a row (the prior's headroom
     # has those already), never past what an unlearned instance gets. Earlier attempts keep
     # their learned time: a retry elsewhere beats waiting on an instance that turned slow.
@@ -249,6 +239,22 @@ def attempt_timeouts(
     )
 
 
+def _queue_s(service: tuple[float, float] | None, k: float, load: Load) -> float:
+    """The wait behind the attempts the gateway already put on a full instance (rule in
+    `attempt_timeouts`): whole exchanges, while the queue moves."""
+    capacity = max(1, load.capacity)
+    waiting = load.in_flight + 1 - capacity
+    if waiting <= 0 or service is None:
+        return 0.0
+    turn_s = service[0] + k * service[1]
+    # A queue is worth waiting on only while it moves: an instance that sent nothing for
+    # longer than an exchange takes is not serving it (frozen, hung).
+    if load.quiet_s > turn_s:
+        return 0.0
+    waves = -(-waiting // capacity)
+    return waves * turn_s
+
+
 def hedge_delay(
     latency: LatencyState,
     policy: TimeoutsConfig,
@@ -257,13 +263,15 @@ def hedge_delay(
     stream: bool,
     max_tokens: int | None,
     prior: LatencyState | None = None,
+    load: Load = NO_LOAD,
 ) -> float | None:
     """How long an attempt on the instance whose estimators are `latency` may go without its
     first byte before a hedged attempt is sent elsewhere: its predicted first byte plus `k`
     deviations (the EWMA's mean absolute deviation: `k = 2` puts it near the 95th
     percentile), learned as for `attempt_timeouts` (its own figures, else its pool's prior).
     No floor: the point is to act well before the timeout. None while nothing is learned:
-    a guess would hedge every request or none.
+    a guess would hedge every request or none. Plus the wait behind the gateway's own queue
+    on the instance (`load`, as in `attempt_timeouts`): a queued attempt is late by design.
 
     - stream: `ttfb_pred + k·ttfb_dev`;
     - non-streamed: `ttfb_pred + m·tok_pred + k·sqrt(ttfb_dev² + (m·tok_dev)²)` with
@@ -279,13 +287,23 @@ def hedge_delay(
         )
 
     ttfb = estimate(_TTFB)
+    # Behind the gateway's own queue on the instance, a late first byte is the expected one.
+    queue_s = _queue_s(estimate(_SERVICE), k, load)
     if stream:
         if ttfb is None:
             return None
-        return ttfb[0] + k * ttfb[1]
+        return ttfb[0] + k * ttfb[1] + queue_s
     per_token = estimate(_PER_TOKEN)
     if per_token is None:
         return None
     ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (0.0, 0.0)
     n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
-    return ttfb_pred + n * per_token[0] + k * math.hypot(ttfb_dev, n * per_token[1])
+    return ttfb_pred + n * per_token[0] + k * math.hypot(ttfb_dev, n * per_token[1]) + queue_s
+
+
+def large_prompt(latency: LatencyState, prompt_tokens: int) -> bool:
+    """Whether a prompt is a long one for this instance (`LARGE_PROMPT` times its usual size):
+    its prefill pauses what the instance is decoding, and it is not hedged (a second prefill
+    elsewhere doubles that pause, and a cancelled one goes on in the engine for a while)."""
+    usual = latency.fit.mean_tokens
+    return usual > 0 and prompt_tokens >= LARGE_PROMPT * usual

@@ -310,6 +310,8 @@ class Account:
             if call.probe:
                 instance.breaker.release_probe(now)
             if call.cancellation.pending(SUPERSEDED):
+                if queued:  # left in the engine's queue until it notices: a ghost meanwhile
+                    _abandoned(instance, _LOST_RACE, now, now - started)
                 self._lost_race(call, instance, now, now - started)
             raise
         if response.body is None:

@@ -4,10 +4,11 @@ answer wins.
 Between the pick and the rest of an attempt. When an attempt is the first of its retry loop (a
 client request's, or a resumed stream's continuation) and another instance could take it, a
 timer is set at its instance's predicted first byte plus `hedging.k` deviations
-(`PoolState.hedge_delay`: near its 95th percentile), never sooner than `hedging.min_delay`.
-Most attempts answer before it and only cancel the timer. When it fires, and the pool's retry
-budget allows, a hedge picks another instance (the pick layer, avoiding this one) and is sent
-from a task of its own:
+(`PoolState.hedge_delay`: near its 95th percentile, plus the wait behind the gateway's own
+queue there), never sooner than `hedging.min_delay`. Most attempts answer before it and only
+cancel the timer. When it fires, if another instance has a free slot (the gateway holds fewer
+attempts there than it was seen serving at once) and the pool's retry budget allows, a hedge
+picks another instance (the pick layer, avoiding this one) and is sent from a task of its own:
 
 - the hedge answers first (a status below 400, read to the commit point): the first attempt
   is cancelled at once (`SUPERSEDED`: its connection closes, so vLLM frees the sequence), the
@@ -19,8 +20,10 @@ from a task of its own:
 
 Nothing here runs after the commit point: both attempts end at their first byte. A pool of one
 never hedges, nor does an instance with nothing learned (no prediction to hedge at), nor an
-isolated instance's probe. An attempt given up for a hedge is not a failure, but an instance
-that loses every race is: the account layer counts the losses in a row (`Account`).
+isolated instance's probe, nor a prompt long for its instance (`large_prompt`: a second prefill
+elsewhere doubles the pause it imposes, and a cancelled one goes on in the engine). An attempt
+given up for a hedge is not a failure, but an instance that loses every race is: the account
+layer counts the losses in a row (`Account`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import asyncio
 import dataclasses
 import logging
 
+from gateway.core.concurrency import prompt_tokens
+from gateway.core.timeouts import large_prompt
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler, Layer
 from gateway.runtime import SUPERSEDED, Cancellation, Clock
@@ -79,7 +84,9 @@ class Hedge:
             # it is left to answer or time out.
             return await next_handler(call)
         now = self._clock()
-        if pool.alone(instance, now, call.avoid):
+        if pool.alone(instance, now, call.avoid) or large_prompt(
+            instance.latency, prompt_tokens(len(call.body))
+        ):
             return await next_handler(call)
         facts = call.facts
         delay = pool.hedge_delay(instance, now, stream=facts.stream, max_tokens=facts.max_tokens)
@@ -132,10 +139,16 @@ class Hedge:
         if race.first_done:
             return
         pool = call.pool
-        if not pool.budget.try_spend(self._clock()):
+        assert call.instance is not None
+        now = self._clock()
+        if not pool.has_room(call.instance, now, call.avoid):
+            # Every other instance is as full: a hedge would only queue there too, and leave
+            # a cancelled request in an engine's queue.
+            pool.stats.hedged("no_room")
+            return
+        if not pool.budget.try_spend(now):
             pool.stats.hedged("no_budget")
             return
-        assert call.instance is not None
         hedge = dataclasses.replace(
             call,
             avoid=[call.instance, *call.avoid],

@@ -363,10 +363,17 @@ class PoolState:
     def hedge_delay(
         self, inst: InstanceState, now: float, *, stream: bool, max_tokens: int | None
     ) -> float | None:
-        """When an attempt on `inst` without its first byte gets a hedge (`hedge_delay`)."""
+        """When an attempt about to be sent to `inst` gets a hedge if it has no first byte
+        (`hedge_delay`), counting the attempts the gateway already has there."""
         policy = self.policy.timeouts
         latency = inst.latency
         prior = self.latency_prior(now) if latency.young(policy.min_samples) else None
+        load = Load(
+            inst.in_flight + inst.ghosts_at(now),
+            inst.capacity_seen,
+            0,
+            now - inst.progress_at,
+        )
         return hedge_delay(
             latency,
             policy,
@@ -374,6 +381,30 @@ class PoolState:
             stream=stream,
             max_tokens=max_tokens,
             prior=prior,
+            load=load,
+        )
+
+    def has_room(self, besides: InstanceState, now: float, avoid: Sequence[InstanceState]) -> bool:
+        """Whether an instance other than `besides` (and those in `avoid`) takes traffic and
+        has a free slot: fewer attempts than it was seen serving streams at once (when it was
+        ever seen), and below its concurrency limit (in pools with admission). Where a hedge
+        would not just queue."""
+
+        def free(inst: InstanceState) -> bool:
+            busy = inst.in_flight + inst.ghosts_at(now)
+            limiter = inst.limiter
+            if limiter is not None and busy >= limiter.limit:
+                return False
+            return inst.capacity_seen == 0 or busy < inst.capacity_seen
+
+        return any(
+            inst is not besides
+            and inst not in avoid
+            and inst.breaker.state == ADMITTING
+            and inst.not_before <= now
+            and not inst.saturated
+            and free(inst)
+            for inst in self.routable
         )
 
     def alone(

@@ -29,7 +29,7 @@ _CLASSES = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
 # How a hedged first attempt ended (`pipeline.hedge`): a bounded label set, all exported.
-HEDGE_RESULTS = ("won", "lost", "failed", "no_budget")
+HEDGE_RESULTS = ("won", "lost", "failed", "no_budget", "no_room")
 
 
 class InstanceStats:
@@ -82,8 +82,8 @@ class PoolStats:
         self.budget_exhausted = 0
         self.resumes: dict[tuple[str, str], int] = {}  # (instance, reason)
         self.resume_refusals: dict[str, int] = {}
-        # Hedged first attempts by how they ended: won, lost, failed (both failed), or
-        # no_budget (due, but the retry budget refused it).
+        # Hedged first attempts by how they ended: won, lost, failed (both failed), or not
+        # sent: no_budget (the retry budget refused it), no_room (every other instance full).
         self.hedges: dict[str, int] = {}
 
     def hedged(self, result: str) -> None:

@@ -200,6 +200,40 @@ def _streaming(section: Data) -> list[str]:
         f"{_num(bare['us_per_chunk'], 2)} us/chunk (user {_num(bare['user_us_per_chunk'], 2)},"
         f" sys {_num(bare['system_us_per_chunk'], 2)}); gateway / bare: "
         f"{_num(cpu['over_bare'], 2)}",
+        f"  the same streams with stream resume off: "
+        f"{_num(cpu.get('resume_off_us_per_chunk'), 2)} us/chunk; resume costs "
+        f"{_pct(cpu.get('resume_cost'))} per chunk (goal <= 10 %)",
+    ]
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.1f} %"
+
+
+def render_memory(section: Data | None) -> list[str]:
+    if not section:
+        return []
+    rows = [
+        [
+            name,
+            _num(run["streams"]),
+            _num(run["tokens"]),
+            _num(run["errors"]),
+            _num(run["baseline_mib"], 1),
+            _num(run["peak_mib"], 1),
+            _num(run["kib_per_stream"], 1),
+        ]
+        for name, run in (
+            ("resume on", section["resume_on"]),
+            ("resume off", section["resume_off"]),
+        )
+    ]
+    return [
+        "4. Memory per open stream (a fresh gateway each; resident memory at the peak of the "
+        "streams, above the idle baseline)",
+        table(
+            ["gateway", "streams", "tokens", "errors", "idle MiB", "peak MiB", "KiB/stream"], rows
+        ),
     ]
 
 
@@ -214,6 +248,8 @@ def render(data: Data) -> str:
         *_open_loop(data["open_loop"]),
         "",
         *_streaming(data["streaming"]),
+        "",
+        *render_memory(data.get("memory")),
     ]
     return "\n".join(lines) + "\n"
 

@@ -16,8 +16,11 @@ def start_fake_backend(name: str, model: str, *extra: str) -> ManagedProcess:
     return ManagedProcess(argv)
 
 
-def gateway_policy(pools: Mapping[str, tuple[str, str]]) -> str:
-    """A policy with one single-instance pool per entry `pool name -> (model, upstream URL)`."""
+def gateway_policy(
+    pools: Mapping[str, tuple[str, str]], settings: Mapping[str, str] | None = None
+) -> str:
+    """A policy with one single-instance pool per entry `pool name -> (model, upstream URL)`,
+    with `settings` (pool name -> one line of YAML pool keys) where given."""
     lines = ["listen: 127.0.0.1:0", "admin: {listen: 127.0.0.1:0}", "pools:"]
     for pool, (model, url) in pools.items():
         lines += [
@@ -25,15 +28,21 @@ def gateway_policy(pools: Mapping[str, tuple[str, str]]) -> str:
             f"    models: [{model}]",
             f'    instances: [{{name: {pool}-upstream, url: "{url}"}}]',
         ]
+        if settings and pool in settings:
+            lines.append(f"    {settings[pool]}")
     return "\n".join(lines) + "\n"
 
 
 def start_gateway(
-    directory: Path, pools: Mapping[str, tuple[str, str]], cpu: int | None
+    directory: Path,
+    pools: Mapping[str, tuple[str, str]],
+    cpu: int | None,
+    settings: Mapping[str, str] | None = None,
+    name: str = "gateway-policy.yaml",
 ) -> ManagedProcess:
     """`gateway run` on free ports, then moved with all its threads to `cpu`."""
-    policy = directory / "gateway-policy.yaml"
-    policy.write_text(gateway_policy(pools))
+    policy = directory / name
+    policy.write_text(gateway_policy(pools, settings))
     return _pinned(gateway_process(policy), cpu)
 
 
