@@ -101,6 +101,14 @@ class Operations:
                     "k": tier.k,
                 },
                 "retry_budget": {"requests": requests, "retries": retries},
+                # Streams continued after their first byte, by instance and reason, those that
+                # broke and could not be, and hedged first attempts by result.
+                "resumes": [
+                    {"instance": instance, "reason": reason, "count": count}
+                    for (instance, reason), count in sorted(pool.stats.resumes.items())
+                ],
+                "resume_refusals": dict(pool.stats.resume_refusals),
+                "hedges": dict(pool.stats.hedges),
                 "admission": self._admissions[name].state(now)
                 if name in self._admissions
                 else None,
