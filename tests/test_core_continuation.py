@@ -342,3 +342,84 @@ def test_a_message_that_had_stopped_is_only_ended() -> None:
     t.keep(event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1}))
     t.fold()
     assert t.finishing() == anthropic_c.MESSAGE_STOP
+
+
+# --- what a review found ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"guided_json": {"type": "object"}},
+        {"grammar": "root ::= x"},
+    ],
+)
+def test_structured_output_is_not_continued(extra: dict[str, Any]) -> None:
+    # The constraint applies to each attempt from its start: a continuation would open a
+    # second document after the half-written one.
+    assert openai_c.refusal({**CHAT_REQUEST, **extra}, chat=True) == "structured"
+    text_format = {**CHAT_REQUEST, "response_format": {"type": "text"}}
+    assert openai_c.refusal(text_format, chat=True) is None
+
+
+def test_a_usage_chunk_already_delivered_is_not_sent_again() -> None:
+    t = openai_transcript({**CHAT_REQUEST, "stream_options": {"include_usage": True}})
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    tail = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 100, "model": "m",
+            "choices": [], "usage": usage}  # fmt: skip
+    t.keep(chat_chunk("Hi", role=True, finish="stop") + f"data: {json.dumps(tail)}\n\n".encode())
+    t.fold()
+    assert t.finishing() == openai_c.DONE
+
+
+def test_a_stream_that_used_all_its_tokens_gets_its_finish_chunk() -> None:
+    t = openai_transcript({**CHAT_REQUEST, "max_tokens": 2})
+    t.keep(chat_chunk("a", role=True) + chat_chunk(" b"))
+    t.fold()
+    ending = data_of(t.finishing() or b"")
+    assert ending[-1] == "[DONE]"
+    assert ending[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_chat_continuation_is_not_taken_for_an_echo_unless_the_pool_says_so() -> None:
+    t = openai_transcript()
+    t.keep(chat_chunk("ha", role=True))
+    t.fold()
+    _, rewriter = t.continuation()  # echo "auto": the OpenAI routes do not echo
+    out = data_of(rewriter.rewrite(chat_chunk("ha", cid="c2") + chat_chunk("!", cid="c2")))
+    assert [c["choices"][0]["delta"]["content"] for c in out] == ["ha", "!"]
+
+
+def test_an_unreadable_event_takes_nothing_of_its_chunk_into_the_transcript() -> None:
+    t = openai_transcript()
+    t.keep(chat_chunk("Hello", role=True))
+    t.fold()
+    _, rewriter = t.continuation()
+    with pytest.raises(ValueError):
+        rewriter.rewrite(chat_chunk(" world", cid="c2") + b"data: [1, 2]\n\n")
+    assert t.delivered_text == "Hello"
+
+
+def test_a_text_block_is_closed_when_the_continuation_starts_a_tool_call() -> None:
+    t = anthropic_c.AnthropicTranscript(dict(MESSAGES_REQUEST), 1 << 20, "never")
+    t.keep(message_start() + block_start(0) + text_delta("Let me look"))
+    t.fold()
+    _, rewriter = t.continuation()
+    tool = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    out = rewriter.rewrite(event("content_block_start", index=0, content_block=tool))
+    events = [(parse_event(e)[0], json.loads(parse_event(e)[1])) for e in split_events(out)]
+    assert [(name, e.get("index")) for name, e in events] == [
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+    ]
+
+
+def test_model_text_about_error_events_is_not_an_error_event() -> None:
+    from gateway.ingress.dialect import ANTHROPIC
+
+    said = text_delta("then the server sends event: error and closes")
+    assert not ANTHROPIC.has_error_event(said)
+    assert ANTHROPIC.has_error_event(said + b'event: error\ndata: {"type":"error"}\n\n')
+    assert not ANTHROPIC.ended(said)

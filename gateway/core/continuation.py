@@ -24,6 +24,10 @@ EchoMode = Literal["auto", "never", "always"]
 FOLD_AT: Final = 256 * 1024
 
 
+class UnreadableEvent(ValueError):
+    """A continuation's event that is not the protocol's: the attempt is broken."""
+
+
 class NotResumable(Exception):
     """Why a stream cannot be continued (its message is the reason, a short label)."""
 
@@ -75,6 +79,15 @@ class Transcript:
         self.text_events += 1
         self._text_bytes += len(text)
 
+    def snapshot(self) -> dict[str, Any]:
+        """The state as it is, for `restore` when a chunk turns out unreadable half-way."""
+        saved = dict(vars(self))
+        saved["text"] = list(self.text)
+        return saved
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        vars(self).update(saved)
+
     @property
     def delivered_text(self) -> str:
         return "".join(self.text)
@@ -105,9 +118,11 @@ class Transcript:
 class Splice:
     """Joins a continuation's text to what the client already has.
 
-    `echo`: the prefix the request sent; an engine may stream it again before the continuation
-    (llama.cpp's Anthropic-format prefill does), and it is then dropped. In `auto` mode the
-    text is held while it could still be that echo, and released as soon as it is not.
+    `echo`: the prefix the request sent, when the engine may stream it again before the
+    continuation (llama.cpp's Anthropic-format prefill does): it is then dropped. In `auto`
+    mode the text is held while it could still be that echo, and released as soon as it is
+    not (a continuation that truly starts by repeating the whole prefix would lose that
+    repetition: rare past a few words, and why `auto` applies to the Messages route only).
     `owed`: whitespace the client received but the request could not carry (Anthropic
     rejects a prefill ending in whitespace); the continuation's own leading whitespace is
     matched against it so it is not delivered twice."""
@@ -169,6 +184,17 @@ class Rewriter:
 
 def loads(data: str) -> Any:
     return json.loads(data)
+
+
+def read_object(data: str) -> dict[str, Any]:
+    """An event's JSON object; UnreadableEvent for anything else."""
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise UnreadableEvent(str(exc)) from exc
+    if not isinstance(value, dict):
+        raise UnreadableEvent("an event's data is not a JSON object")
+    return value
 
 
 def dumps(value: Any) -> str:

@@ -26,8 +26,10 @@ from gateway.core.continuation import (
     Rewriter,
     Splice,
     Transcript,
+    UnreadableEvent,
     dumps,
     loads,
+    read_object,
 )
 from gateway.core.sse import format_event, parse_event, split_events
 
@@ -162,16 +164,22 @@ class AnthropicRewriter(Rewriter):
         self.output_tokens: int | None = None  # the attempt's own count
 
     def rewrite(self, events: bytes) -> bytes:
-        out: list[bytes] = []
-        for raw in split_events(events):
-            name, data = parse_event(raw)
-            if not data:
-                continue
-            event = loads(data)
-            for name_out, rewritten in self._event(name, event):
-                self._t.absorb_event(rewritten)
-                out.append(format_event(dumps(rewritten), name_out))
-        return b"".join(out)
+        t = self._t
+        saved = t.snapshot()
+        written: list[tuple[str, dict[str, Any]]] = []
+        try:
+            for raw in split_events(events):
+                name, data = parse_event(raw)
+                if not data:
+                    continue
+                for rewritten in self._event(name, read_object(data)):
+                    written.append(rewritten)
+                    # The rewriting of later events reads the state these leave.
+                    t.absorb_event(rewritten[1])
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            t.restore(saved)  # nothing of this chunk reaches the client
+            raise UnreadableEvent(str(exc)) from exc
+        return b"".join(format_event(dumps(event), name) for name, event in written)
 
     def _index(self, index: int) -> int:
         assert self._first is not None
@@ -207,6 +215,17 @@ class AnthropicRewriter(Rewriter):
                     text = self._splice.feed(str(block.get("text") or ""))
                     return [self._delta(t.open_block, text)] if text else []
                 self._target = t.blocks
+                if t.open_block is not None:
+                    # The client's text block ends where the continuation starts another kind
+                    # of block (a tool call): closed first, as one stream would.
+                    closing = [
+                        *self._held_delta(),
+                        (
+                            "content_block_stop",
+                            {"type": "content_block_stop", "index": t.open_block},
+                        ),
+                    ]
+                    return [*closing, (name, {**event, "index": self._index(index)})]
             return [(name, {**event, "index": self._index(index)})]
         if kind == "content_block_delta":
             if self._first is None:

@@ -30,8 +30,10 @@ from gateway.core.continuation import (
     Rewriter,
     Splice,
     Transcript,
+    UnreadableEvent,
     dumps,
     loads,
+    read_object,
 )
 from gateway.core.sse import format_event, parse_event, split_events
 
@@ -49,10 +51,29 @@ _REFUSED: Final = (
 )
 
 
+# Structured output (vLLM's `response_format`, guided decoding, llama.cpp's grammars): the
+# constraint applies to each attempt's output from its start, so a continuation would begin a
+# new document after the half-written one.
+_STRUCTURED: Final = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "grammar",
+    "json_schema",
+)
+
+
 def refusal(request: dict[str, Any], chat: bool) -> str | None:
     """Why a request's stream could not be continued, decided before it is sent (None: it
     could be). More than one choice, and logprobs (a continuation's token boundaries and
-    offsets are its own), and an echo of the prompt are not continued."""
+    offsets are its own), an echo of the prompt, and structured output are not continued."""
+    response_format = request.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return "structured"
+    if any(request.get(key) not in (None, False) for key in _STRUCTURED):
+        return "structured"
     for key, reason in _REFUSED:
         value = request.get(key)
         if value is None or value is False:
@@ -88,6 +109,7 @@ class OpenAITranscript(Transcript):
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None  # the last usage the client received
         self.done = False
+        self.usage_sent = False  # the stream's own usage chunk (no choices) reached the client
         self.include_usage, self.continuous = wants_usage(request)
 
     def absorb(self, event: bytes) -> None:
@@ -105,6 +127,8 @@ class OpenAITranscript(Transcript):
             self.shared = {key: chunk[key] for key in _SHARED if key in chunk}
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            if not chunk.get("choices"):
+                self.usage_sent = True
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
             if isinstance(usage.get("completion_tokens"), int):
@@ -139,15 +163,23 @@ class OpenAITranscript(Transcript):
     def finishing(self) -> bytes | None:
         if self.done:
             return b""
+        ending = b""
         if self.finish_reason is None:
             limit = _max_tokens(self.request)
-            if limit is None or self.delivered_tokens < limit:
+            if limit is None or self.delivered_tokens < limit or self.shared is None:
                 return None
+            # Every token it could have went out: its finish chunk is what was lost.
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if self.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            ending = format_event(dumps({**self.shared, "choices": [choice]}))
         # The last token went out; what was lost is the usage (when asked) and [DONE].
-        ending = b""
-        if self.include_usage and self.shared is not None and self.prompt_tokens is not None:
+        wanted = self.include_usage and not self.usage_sent
+        if wanted and self.shared is not None and self.prompt_tokens is not None:
             usage = _usage(self.prompt_tokens, self.delivered_tokens)
-            ending = format_event(dumps({**self.shared, "choices": [], "usage": usage}))
+            ending += format_event(dumps({**self.shared, "choices": [], "usage": usage}))
         return ending + DONE
 
     def continuation(self) -> tuple[bytes, Rewriter]:
@@ -190,7 +222,9 @@ class OpenAITranscript(Transcript):
         request["stream_options"] = options
         request["stream"] = True
         self.resumes += 1
-        splice = Splice(echo if self.echo != "never" else "", self.echo)
+        # vLLM and llama.cpp's server stream only the continuation on these routes: a
+        # continued text is taken for an echo only when the policy says the engine echoes.
+        splice = Splice(echo if self.echo == "always" else "", self.echo)
         return dumps(request).encode(), OpenAIRewriter(self, splice, delivered)
 
 
@@ -205,24 +239,35 @@ class OpenAIRewriter(Rewriter):
         self.usage: dict[str, Any] | None = None  # the attempt's own last usage
 
     def rewrite(self, events: bytes) -> bytes:
-        out: list[bytes] = []
         t = self._t
-        for event in split_events(events):
-            _, data = parse_event(event)
-            if not data:
-                continue
-            if data == "[DONE]":
-                held = self._splice.flush()
-                if held:
-                    out.append(self._text_chunk(held))
+        shared = t.shared
+        written: list[dict[str, Any] | None] = []  # None: [DONE]
+        try:
+            for event in split_events(events):
+                _, data = parse_event(event)
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    held = self._splice.flush()
+                    if held:
+                        written.append(self._text_chunk(held))
+                    written.append(None)
+                    continue
+                rewritten = self._chunk(read_object(data))
+                if rewritten is not None:
+                    written.append(rewritten)
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            # Nothing of this chunk reaches the client, so nothing of it is in the transcript.
+            t.shared = shared
+            raise UnreadableEvent(str(exc)) from exc
+        out: list[bytes] = []
+        for chunk in written:
+            if chunk is None:
                 t.done = True
                 out.append(DONE)
-                continue
-            chunk = loads(data)
-            rewritten = self._chunk(chunk)
-            if rewritten is not None:
-                t.absorb_chunk(rewritten)
-                out.append(format_event(dumps(rewritten)))
+            else:
+                t.absorb_chunk(chunk)
+                out.append(format_event(dumps(chunk)))
         return b"".join(out)
 
     def _chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
@@ -290,16 +335,14 @@ class OpenAIRewriter(Rewriter):
             t.prompt_tokens = prompt
         return _usage(prompt, completion)
 
-    def _text_chunk(self, text: str) -> bytes:
+    def _text_chunk(self, text: str) -> dict[str, Any]:
         t = self._t
         assert t.shared is not None
         if self._chat:
             choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": None}
-        chunk = {**t.shared, "choices": [choice]}
-        t.absorb_chunk(chunk)
-        return format_event(dumps(chunk))
+        return {**t.shared, "choices": [choice]}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -309,13 +309,16 @@ class DataPlane:
         assert handler is not None
         traced = self._tracer is not None
 
+        left: list[InstanceState] = []  # the instances that broke this stream so far
+
         async def start(body: bytes, broken: InstanceState) -> tuple[UpstreamResponse, float]:
+            left.append(broken)
             continued = dataclasses.replace(
                 call,
                 body=body,
                 attempts=0,
                 tried=[],
-                avoid=[broken, *call.avoid],
+                avoid=[*left, *call.avoid],
                 instance=None,
                 timeouts=None,
                 probe=False,

@@ -35,9 +35,11 @@ class Dialect:
     """OpenAI's: the gateway's native error shape."""
 
     name = "openai"
-    # What marks an engine's error event inside a stream (vLLM's `data: {"error": ...}`): a
-    # chunk's JSON cannot hold these bytes elsewhere (a string escapes its quotes).
-    error_marker = b'{"error"'
+
+    def has_error_event(self, events: bytes) -> bool:
+        """Whether the engine's error event is among `events` (vLLM's `data: {"error": ...}`):
+        a chunk's JSON cannot hold these bytes elsewhere (a string escapes its quotes)."""
+        return b'{"error"' in events
 
     def ended(self, last: bytes) -> bool:
         """Whether a stream whose last events were `last` ended as its protocol ends one."""
@@ -53,11 +55,15 @@ class Dialect:
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
-    error_marker = b"event: error"
+
+    def has_error_event(self, events: bytes) -> bool:
+        # An event's name line: its line end is a raw CR or LF, which no JSON text can hold
+        # (a model writing "event: error" in its answer has it escaped inside a string).
+        return _named(events, b"error")
 
     def ended(self, last: bytes) -> bool:
         # After an `error` event nothing comes: it ends the stream too.
-        return b"event: message_stop" in last or b"event: error" in last
+        return _named(last, b"message_stop") or _named(last, b"error")
 
     def body(self, error: GatewayError) -> bytes:
         kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
@@ -66,6 +72,12 @@ class AnthropicDialect(Dialect):
 
     def stream_ending(self, error: GatewayError) -> bytes:
         return b"event: error\ndata: " + self.body(error) + b"\n\n"
+
+
+def _named(events: bytes, name: bytes) -> bool:
+    """Whether `events` hold an event named `name`: its name line ends in a raw CR or LF."""
+    line = b"event: " + name
+    return line + b"\n" in events or line + b"\r" in events
 
 
 OPENAI: Final = Dialect()

@@ -194,7 +194,7 @@ async def _relay_events(
     assert response is not None
     chunk: bytes | None = response.first_chunk
     transcript = resume.transcript if resume is not None else None
-    watch = _Watch(dialect, transcript, None, entry, resume=resume, since=response.first_at)
+    watch = _Watch(dialect, transcript, None, entry, resume=resume)
     while True:
         broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch)
         if broken is None:
@@ -204,10 +204,10 @@ async def _relay_events(
             plan: Continue | bytes | str = "off"
         else:
             plan = resume.plan(error, response.instance)
-        if isinstance(plan, str):
+        if isinstance(plan, str) or (isinstance(plan, bytes) and isinstance(error, UpstreamLeft)):
             if isinstance(error, UpstreamLeft):
                 # Asked to move, yet it cannot any more (a tool call began meanwhile, the
-                # deadline is near): a healthy stream stays where it is.
+                # deadline is near, its generation just ended): a healthy stream stays.
                 entry.leave = False
                 chunk = None
                 continue
@@ -237,6 +237,11 @@ async def _relay_events(
             response, idle_s = await resume.start(plan.body, response.instance)
         except GatewayError:
             return error  # the next attempt failed before its first byte: ended as without
+        except asyncio.CancelledError:
+            drained = ended_by_drain(stream)
+            if drained is None:
+                raise  # the client went away
+            return drained  # the drain's deadline came while it moved: ended properly
         current.hooks.move_to(response)
         current.hooks = None
         entry.instance = response.instance
@@ -244,9 +249,7 @@ async def _relay_events(
         current.error = None
         current.response = response
         chunk = response.first_chunk
-        watch = _Watch(
-            dialect, resume.transcript, plan.rewriter, entry, resume=resume, since=response.first_at
-        )
+        watch = _Watch(dialect, resume.transcript, plan.rewriter, entry, resume=resume)
 
 
 class _Watch:
@@ -257,8 +260,8 @@ class _Watch:
         "chunks",
         "dialect",
         "entry",
+        "errors",
         "last",
-        "marker",
         "resume",
         "rewriter",
         "slow",
@@ -274,27 +277,28 @@ class _Watch:
         entry: OpenStream | None,
         errors: bool = True,
         resume: StreamResume | None = None,
-        since: float = 0.0,
     ) -> None:
         self.dialect = dialect
         # Its registration with the open streams: `leave` asks it to move (`migrate`).
         self.entry = entry if transcript is not None else None
         self.transcript = transcript
         self.rewriter = rewriter
-        self.marker = dialect.error_marker if errors and transcript is not None else None
+        # Looks for the engine's error event (to continue the stream rather than end it).
+        self.errors = errors and transcript is not None
         self.last = b""
-        # Its pace: chunks since `window_at`, and windows in a row found too slow.
+        # Its pace: chunks since the upstream wait was `window_at`, and windows in a row
+        # found too slow.
         self.resume = resume if self.entry is not None else None
         self.chunks = 0
-        self.window_at = since
+        self.window_at = 0.0
         self.slow = 0
 
 
-def _split_at_error(chunk: bytes, marker: bytes) -> tuple[bytes, bytes]:
-    """`chunk` (complete events) cut before the event holding `marker`."""
+def _split_at_error(chunk: bytes, dialect: Dialect) -> tuple[bytes, bytes]:
+    """`chunk` (complete events) cut before the engine's error event."""
     events = split_events(chunk)
     for i, event in enumerate(events):
-        if marker in event:
+        if dialect.has_error_event(event):
             return b"".join(events[:i]), b"".join(events[i:])
     return chunk, b""
 
@@ -330,6 +334,8 @@ async def _relay_body(
                 chunk = bytes(held[:cut])
                 del held[:cut]
                 if len(held) > MAX_EVENT_BYTES:
+                    if chunk and watch is not None:
+                        chunk = _watched(watch, chunk, response)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     too_long = UpstreamProtocolError(
@@ -338,8 +344,8 @@ async def _relay_body(
                     )
                     return too_long, b""
             if chunk and watch is not None:
-                if watch.marker is not None and watch.marker in chunk:
-                    chunk, pending = _split_at_error(chunk, watch.marker)
+                if watch.errors and watch.dialect.has_error_event(chunk):
+                    chunk, pending = _split_at_error(chunk, watch.dialect)
                     if pending:
                         if chunk:
                             chunk = _watched(watch, chunk, response)
@@ -394,10 +400,12 @@ def _watched(watch: _Watch, chunk: bytes, response: UpstreamResponse) -> bytes:
 
 def _judge_pace(watch: _Watch, resume: StreamResume, response: UpstreamResponse) -> None:
     """A stream far slower than the pool's other instances, window after window (a gray
-    failure after the first byte), is asked to move (`leave`) when it can go on elsewhere."""
-    now = response.last_at
-    pace_s = (now - watch.window_at) / watch.chunks
-    watch.window_at = now
+    failure after the first byte), is asked to move (`leave`) when it can go on elsewhere.
+    Its pace is the time spent waiting for the upstream, per chunk: a client slow to read
+    is not the instance's slowness."""
+    waited = response.waited_s
+    pace_s = (waited - watch.window_at) / watch.chunks
+    watch.window_at = waited
     watch.chunks = 0
     if not resume.too_slow(response.instance, pace_s):
         watch.slow = 0

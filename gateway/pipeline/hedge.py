@@ -120,15 +120,19 @@ class Hedge:
             if race.timer is not None:
                 race.timer.cancel()
             return response
-        if response.outcome.kind != "ok":
-            hedged = await self._hedge_result(race)
-            if hedged is not None:
-                response.finish(ok=False)
-                return hedged
-            return response
-        pool.stats.hedged("lost")
-        self._slow(race.hedge, race.hedge_started)
-        await self._abandon(race)
+        try:
+            if response.outcome.kind != "ok":
+                hedged = await self._hedge_result(race)
+                if hedged is not None:
+                    response.finish(ok=False)
+                    return hedged
+                return response
+            pool.stats.hedged("lost")
+            self._slow(race.hedge, race.hedge_started)
+            await self._abandon(race)
+        except BaseException:
+            response.finish(ok=False)  # the request ends while the race is settled
+            raise
         self._count_attempts(race)
         return response
 
@@ -187,7 +191,7 @@ class Hedge:
         call.probe = hedge.probe
         call.prompt_tokens = hedge.prompt_tokens
         self._count_attempts(race)
-        response.bind(call.cancellation)
+        response.bind(call.cancellation, call.deadline)
         return response
 
     async def _hedge_result(self, race: _Race) -> UpstreamResponse | None:

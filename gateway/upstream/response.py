@@ -102,6 +102,7 @@ class UpstreamResponse:
         "status",
         "tail",
         "tokens",
+        "waited_s",
     )
 
     def __init__(
@@ -130,6 +131,8 @@ class UpstreamResponse:
         self.started_at = started_at
         self.first_at = self.last_at = instance.progress_at = clock()
         self.max_gap_s: float | None = None
+        # Time spent waiting for the upstream's chunks (not for the client to take them).
+        self.waited_s = 0.0
         self.tail = body if body is not None else first_chunk
         status = raw.status
         if status == 500:  # only a 500 can be an OOM: look closer
@@ -177,6 +180,7 @@ class UpstreamResponse:
             deadline.move(end_at, Phase.TOTAL)  # while the client is being written to
         if chunk:
             arrived = self._loop_time()
+            self.waited_s += arrived - now
             gap = arrived - self.last_at
             if self.max_gap_s is None or gap > self.max_gap_s:
                 self.max_gap_s = gap
@@ -184,10 +188,10 @@ class UpstreamResponse:
             self.tail = chunk
         return chunk
 
-    def bind(self, cancellation: Cancellation) -> None:
+    def bind(self, cancellation: Cancellation, until: float) -> None:
         """The attempt was sent from another task (a hedge): from now on its deadline
-        cancels the request's."""
-        self._deadline.cancellation = cancellation
+        cancels the request's (`until`: the request's deadline)."""
+        self._watchdog.rebind(self._deadline, cancellation, until)
 
     def cancelled_by_deadline(self) -> UpstreamError | None:
         """After a CancelledError outside `next_chunk`: the timeout it stands for, if any."""

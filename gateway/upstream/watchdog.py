@@ -162,6 +162,19 @@ class Watchdog:
     def disarm(self, deadline: Deadline) -> None:
         self._live.discard(deadline)
 
+    def rebind(self, deadline: Deadline, cancellation: Cancellation, until: float) -> None:
+        """The attempt goes on for another task (a hedge that won): its deadline cancels that
+        one from now on. If it fired for the task it leaves (its first byte came just in
+        time), it is live again, bounding the rest by `until` (the request's deadline) until
+        the relay moves it."""
+        deadline.cancellation = cancellation
+        if deadline.fired:
+            deadline.fired = False
+            deadline.move(until, Phase.TOTAL)
+            if not self._live:
+                self._armed.set()
+            self._live.add(deadline)
+
     def sweep(self, now: float) -> int:
         """Cancel the task of every deadline past `now`; returns how many fired."""
         expired = [d for d in self._live if d.at <= now]
