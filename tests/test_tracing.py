@@ -216,3 +216,47 @@ def test_an_unsampled_request_records_nothing_but_passes_its_context_on(
     sent = [r["headers"].get("traceparent", "") for b in backends.values() for r in b.requests()]
     ours = [t for t in sent if t.startswith(f"00-{trace_id}-")]
     assert len(ours) == 5 and all(t.endswith("-00") for t in ours)
+
+
+def test_a_resumed_stream_is_one_server_span_with_a_resume_event(
+    backends: dict[str, Backend], gateway: Gateway, receiver: OtlpReceiver
+) -> None:
+    # Both instances cut their next stream after 2 tokens: two resumes, then whole.
+    for backend in backends.values():
+        backend.set_faults(die_next=1, die_after=2)
+    try:
+        body = {**BODY, "max_tokens": 8, "stream": True}
+        response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        assert '"error"' not in response.text
+    finally:
+        for backend in backends.values():
+            backend.reset()
+
+    def resumed(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
+        return next(
+            (s for s in spans if s.kind == "SERVER" and "stream resumed" in s.event_names()), None
+        )
+
+    assert receiver.wait_for(
+        lambda spans: (server := resumed(spans)) is not None and len(children(spans, server)) == 3,
+        timeout_s=10,
+    )
+    server = resumed(receiver.spans)
+    assert server is not None
+    assert server.attributes["gateway.resumes"] == 2
+    assert server.attributes["gateway.attempts"] == 3
+    events = [attrs for name, attrs in server.events if name == "stream resumed"]
+    assert [e["gateway.resume.reason"] for e in events] == ["reset", "reset"]
+    assert [e["gateway.resume.count"] for e in events] == [1, 2]
+    # An attempt span each: the two that broke, and the one that finished the stream.
+    attempts = children(receiver.spans, server)
+    assert [a.status_code == "ERROR" for a in attempts] == [True, True, False]
+    # The access line tells of the resumes (the headers went out before them).
+    assert wait_until(
+        lambda: any(
+            f"trace_id={server.trace_id}" in line and "resumes=2" in line
+            for line in gateway.proc.lines
+        ),
+        timeout_s=10,
+    )
