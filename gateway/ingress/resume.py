@@ -12,8 +12,10 @@ is one of:
 - a refusal (its reason), and the stream ends as it would without resume.
 
 A resume is allowed within `resume.max_resumes` per request and the pool's retry budget (each
-spends one retry), before the request's deadline. Every resume is counted per pool, instance
-and reason; a stream that broke and could not be resumed is counted by the reason.
+spends one retry; resumes may fill it up to `resume.budget` of the requests, 1.0 by default,
+where retries stop at `retries.budget.ratio`), before the request's deadline. Every resume is
+counted per pool, instance and reason; a stream that broke and could not be resumed is counted
+by the reason.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class StreamResume:
         if self._checks() is not None:
             return False
         pool = self._pool
-        if not pool.budget.try_spend(self._clock()):
+        if not pool.budget.try_spend(self._clock(), self._policy.budget):
             return False
         self._prepaid = True
         return True
@@ -174,7 +176,7 @@ class StreamResume:
             return refused
         now = self._clock()
         pool = self._pool
-        if not pool.budget.try_spend(now):
+        if not pool.budget.try_spend(now, self._policy.budget):
             pool.stats.budget_exhausted += 1
             return "budget"
         return None
