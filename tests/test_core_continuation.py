@@ -9,7 +9,7 @@ import pytest
 
 from gateway.core import continuation_anthropic as anthropic_c
 from gateway.core import continuation_openai as openai_c
-from gateway.core.continuation import FOLD_AT, NotResumable, Splice
+from gateway.core.continuation import KEEP_RAW, NotResumable, Splice
 from gateway.core.sse import event_boundary, format_event, parse_event, split_events
 
 CHAT_REQUEST: dict[str, Any] = {
@@ -237,14 +237,27 @@ def test_a_stream_that_had_finished_is_only_ended() -> None:
     assert ending[0]["usage"]["completion_tokens"] == 1 and ending[0]["choices"] == []
 
 
-def test_a_stream_past_its_text_bound_is_not_resumable() -> None:
-    t = openai_transcript(max_bytes=100)
+def test_a_long_stream_is_kept_compressed_and_read_back_whole() -> None:
+    t = openai_transcript()
+    words = [f" w{i}" for i in range(3000)]
+    t.keep(chat_chunk("", role=True))
+    for word in words:
+        t.keep(chat_chunk(word))
+    kept = sum(len(c) for c in t._kept)
+    assert kept < 3000 * len(chat_chunk(" w0")) / 5  # past KEEP_RAW, compressed
+    t.fold()
+    assert t.delivered_text == "".join(words)
+    assert t.text_events == 3000
+
+
+def test_a_stream_past_its_bound_is_not_resumable() -> None:
+    t = openai_transcript(max_bytes=100)  # compressed bytes
     piece = chat_chunk("x" * 50)
-    for _ in range(FOLD_AT // len(piece) + 2):
-        t.keep(piece)
+    for i in range(KEEP_RAW // len(piece) + 200):
+        t.keep(chat_chunk(f"{i:x}" * 30))
     t.fold()
     assert t.why_not() == "too_long"
-    assert t.text == []  # the text was let go
+    assert t.text == [] and t._kept == []  # everything let go
 
 
 # --- Anthropic ---------------------------------------------------------------------------------

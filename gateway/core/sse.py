@@ -7,6 +7,9 @@ reading one event's name and data, and writing one.
 
 from __future__ import annotations
 
+import re
+from typing import Final
+
 
 def event_boundary(data: bytes | bytearray, start: int = 0) -> int:
     """Length of the prefix of `data` made of complete SSE events (ending in a blank line:
@@ -17,32 +20,29 @@ def event_boundary(data: bytes | bytearray, start: int = 0) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0, cr + 2 if cr >= 0 else 0)
 
 
+_BLANK_LINE: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
 def split_events(data: bytes) -> list[bytes]:
-    """The events of `data`, a run of complete events, each with its blank line.
+    """The events of `data`, a run of complete events, each with its blank line (an
+    unterminated rest is the last item). One pass, linear in `data`.
 
     Line ends are kept as they came, so an event forwarded from this list is byte for byte the
     upstream's."""
-    events: list[bytes] = []
+    if b"\r" not in data:  # the usual case: LF line ends
+        parts = data.split(b"\n\n")
+        events = [part + b"\n\n" for part in parts[:-1]]
+        if parts[-1]:
+            events.append(parts[-1])
+        return events
+    events = []
     start = 0
-    size = len(data)
-    while start < size:
-        end = _event_end(data, start)
-        if end < 0:
-            events.append(data[start:])
-            break
-        events.append(data[start:end])
-        start = end
+    for match in _BLANK_LINE.finditer(data):
+        events.append(data[start : match.end()])
+        start = match.end()
+    if start < len(data):
+        events.append(data[start:])
     return events
-
-
-def _event_end(data: bytes, start: int) -> int:
-    """Where the event starting at `start` ends (after its blank line), or -1."""
-    best = -1
-    for terminator in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.find(terminator, start)
-        if at >= 0 and (best < 0 or at + len(terminator) < best):
-            best = at + len(terminator)
-    return best
 
 
 def parse_event(event: bytes) -> tuple[str | None, str]:

@@ -386,16 +386,19 @@ class PoolState:
 
     def has_room(self, besides: InstanceState, now: float, avoid: Sequence[InstanceState]) -> bool:
         """Whether an instance other than `besides` (and those in `avoid`) takes traffic and
-        has a free slot: fewer attempts than it was seen serving streams at once (when it was
-        ever seen), and below its concurrency limit (in pools with admission). Where a hedge
-        would not just queue."""
+        has a free slot, as far as the gateway can tell: below its concurrency limit (in
+        pools with admission), and not with every slot it was seen using busy streaming while
+        more attempts wait for a first byte there (an engine's queue: a hedge would wait in it
+        too). The most streams seen at once is what an instance did, not all it can do: only
+        with a queue behind it does it mean full."""
 
         def free(inst: InstanceState) -> bool:
             busy = inst.in_flight + inst.ghosts_at(now)
             limiter = inst.limiter
             if limiter is not None and busy >= limiter.limit:
                 return False
-            return inst.capacity_seen == 0 or busy < inst.capacity_seen
+            slots = inst.capacity_seen
+            return slots == 0 or inst.streaming < slots or busy <= inst.streaming
 
         return any(
             inst is not besides
