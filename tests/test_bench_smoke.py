@@ -82,7 +82,7 @@ def check_common(data: dict[str, Any], report: str) -> None:
         assert {"added_ttfb_p50_ms", "added_ttfb_p99_ms"} <= set(streaming[phase])
     assert_positive(streaming["cpu"], "us_per_chunk", "over_bare")
     assert_positive(streaming["cpu"]["bare_proxy"], "streams", "events", "http_chunks")
-    assert_positive(streaming["cpu"], "resume_off_us_per_chunk")
+    assert_positive(streaming["cpu"], "resume_on_us_per_chunk", "resume_off_us_per_chunk")
     assert isinstance(streaming["cpu"]["resume_cost"], float)
     assert "4. Memory per open stream" in report
     for name in ("resume_on", "resume_off"):

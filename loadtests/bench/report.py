@@ -200,7 +200,8 @@ def _streaming(section: Data) -> list[str]:
         f"{_num(bare['us_per_chunk'], 2)} us/chunk (user {_num(bare['user_us_per_chunk'], 2)},"
         f" sys {_num(bare['system_us_per_chunk'], 2)}); gateway / bare: "
         f"{_num(cpu['over_bare'], 2)}",
-        f"  the same streams with stream resume off: "
+        f"  stream resume on vs off, the same long streams in alternate rounds (medians): "
+        f"{_num(cpu.get('resume_on_us_per_chunk'), 2)} vs "
         f"{_num(cpu.get('resume_off_us_per_chunk'), 2)} us/chunk; resume costs "
         f"{_pct(cpu.get('resume_cost'))} per chunk (goal <= 10 %)",
     ]
