@@ -107,13 +107,3 @@ def test_the_ring_stays_fixed_and_deterministic() -> None:
     first = run()
     assert first == run()
     assert 0 < sum(first) < len(first)
-
-
-def test_a_larger_share_may_be_asked_for_and_counts_in_the_same_window() -> None:
-    # Resumes ask for up to one per request; ordinary retries still stop at the ratio.
-    budget = RetryBudget(ratio=0.2, min_per_second=0.0)
-    for _ in range(10):
-        budget.record_request(0.0)
-    assert [budget.try_spend(0.0, ratio=1.0) for _ in range(11)] == [True] * 10 + [False]
-    assert not budget.try_spend(0.0)  # the ten spent leave nothing at 0.2
-    assert budget.counts(0.0) == (10, 10)

@@ -475,9 +475,10 @@ class ResumePolicy(Strict):
 
     enabled: bool = True
     max_resumes: int = Field(default=2, ge=0)  # per request; each also spends retry budget
-    # Resumes are counted in the retry budget but may fill it up to this share of the
-    # requests (instead of `retries.budget.ratio`): a rolling restart cuts a third of a pool's
-    # streams at once, and the continuation of a cut stream replaces its work, it adds none.
+    # Resumes allowed over 10 s, as a share of the streams that reached their first byte (plus
+    # `retries.budget.min_per_second`): a budget of their own, apart from the retries'. A
+    # rolling restart cuts a third of a pool's streams at once, and a continuation replaces
+    # the work of the stream it continues, it adds none.
     budget: Fraction = 1.0
     # The text kept per stream to continue it from; a longer stream is not resumable.
     max_text: Size = Field(default=1024 * 1024, gt=0)

@@ -43,17 +43,15 @@ class RetryBudget:
         window = self._window
         window.add_first(window.advance(now))
 
-    def try_spend(self, now: float, ratio: float = 0.0) -> bool:
+    def try_spend(self, now: float) -> bool:
         """Whether one more retry fits at `now`; when it does, it is counted.
 
-        Allowed when `retries + 1 ≤ r * requests + min_per_second * window_s`, counting the
-        requests and retries of the window that ends at `now`, with `r` the budget's ratio or
-        `ratio` if that is larger (a resumed stream's own allowance: see `ResumePolicy`).
+        Allowed when `retries + 1 ≤ ratio * requests + min_per_second * window_s`, counting the
+        requests and retries of the window that ends at `now`.
         """
         window = self._window
         slot = window.advance(now)
-        share = ratio if ratio > self._ratio else self._ratio
-        if window.second_total + 1 > share * window.first_total + self._allowance:
+        if window.second_total + 1 > self._ratio * window.first_total + self._allowance:
             return False
         window.add_second(slot)
         return True

@@ -11,11 +11,14 @@ is one of:
   and keeps the client's deadline;
 - a refusal (its reason), and the stream ends as it would without resume.
 
-A resume is allowed within `resume.max_resumes` per request and the pool's retry budget (each
-spends one retry; resumes may fill it up to `resume.budget` of the requests, 1.0 by default,
-where retries stop at `retries.budget.ratio`), before the request's deadline. Every resume is
-counted per pool, instance and reason; a stream that broke and could not be resumed is counted
-by the reason.
+A resume is allowed within `resume.max_resumes` per request and the pool's resume budget,
+before the request's deadline. The resume budget is the retry budget's rule with its own
+counts: resumes up to `resume.budget` (1.0) of the streams that reached their first byte over
+the last 10 s, plus `retries.budget.min_per_second`. Its own, so that a rolling restart, which
+cuts a third of a pool's streams at once and refuses new requests meanwhile, leaves both the
+cut streams and the refused requests their chance: a continuation replaces the work of the
+stream it continues, it adds none. Every resume is counted per pool, instance and reason; a
+stream that broke and could not be resumed is counted by the reason.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class StreamResume:
         self.start = start
         self._clock = clock
         self._deadline = deadline
+        pool.resume_budget.record_request(clock())  # a stream past its first byte
         self.resumes = 0
         self.reasons: list[str] = []  # why each resume happened, in order
         self.attempts = 0  # the continuations' attempts, retries included
@@ -164,7 +168,7 @@ class StreamResume:
         if self._checks() is not None:
             return False
         pool = self._pool
-        if not pool.budget.try_spend(self._clock(), self._policy.budget):
+        if not pool.resume_budget.try_spend(self._clock()):
             return False
         self._prepaid = True
         return True
@@ -174,10 +178,7 @@ class StreamResume:
         refused = self._checks()
         if refused is not None or prepaid:
             return refused
-        now = self._clock()
-        pool = self._pool
-        if not pool.budget.try_spend(now, self._policy.budget):
-            pool.stats.budget_exhausted += 1
+        if not self._pool.resume_budget.try_spend(self._clock()):
             return "budget"
         return None
 

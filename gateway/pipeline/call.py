@@ -40,6 +40,9 @@ class Call:
     # drain): `gateway.runtime`.
     cancellation: Cancellation
     attempts: int = 0
+    # Of those, hedges (`pipeline.hedge`): upstream attempts, but no retry's, so they leave
+    # the retry tier's allowance as it was.
+    hedges: int = 0
     # The attempt after which the retry tier allows no other (a retry on a lone instance may
     # still come): that one is not given up on early (see `attempt_timeouts`' `final`).
     last_attempt: int = 1

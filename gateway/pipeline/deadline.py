@@ -50,7 +50,10 @@ class DeadlineLayer:
             # No retry may follow, or none could go anywhere else: giving up early on a slow
             # answer only turns it into an error. Unless its last health check got no answer
             # at all (frozen, dead): what does not answer a check will not answer this later.
-            final=(call.attempts >= call.last_attempt or pool.alone(instance, now, call.avoid))
+            final=(
+                call.attempts - call.hedges >= call.last_attempt
+                or pool.alone(instance, now, call.avoid)
+            )
             and instance.health.answered,
         )
         return await next_handler(call)

@@ -250,6 +250,8 @@ class Hedge:
 
     @staticmethod
     def _count_attempts(race: _Race) -> None:
-        hedge = race.hedge
-        if hedge is not None and hedge.attempts > race.main.attempts:
-            race.main.attempts = hedge.attempts
+        """The hedge counts as one more upstream attempt of the request, not as a retry."""
+        hedge, main = race.hedge, race.main
+        if hedge is not None and hedge.attempts > main.attempts:
+            main.hedges += hedge.attempts - main.attempts
+            main.attempts = hedge.attempts

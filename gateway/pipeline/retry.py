@@ -85,12 +85,15 @@ class Retry:
                 call.last_attempt = max_retries + 1
             allowed = (
                 outcome.retryable(pool.retry_on)
-                and call.attempts - 1 < max_retries
+                and call.attempts - call.hedges - 1 < max_retries
                 and now < call.deadline
             )
             if allowed:
                 delay = backoff_s(
-                    call.attempts, tier.backoff_s, retries_policy.max_backoff, pool.rng
+                    call.attempts - call.hedges,
+                    tier.backoff_s,
+                    retries_policy.max_backoff,
+                    pool.rng,
                 )
                 delay = max(delay, wait_s)
                 allowed = now + delay < call.deadline

@@ -183,6 +183,7 @@ class PoolState:
         "policy",
         "prior",
         "prior_at",
+        "resume_budget",
         "retry_on",
         "rng",
         "routable",
@@ -225,6 +226,10 @@ class PoolState:
         self.failure = FailureRateState(policy.retries.failure_smoothing)
         self.tiers = TierTable(policy.retries.tiers)
         self.budget = RetryBudget.from_policy(policy.retries.budget)
+        # Resumes of streams broken after their first byte have a budget of their own, so a
+        # rolling restart's cut streams and the retries of the requests it refuses do not
+        # starve each other (`ingress.resume`).
+        self.resume_budget = _resume_budget(policy)
         self.retry_on: frozenset[str | int] = frozenset(policy.retries.on)
         self.rng = rng  # jitter and backoff draws
         self.stats = PoolStats(list(policy.models))
@@ -312,6 +317,8 @@ class PoolState:
             self.tiers = TierTable(retries.tiers)
         if retries.budget != was_retries.budget:
             self.budget = RetryBudget.from_policy(retries.budget)
+        if policy.resume.budget != previous.resume.budget or retries.budget != was_retries.budget:
+            self.resume_budget = _resume_budget(policy)
         self.retry_on = frozenset(retries.on)
         for model in policy.models:  # histograms of dropped models stay (in-flight requests)
             self.stats.duration.setdefault(model, Histogram())
@@ -520,3 +527,9 @@ class Registry:
             {model: pools[name] for name, pool in policy.pools.items() for model in pool.models}
         )
         return added, dropped
+
+
+def _resume_budget(policy: PoolPolicy) -> RetryBudget:
+    """Resumes allowed: `resume.budget` of the streams that reached their first byte over the
+    last 10 s, plus the retry budget's `min_per_second`."""
+    return RetryBudget(policy.resume.budget, policy.retries.budget.min_per_second)
