@@ -137,6 +137,14 @@ def raw_stream(
         return response.headers, sse_events(response)
 
 
+def streamed_chat(sdk: openai.OpenAI, model: str, max_tokens: int) -> str:
+    """A chat completion streamed through the SDK: its text."""
+    stream = sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=max_tokens, stream=True
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
 def outcomes(backend: Backend) -> list[tuple[str | None, str]]:
     return [(r["fault"], r["outcome"]) for r in backend.requests()]
 
@@ -188,9 +196,7 @@ def test_a_chat_stream_in_a_pool_of_one_is_continued_on_the_same_instance(
     sdk: openai.OpenAI, backends: dict[str, Backend]
 ) -> None:
     cut(backends, ("solo",), after=3)
-    stream = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=12, stream=True)
-    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert content == text(12)
+    assert streamed_chat(sdk, "s", 12) == text(12)
     assert outcomes(backends["solo"]) == [("die", "died"), (None, "ok")]
 
 
@@ -214,9 +220,7 @@ def test_an_engine_error_event_mid_stream_is_continued(
 ) -> None:
     # vLLM reports a failed generation with `data: {"error": ...}` then `[DONE]`.
     backends["solo"].set_faults(error_next=1, stall_after=4)
-    stream = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=16, stream=True)
-    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert content == text(16)
+    assert streamed_chat(sdk, "s", 16) == text(16)
     assert outcomes(backends["solo"]) == [("stream_error", "stream_error"), (None, "ok")]
 
 
