@@ -26,12 +26,13 @@
                 registered with `UpstreamResponse.after` (the attempt's span, its
                 accounting, the slot)
     resume      `ingress.resume`: a stream that breaks after its first byte (a reset, an
-                EOF before its last event, an idle timeout, the engine's error event) is
+                EOF before its last event, an idle timeout, the engine's error event), or
+                that is moved (its instance isolated, or far slower than the others), is
                 continued: its text so far goes in a continuation request, sent through
-                the layers below admission (`RequestPath.resume`: retry, pick, account,
-                deadline, transport) to another instance, and the continuation's events
-                are rewritten into the same stream (`core.continuation`). A stream that
-                cannot be continued ends with an error event, never silently.
+                the layers below admission (`RequestPath.resume`: retry, pick, hedge,
+                account, deadline, transport) to another instance, and the continuation's
+                events are rewritten into the same stream (`core.continuation`). A stream
+                that cannot be continued ends with an error event, never silently.
 
 Why this order: admission wraps the retries, so a request holds one slot however many attempts
 it makes. The hedge sits after the pick, so its timer is that instance's prediction, and before
@@ -39,7 +40,8 @@ the accounting, so each of the two attempts is accounted against its own instanc
 loop wraps `pick`, so every attempt picks again (and can avoid the instances that failed it).
 Accounting wraps the deadline, so an attempt that timed out is counted too, and the deadline
 sits inside the retry loop, so it bounds one attempt (the request's own deadline bounds them
-all). Everything before the commit point can still be retried; nothing after it is.
+all). Everything before the commit point can still be retried; after it, nothing is sent
+twice: a stream is only ever continued from where its client is.
 """
 
 from __future__ import annotations
