@@ -317,6 +317,7 @@ class DataPlane:
                 call,
                 body=body,
                 attempts=0,
+                hedges=0,
                 tried=[],
                 avoid=[*left, *call.avoid],
                 instance=None,

@@ -233,15 +233,23 @@ async def _relay_events(
         current.broken = response
         current.error = error
         assert resume is not None
-        try:
-            response, idle_s = await resume.start(plan.body, response.instance)
-        except GatewayError:
-            return error  # the next attempt failed before its first byte: ended as without
-        except asyncio.CancelledError:
-            drained = ended_by_drain(stream)
-            if drained is None:
-                raise  # the client went away
-            return drained  # the drain's deadline came while it moved: ended properly
+        broken_on = response.instance
+        while True:
+            try:
+                response, idle_s = await resume.start(plan.body, broken_on)
+                break
+            except GatewayError:
+                # The continuation failed before its first byte (its retries, or an engine
+                # that refused it): another, while resumes and budget last.
+                again = resume.plan(error, broken_on)
+                if not isinstance(again, Continue):
+                    return error  # ended as it would have without resume
+                plan = again
+            except asyncio.CancelledError:
+                drained = ended_by_drain(stream)
+                if drained is None:
+                    raise  # the client went away
+                return drained  # the drain's deadline came while it moved: ended properly
         current.hooks.move_to(response)
         current.hooks = None
         entry.instance = response.instance

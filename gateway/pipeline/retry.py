@@ -90,7 +90,7 @@ class Retry:
             )
             if allowed:
                 delay = backoff_s(
-                    call.attempts - call.hedges,
+                    max(1, call.attempts - call.hedges),
                     tier.backoff_s,
                     retries_policy.max_backoff,
                     pool.rng,
