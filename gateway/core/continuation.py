@@ -55,7 +55,6 @@ class Transcript:
         self.text_events = 0  # events that carried text: the tokens delivered, one per event
         self.overflow = False  # past max_bytes: not resumable any more
         self.unreadable = False  # an event could not be parsed: not resumable
-        self.resumes = 0
 
     def keep(self, chunk: bytes) -> None:
         """A chunk of complete events sent to the client (the happy path)."""
@@ -164,11 +163,10 @@ class Splice:
     rejects a prefill ending in whitespace); the continuation's own leading whitespace is
     matched against it so it is not delivered twice."""
 
-    __slots__ = ("_echo", "_held", "_mode", "_owed")
+    __slots__ = ("_echo", "_held", "_owed")
 
     def __init__(self, echo: str, mode: EchoMode, owed: str = "") -> None:
         self._echo = echo if echo and mode != "never" else ""
-        self._mode = mode
         self._held = ""
         self._owed = owed
 
@@ -182,14 +180,9 @@ class Splice:
                 return ""  # could still be the echo
             self._echo = ""
             self._held = ""
-            if held.startswith(echo):
-                text = held[len(echo) :]
-            elif self._mode == "always":
-                # The engine said it echoes, yet this is not the prefix: deliver it unchanged
-                # rather than cut text the client never had.
-                text = held
-            else:
-                text = held
+            # Not the prefix after all (even where the engine is said to echo): delivered
+            # unchanged rather than cut text the client never had.
+            text = held[len(echo) :] if held.startswith(echo) else held
         if self._owed and text:
             owed = self._owed
             matched = 0
@@ -205,10 +198,7 @@ class Splice:
     def flush(self) -> str:
         """At the end of the text (a finish, another block): whatever is still held."""
         held, self._held, self._echo = self._held, "", ""
-        if not held:
-            return ""
-        echo_gone = self.feed(held)
-        return echo_gone
+        return self.feed(held) if held else ""
 
 
 class Rewriter:
@@ -217,10 +207,6 @@ class Rewriter:
     def rewrite(self, events: bytes) -> bytes:
         """Complete events of the continuation in, the client's events out (maybe none)."""
         raise NotImplementedError
-
-
-def loads(data: str) -> Any:
-    return json.loads(data)
 
 
 def read_object(data: str) -> dict[str, Any]:

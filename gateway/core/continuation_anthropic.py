@@ -28,7 +28,6 @@ from gateway.core.continuation import (
     Transcript,
     UnreadableEvent,
     dumps,
-    loads,
     read_object,
 )
 from gateway.core.sse import format_event, parse_event, split_events
@@ -62,7 +61,7 @@ class AnthropicTranscript(Transcript):
     def absorb(self, event: bytes) -> None:
         _, data = parse_event(event)
         if data:
-            self.absorb_event(loads(data))
+            self.absorb_event(read_object(data))
 
     def absorb_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -148,7 +147,6 @@ class AnthropicTranscript(Transcript):
         if isinstance(limit, int) and not isinstance(limit, bool):
             request["max_tokens"] = max(1, limit - delivered)
         request["stream"] = True
-        self.resumes += 1
         splice = Splice(prefill if self.echo != "never" else "", self.echo, owed)
         return dumps(request).encode(), AnthropicRewriter(self, splice, delivered)
 
@@ -160,8 +158,6 @@ class AnthropicRewriter(Rewriter):
         self._base = base_tokens
         self._first: int | None = None  # the continuation's first block index...
         self._target = 0  # ...and the client's index it maps to
-        self._joined = False  # its first block continues the client's open one
-        self.output_tokens: int | None = None  # the attempt's own count
 
     def rewrite(self, events: bytes) -> bytes:
         t = self._t
@@ -211,7 +207,6 @@ class AnthropicRewriter(Rewriter):
                 self._first = index
                 if t.open_block is not None and block.get("type") == "text":
                     self._target = t.open_block
-                    self._joined = True
                     text = self._splice.feed(str(block.get("text") or ""))
                     return [self._delta(t.open_block, text)] if text else []
                 self._target = t.blocks
@@ -245,7 +240,6 @@ class AnthropicRewriter(Rewriter):
             out = self._held_delta()
             usage = dict(event.get("usage") or {})
             if isinstance(usage.get("output_tokens"), int):
-                self.output_tokens = usage["output_tokens"]
                 usage["output_tokens"] = self._base + usage["output_tokens"]
             if "input_tokens" in usage and t.input_tokens is not None:
                 usage["input_tokens"] = t.input_tokens

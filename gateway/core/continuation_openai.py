@@ -32,7 +32,6 @@ from gateway.core.continuation import (
     Transcript,
     UnreadableEvent,
     dumps,
-    loads,
     read_object,
 )
 from gateway.core.sse import format_event, parse_event, split_events
@@ -119,8 +118,7 @@ class OpenAITranscript(Transcript):
         if data == "[DONE]":
             self.done = True
             return
-        chunk = loads(data)
-        self.absorb_chunk(chunk)
+        self.absorb_chunk(read_object(data))
 
     def absorb_chunk(self, chunk: dict[str, Any]) -> None:
         if self.shared is None:
@@ -221,7 +219,6 @@ class OpenAITranscript(Transcript):
         options["include_usage"] = True
         request["stream_options"] = options
         request["stream"] = True
-        self.resumes += 1
         # vLLM and llama.cpp's server stream only the continuation on these routes: a
         # continued text is taken for an echo only when the policy says the engine echoes.
         splice = Splice(echo if self.echo == "always" else "", self.echo)
@@ -236,7 +233,6 @@ class OpenAIRewriter(Rewriter):
         self._splice = splice
         self._base = base_tokens  # tokens the client had before this attempt
         self._chat = transcript.chat
-        self.usage: dict[str, Any] | None = None  # the attempt's own last usage
 
     def rewrite(self, events: bytes) -> bytes:
         t = self._t
@@ -312,8 +308,6 @@ class OpenAIRewriter(Rewriter):
             if carries or finished:
                 choices.append(choice)
         usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
         client_usage = None
         if isinstance(usage, dict) and (t.include_usage or t.continuous):
             client_usage = self._client_usage(usage)

@@ -84,9 +84,11 @@ class Hedge:
             # it is left to answer or time out.
             return await next_handler(call)
         now = self._clock()
-        if pool.alone(instance, now, call.avoid) or large_prompt(
-            instance.latency, prompt_tokens(len(call.body))
-        ):
+        if pool.alone(instance, now, call.avoid):
+            return await next_handler(call)
+        if not call.prompt_tokens:  # worked out once: the deadline layer reads it too
+            call.prompt_tokens = prompt_tokens(len(call.body))
+        if large_prompt(instance.latency, call.prompt_tokens):
             return await next_handler(call)
         facts = call.facts
         delay = pool.hedge_delay(instance, now, stream=facts.stream, max_tokens=facts.max_tokens)
