@@ -114,7 +114,9 @@ async def serve(replicas: list[Replica]) -> None:
 @pytest.fixture
 async def replicas(redis_server: RedisServer) -> AsyncIterator[list[Replica]]:
     async with started_replicas(policy_text(redis_server.url)) as started:
-        assert all(r.store.connected for r in started)
+        # A start that times out on a busy machine decides locally and reconnects in the
+        # background; the tests below are about replicas that share, so wait for that.
+        assert await eventually(lambda: all(r.store.connected for r in started), timeout_s=15)
         yield started
 
 
