@@ -4,7 +4,9 @@
                 body read within its cap, `model`, `stream` and `max_tokens` read from it,
                 the client's key checked (`ingress.auth`), the pool chosen by model, the
                 request's deadline (the pool's ceiling or `x-gateway-timeout`), the
-                request's `Cancellation` (`runtime`), a watch for the client leaving
+                request's `Cancellation` (`runtime`), a watch for the client leaving; a
+                whole answer on a route whose streams can be continued is fetched as a
+                stream (`ingress.whole`)
     admit       `pipeline.admit.Admit`: in pools with `admission`, a slot for the whole
                 exchange, by priority class; a request it cannot queue is shed (429)
     retry       `pipeline.retry.Retry`: the attempts, each re-running everything below;
@@ -32,7 +34,9 @@
                 the layers below admission (`RequestPath.resume`: retry, pick, hedge,
                 account, deadline, transport) to another instance, and the continuation's
                 events are rewritten into the same stream (`core.continuation`). A stream
-                that cannot be continued ends with an error event, never silently.
+                that cannot be continued ends with an error event, never silently. A
+                whole answer fetched as a stream is relayed into `ingress.whole.WholeAnswer`,
+                which sends the client one JSON answer (or error) at the stream's end.
 
 Why this order: admission wraps the retries, so a request holds one slot however many attempts
 it makes. The hedge sits after the pick, so its timer is that instance's prediction, and before

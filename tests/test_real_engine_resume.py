@@ -61,6 +61,8 @@ pools:
       - {{name: whole, url: "{engine.url}"}}
     health: {{enabled: false}}
     hedging: false
+    # Every cut is on purpose, one per test: `cut` stays in rotation for the next test.
+    breaker: {{consecutive_failures: 100}}
 """
     gw = start_gateway(tmp_path_factory.mktemp("gateway") / "policy.yaml", policy)
     yield gw
@@ -155,3 +157,46 @@ def test_a_cut_stream_is_continued_with_exactly_the_engines_words(
         assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
         assert len({json.loads(d)["id"] for d in data if d.startswith("{")}) == 1
     assert resumes_of_cut(gateway) == before + 1
+
+
+def whole_text(path: str, answer: dict[str, Any]) -> str:
+    if path == "/v1/messages":
+        assert answer["type"] == "message"
+        return "".join(block["text"] for block in answer["content"] if block["type"] == "text")
+    (choice,) = answer["choices"]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+@pytest.mark.parametrize("path", list(BODIES), ids=["chat", "completions", "messages"])
+def test_a_cut_whole_answer_is_continued_with_exactly_the_engines_words(
+    engine: Engine, proxy: ManagedProcess, gateway: Gateway, path: str
+) -> None:
+    """A whole answer is fetched as a stream: cut mid-way, it is continued, and the client
+    gets the engine's own whole answer's words, in one JSON answer."""
+    body = {"model": MODEL_NAME, **BODIES[path], **GREEDY}
+    direct = httpx.post(engine.url + path, json=body, timeout=60)
+    assert direct.status_code == 200, direct.text
+    expected = whole_text(path, direct.json())
+    assert len(expected.split()) >= 30
+    before = resumes_of_cut(gateway)
+    cut_streams(proxy, CUT_AFTER_BYTES)
+    try:
+        for _ in range(20):  # until the balancer sends the first attempt through the proxy
+            response = httpx.post(gateway.url + path, json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.headers["content-type"] == "application/json"
+            answer = response.json()
+            assert whole_text(path, answer) == expected
+            if resumes_of_cut(gateway) > before:
+                break
+        assert resumes_of_cut(gateway) == before + 1
+    finally:
+        cut_streams(proxy, 0)
+    if path == "/v1/messages":
+        assert answer["stop_reason"] == direct.json()["stop_reason"]
+        assert answer["usage"]["output_tokens"] == direct.json()["usage"]["output_tokens"]
+    else:
+        own = direct.json()
+        assert answer["choices"][0]["finish_reason"] == own["choices"][0]["finish_reason"]
+        assert answer["usage"]["completion_tokens"] == own["usage"]["completion_tokens"]
+        assert answer["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"]

@@ -423,3 +423,145 @@ def test_a_stream_far_slower_than_the_pools_others_moves_to_a_healthier_instance
     metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
     line = 'gateway_stream_resumes_total{backend="ma",pool="moving",reason="slow"}'
     assert any(row.startswith(line) for row in metrics.splitlines()), metrics
+
+
+# --- whole answers, fetched as streams -------------------------------------------------------
+
+
+def stream_flags(*backends: Backend) -> list[bool]:
+    return [r["stream"] for backend in backends for r in backend.requests()]
+
+
+def test_a_whole_chat_answer_cut_twice_arrives_whole_through_the_sdk(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    # A whole answer is fetched as a stream: each cut is continued like a stream's, and the
+    # client gets one whole chat completion once the last attempt has finished.
+    cut(backends, ("a", "b"), after=5)
+    raw = sdk.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=20)
+    assert raw.headers["content-type"] == "application/json"
+    assert raw.headers["x-gateway-attempts"] == "3"  # the first, and the two continuations
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == text(20)
+    assert choice.finish_reason == "length"
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        PROMPT_WORDS,
+        20,
+    )
+    died = outcomes(backends["a"]) + outcomes(backends["b"])
+    assert sorted(died, key=str) == [("die", "died"), ("die", "died"), (None, "ok")]
+    assert stream_flags(backends["a"], backends["b"]) == [True, True, True]
+
+
+def test_a_whole_answer_nothing_broke_is_the_engines_own(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    """Assembled from the stream, it reads as the engine's whole answer does (the fields a
+    client reads; an engine's extras that a stream does not carry, such as vLLM's
+    `prompt_logprobs: null`, are not made up)."""
+    assembled = sdk.chat.completions.create(model="s", messages=MESSAGES, max_tokens=12)
+    with openai.OpenAI(
+        base_url=f"{backends['solo'].url}/v1", api_key="k", max_retries=0, timeout=30
+    ) as direct:
+        own = direct.chat.completions.create(model="s", messages=MESSAGES, max_tokens=12)
+
+    def read(completion: Any) -> tuple[Any, ...]:
+        (choice,) = completion.choices
+        message = choice.message
+        return (
+            completion.object,
+            completion.model,
+            completion.system_fingerprint,
+            completion.usage,
+            (choice.index, choice.finish_reason, choice.logprobs),
+            (message.role, message.content, message.refusal, message.tool_calls or []),
+        )
+
+    assert read(assembled) == read(own)
+    assert assembled.id.startswith("chatcmpl-")
+
+
+def test_a_whole_completion_cut_is_continued(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=6)
+    completion = sdk.completions.create(model="s", prompt="once upon a time ", max_tokens=15)
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == text(15)
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (4, 15)
+    assert outcomes(backends["solo"]) == [("die", "died"), (None, "ok")]
+
+
+@pytest.mark.parametrize("pool", ["m", "e"], ids=["continues", "echoes-prefill"])
+def test_a_whole_message_cut_twice_arrives_as_one_message(
+    claude: anthropic.Anthropic, backends: dict[str, Backend], pool: str
+) -> None:
+    names = ("a", "b") if pool == "m" else ("ea", "eb")
+    cut(backends, names, after=5)
+    message = claude.messages.create(model=pool, max_tokens=18, messages=MESSAGES)
+    assert message.type == "message" and message.role == "assistant"
+    (block,) = message.content
+    assert block.type == "text" and block.text == text(18)
+    assert message.stop_reason == "max_tokens"
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (PROMPT_WORDS, 18)
+    assert stream_flags(*(backends[n] for n in names)) == [True, True, True]
+
+
+def test_a_whole_answer_that_cannot_be_resumed_gets_the_engines_error(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    # Every stream fails with the engine's error event: the resumes allowed fail too, and the
+    # client gets that error as a whole answer, with its status.
+    backends["solo"].set_faults(stream_error_rate=1.0, stall_after=2)
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 10}
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "engine error mid-stream"
+    assert response.headers["x-gateway-attempts"] == "3"
+    assert "x-gateway-error" not in response.headers  # the engine's error, not the gateway's
+    assert len(outcomes(backends["solo"])) == 3
+
+
+def test_a_whole_answer_cut_with_no_resume_left_gets_the_gateways_error(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    cut(backends, ("solo",), after=2, count=3)  # the first attempt and both continuations
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 10}
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 502
+    assert response.headers["x-gateway-error"] == "upstream_reset"
+    assert response.json()["error"]["code"] == "upstream_reset"
+    assert outcomes(backends["solo"]) == [("die", "died")] * 3
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"logprobs": True},
+        {"stream_options": {"include_usage": True}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"response_format": {"type": "json_object"}},
+    ],
+    ids=["n", "logprobs", "stream-options", "tools", "structured"],
+)
+def test_a_whole_answer_a_continuation_could_not_serve_is_sent_as_it_came(
+    gateway: Gateway, backends: dict[str, Backend], extra: dict[str, Any]
+) -> None:
+    body = {"model": "s", "messages": MESSAGES, "max_tokens": 4, **extra}
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert stream_flags(backends["solo"]) == [False]
+    assert response.headers["content-type"] == "application/json"
+
+
+def test_a_pool_with_resume_off_sends_whole_answers_as_they_came(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    completion = sdk.chat.completions.create(model="o", messages=MESSAGES, max_tokens=4)
+    assert completion.choices[0].message.content == text(4)
+    assert stream_flags(backends["off"]) == [False]

@@ -485,6 +485,9 @@ class ResumePolicy(Strict):
     # Whether the pool's engines stream a continued prefix again before the continuation
     # (llama.cpp's server does on the Messages route): `auto` drops it when it comes.
     echo: Literal["auto", "never", "always"] = "auto"
+    # Whole (non-streamed) answers fetched as streams and assembled by the gateway, so that one
+    # cut mid-generation is continued like a stream instead of generated again from nothing.
+    whole_answers: bool = True
 
 
 Resume = Annotated[ResumePolicy, BeforeValidator(_switch)]

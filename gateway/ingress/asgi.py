@@ -42,6 +42,7 @@ from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
 from gateway.ingress.resume import StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
+from gateway.ingress.whole import WholeAnswer, fetch_as_stream
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
@@ -436,6 +437,10 @@ class DataPlane:
             bad = InvalidRequest(str(exc))
             await self._reject(scope, send, path, bad, started, facts.model, address)
             return
+        # A whole answer fetched as a stream, so a cut is continued (None: sent as it came).
+        fetched = None
+        if not facts.stream and self._resume_handler is not None:
+            fetched = fetch_as_stream(path, facts, pool.policy.resume)
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -444,9 +449,9 @@ class DataPlane:
             pool=pool,
             path=path,
             query=query.decode("latin-1") if query else "",
-            body=body,
+            body=body if fetched is None else fetched[0],
             headers=headers.forward,
-            facts=facts,
+            facts=facts if fetched is None else fetched[1],
             deadline=self._loop.time() + budget_s,
             cancellation=cancellation,
             priority=priority,
@@ -466,16 +471,20 @@ class DataPlane:
                 await send_error(send, error, call.attempts, dialect)
                 return
             status = response.status
-            ttfb_s = self._loop.time() - started
-            stats.ttfb[facts.model].observe(ttfb_s)
             timeouts = call.timeouts
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
+            whole: WholeAnswer | None = None
             if response.is_sse and response.status == 200 and self._resume_handler is not None:
                 resume = self._resumable(call, path)
+                if fetched is not None:
+                    whole = WholeAnswer(send, path)
+            if whole is None:
+                ttfb_s = self._loop.time() - started
+                stats.ttfb[facts.model].observe(ttfb_s)
             broke = await relay(
-                send,
+                send if whole is None else whole,
                 response,
                 call.attempts,
                 idle_s,
@@ -485,7 +494,15 @@ class DataPlane:
                 cancellation,
                 resume,
             )
-            if broke is not None:
+            if whole is not None:
+                assert resume is not None
+                ended_on = resume.instance or response.instance
+                status = await whole.finish(
+                    broke, call.attempts + resume.attempts, ended_on.name_header, dialect
+                )
+                ttfb_s = self._loop.time() - started
+                stats.ttfb[facts.model].observe(ttfb_s)
+            elif broke is not None:
                 stream_error = broke.message
         except ResponseAborted as aborted:
             # uvicorn drops the connection of a response left incomplete: the client sees it.

@@ -112,9 +112,10 @@ async def relay(
     streams: OpenStreams,
     cancellation: Cancellation,
     resume: StreamResume | None = None,
-) -> UpstreamError | None:
+) -> GatewayError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
-    Returns what broke an SSE stream the upstream cut short, if anything did.
+    Returns what ended an SSE stream short with the gateway's error event, if anything did
+    (the upstream cutting it, the drain's deadline).
 
     A stream that breaks after the commit point is continued on another attempt when `resume`
     allows (`ingress.resume`): the client sees one stream. Otherwise it ends, for SSE, with an
@@ -169,7 +170,7 @@ async def relay(
         else:
             assert isinstance(error, UpstreamError)
             raise ResponseAborted(error)
-        return broke
+        return error
     finally:
         if stream is not None:
             streams.discard(stream)

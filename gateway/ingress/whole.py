@@ -1,0 +1,161 @@
+"""Whole answers fetched as streams, so that a backend dying mid-generation costs a resume.
+
+A request for a whole answer on a route whose streams can be continued is sent upstream as a
+stream (`fetch_as_stream`; policy `resume.whole_answers`, on by default). The relay forwards
+that stream, resumes included, into a `WholeAnswer` instead of the client: it assembles the
+answer (`core.assembly`) and, when the stream has ended, sends the client one JSON answer with
+the final attempt count, or the error that ended the stream as a JSON error. Nothing reaches
+the client before the end, so the answer is all or nothing, as a whole answer always is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import MutableMapping
+from typing import Any, Final
+
+from gateway.config.models import ResumePolicy
+from gateway.core import continuation_anthropic, continuation_openai
+from gateway.core.assembly import Assembly, for_route, stream_request
+from gateway.core.continuation import UnreadableEvent
+from gateway.core.sse import event_boundary, split_events
+from gateway.errors import GatewayError, UpstreamProtocolError
+from gateway.ingress.dialect import MESSAGES_PATH, Dialect
+from gateway.ingress.relay import Send, send_error
+from gateway.ingress.resume import CHAT_PATH, COMPLETIONS_PATH
+from gateway.pipeline.call import RequestFacts
+
+# The stream's headers that say it is a stream: a JSON answer sets its own.
+_STREAM_HEADERS: Final = frozenset(
+    {
+        b"content-type",
+        b"content-length",
+        b"cache-control",
+        b"x-accel-buffering",
+        b"x-gateway-attempts",
+        b"x-gateway-instance",
+    }
+)
+# Anthropic's error types and their statuses, for an engine's error event on that route.
+_ANTHROPIC_STATUSES: Final = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+# An engine's error event whose status cannot be told: the upstream failed.
+_UNKNOWN_STATUS: Final = 502
+
+
+def fetch_as_stream(
+    path: str, facts: RequestFacts, policy: ResumePolicy
+) -> tuple[bytes, RequestFacts] | None:
+    """The body and facts a whole answer is fetched with as a stream, or None to send the
+    request as it came: a streamed one, one on another route, one with the client's own
+    `stream_options` or tools, or one a continuation could not serve."""
+    if facts.stream or not (policy.enabled and policy.whole_answers):
+        return None
+    request = facts.request
+    messages = path == MESSAGES_PATH
+    if messages:
+        refused = continuation_anthropic.refusal(request)
+    elif path in (CHAT_PATH, COMPLETIONS_PATH):
+        refused = continuation_openai.refusal(request, path == CHAT_PATH)
+    else:
+        return None
+    if refused is not None or "stream_options" in request:
+        return None
+    if request.get("tools") or request.get("functions"):
+        return None
+    streamed = stream_request(request, messages)
+    body = json.dumps(streamed, separators=(",", ":"), ensure_ascii=False).encode()
+    return body, RequestFacts(facts.model, True, facts.max_tokens, streamed)
+
+
+class WholeAnswer:
+    """What the relay sends a fetched stream to (an ASGI `send`): its events assembled into
+    the whole answer, which `finish` sends the client."""
+
+    __slots__ = ("_held", "_send", "assembly", "headers", "unreadable")
+
+    def __init__(self, send: Send, path: str) -> None:
+        self._send = send
+        self.assembly: Assembly = for_route(path == CHAT_PATH, path == MESSAGES_PATH)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._held = bytearray()  # the start of an event whose end has not come
+        self.unreadable = False
+
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.headers = message["headers"]
+            return
+        body = message.get("body", b"")
+        if not body or self.unreadable:
+            return
+        held = self._held
+        start = max(0, len(held) - 3)
+        held += body
+        cut = len(held) if not message.get("more_body", False) else event_boundary(held, start)
+        if not cut:
+            return
+        events = split_events(bytes(held[:cut]))
+        del held[:cut]
+        try:
+            for event in events:
+                self.assembly.feed(event)
+        except UnreadableEvent:
+            # The stream goes on to its end (its resumes are the relay's); the answer is lost.
+            self.unreadable = True
+
+    async def finish(
+        self, error: GatewayError | None, attempts: int, instance: bytes, dialect: Dialect
+    ) -> int:
+        """Send the client the whole answer, or what ended the stream short; its status."""
+        assembly = self.assembly
+        if error is not None:  # the gateway ended the stream (its error event is in it)
+            await send_error(self._send, error, attempts, dialect)
+            return error.status
+        if assembly.error is not None and not self.unreadable:
+            # The engine's own error, as it came in the stream: the engine's answer.
+            status = _status_of(assembly.error, dialect)
+            await self._json(status, assembly.error, attempts, instance)
+            return status
+        if self.unreadable or not assembly.complete:
+            unreadable = UpstreamProtocolError(
+                "the upstream sent a stream no answer can be made of"
+            )
+            await send_error(self._send, unreadable, attempts, dialect)
+            return unreadable.status
+        await self._json(200, assembly.answer(), attempts, instance)
+        return 200
+
+    async def _json(self, status: int, value: Any, attempts: int, instance: bytes) -> None:
+        body = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(name, v) for name, v in self.headers if name not in _STREAM_HEADERS]
+        headers += [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-gateway-attempts", str(attempts).encode()),
+            (b"x-gateway-instance", instance),
+        ]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
+
+
+def _status_of(error: dict[str, Any], dialect: Dialect) -> int:
+    """The status of an engine's error event: its `code` (vLLM's is the HTTP status), or on
+    the Messages route its error type's."""
+    detail = error.get("error")
+    if not isinstance(detail, dict):
+        return _UNKNOWN_STATUS
+    if dialect.name == "anthropic":
+        return _ANTHROPIC_STATUSES.get(str(detail.get("type")), _UNKNOWN_STATUS)
+    code = detail.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    return _UNKNOWN_STATUS
