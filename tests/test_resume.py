@@ -10,7 +10,9 @@ tokens and continued elsewhere must read as `text(n)`.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -18,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from loadtests.fake_vllm.requestlog import IN_PROGRESS
 from loadtests.fake_vllm.responses import text
 from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
 
@@ -227,7 +230,7 @@ def test_an_engine_error_event_mid_stream_is_continued(
 def test_an_engine_error_event_not_continued_reaches_the_client_as_it_came(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
-    # Every stream fails: the resumes allowed (2) fail too, and the last error event is
+    # Every stream fails: the resumes allowed (3) fail too, and the last error event is
     # relayed as the engine sent it, with its [DONE].
     backends["solo"].set_faults(stream_error_rate=1.0, stall_after=2)
     body = {"model": "s", "messages": MESSAGES, "max_tokens": 10, "stream": True}
@@ -236,8 +239,8 @@ def test_an_engine_error_event_not_continued_reaches_the_client_as_it_came(
     assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
     assert json.loads(data[-2])["error"]["message"] == "engine error mid-stream"
     contents = [json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-2]]
-    assert "".join(contents) == text(6)  # three attempts of two tokens each, once each
-    assert len(outcomes(backends["solo"])) == 3
+    assert "".join(contents) == text(8)  # four attempts of two tokens each, once each
+    assert len(outcomes(backends["solo"])) == 4
 
 
 # --- OpenAI completions ----------------------------------------------------------------------
@@ -522,21 +525,21 @@ def test_a_whole_answer_that_cannot_be_resumed_gets_the_engines_error(
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "engine error mid-stream"
-    assert response.headers["x-gateway-attempts"] == "3"
+    assert response.headers["x-gateway-attempts"] == "4"  # the first and three continuations
     assert "x-gateway-error" not in response.headers  # the engine's error, not the gateway's
-    assert len(outcomes(backends["solo"])) == 3
+    assert len(outcomes(backends["solo"])) == 4
 
 
 def test_a_whole_answer_cut_with_no_resume_left_gets_the_gateways_error(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
-    cut(backends, ("solo",), after=2, count=3)  # the first attempt and both continuations
+    cut(backends, ("solo",), after=2, count=4)  # the first attempt and three continuations
     body = {"model": "s", "messages": MESSAGES, "max_tokens": 10}
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 502
     assert response.headers["x-gateway-error"] == "upstream_reset"
     assert response.json()["error"]["code"] == "upstream_reset"
-    assert outcomes(backends["solo"]) == [("die", "died")] * 3
+    assert outcomes(backends["solo"]) == [("die", "died")] * 4
 
 
 @pytest.mark.parametrize(
@@ -565,3 +568,40 @@ def test_a_pool_with_resume_off_sends_whole_answers_as_they_came(
     completion = sdk.chat.completions.create(model="o", messages=MESSAGES, max_tokens=4)
     assert completion.choices[0].message.content == text(4)
     assert stream_flags(backends["off"]) == [False]
+
+
+def test_a_whole_answer_on_an_instance_being_isolated_finishes_there(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """Unlike a stream, a whole answer is not moved off a healthy-looking attempt: its client
+    sees nothing until the end, and moving it would throw away the generation so far."""
+    for name in ("a", "b"):
+        backends[name].set_faults(per_token=0.02)
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 40}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post, f"{gateway.url}/v1/chat/completions", json=body, timeout=30
+            )
+            serving = wait_for_request(backends, ("a", "b"))
+            isolate = f"{gateway.admin_url}/admin/instances/pair/{serving}/isolate"
+            httpx.post(isolate, timeout=5).raise_for_status()
+            response = answer.result(timeout=30)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["content"] == text(40)
+        assert outcomes(backends[serving]) == [(None, "ok")]
+        other = "b" if serving == "a" else "a"
+        assert outcomes(backends[other]) == []
+    finally:
+        httpx.post(f"{gateway.admin_url}/admin/instances/pair/a/restore", timeout=5)
+        httpx.post(f"{gateway.admin_url}/admin/instances/pair/b/restore", timeout=5)
+
+
+def wait_for_request(backends: dict[str, Backend], names: tuple[str, ...]) -> str:
+    """The backend among `names` that has a request in progress (bounded wait)."""
+    for _ in range(500):
+        for name in names:
+            if any(r["outcome"] == IN_PROGRESS for r in backends[name].requests()):
+                return name
+        time.sleep(0.01)
+    raise AssertionError("no request reached the backends")

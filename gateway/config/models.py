@@ -474,7 +474,10 @@ class ResumePolicy(Strict):
     default): the text the client has is a prefix the next instance extends."""
 
     enabled: bool = True
-    max_resumes: int = Field(default=2, ge=0)  # per request; each also spends retry budget
+    # Per request. A rolling restart of a pool of three cuts a long answer up to three times;
+    # a request that itself breaks its engines is bounded by this, the resume budget and the
+    # breakers (each break is a failure of its instance).
+    max_resumes: int = Field(default=3, ge=0)
     # Resumes allowed over 10 s, as a share of the streams that reached their first byte (plus
     # `retries.budget.min_per_second`): a budget of their own, apart from the retries'. A
     # rolling restart cuts a third of a pool's streams at once, and a continuation replaces

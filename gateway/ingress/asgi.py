@@ -480,6 +480,7 @@ class DataPlane:
                 resume = self._resumable(call, path)
                 if fetched is not None:
                     whole = WholeAnswer(send, path)
+                    resume.moves = False
             if whole is None:
                 ttfb_s = self._loop.time() - started
                 stats.ttfb[facts.model].observe(ttfb_s)

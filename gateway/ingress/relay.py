@@ -148,7 +148,7 @@ async def relay(
         if response.is_sse:
             stream = cancellation
             entry = streams.add(
-                stream, response.instance, resume.movable if resume is not None else None
+                stream, response.instance, resume.movable if resume and resume.moves else None
             )
             if streams.ending:  # started after the drain's deadline: end it at once
                 error = shutting_down()
@@ -297,7 +297,7 @@ class _Watch:
         self.last = b""
         # Its pace: chunks since the upstream wait was `window_at`, and windows in a row
         # found too slow.
-        self.resume = resume if self.entry is not None else None
+        self.resume = resume if self.entry is not None and resume and resume.moves else None
         self.chunks = 0
         self.window_at = 0.0
         self.slow = 0

@@ -122,6 +122,9 @@ class StreamResume:
         self.attempts = 0  # the continuations' attempts, retries included
         self.instance: InstanceState | None = None  # where the stream ended
         self._prepaid = False  # a move (`movable`) spent the next resume's budget already
+        # Whether a healthy-looking attempt may be left (its instance isolated, its pace far
+        # too slow), or only a broken one.
+        self.moves = True
 
     def plan(self, error: UpstreamError, broken: InstanceState) -> Continue | bytes | str:
         """What to do about a stream `error` broke on `broken`."""
