@@ -377,6 +377,23 @@ def test_structured_output_is_not_continued(extra: dict[str, Any]) -> None:
     assert openai_c.refusal(text_format, chat=True) is None
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+        {"output_format": {"type": "json_schema", "schema": {"type": "object"}}},
+    ],
+)
+def test_anthropic_structured_output_is_not_continued(extra: dict[str, Any]) -> None:
+    assert anthropic_c.refusal({**MESSAGES_REQUEST, **extra}) == "structured"
+    assert anthropic_c.refusal({**MESSAGES_REQUEST, "output_config": {"effort": "low"}}) is None
+
+
+def test_token_ids_are_not_continued() -> None:
+    # A continuation tokenizes the text so far anew: its ids are not one generation's.
+    assert openai_c.refusal({**CHAT_REQUEST, "return_token_ids": True}, chat=True) == "token_ids"
+
+
 def test_a_usage_chunk_already_delivered_is_not_sent_again() -> None:
     t = openai_transcript({**CHAT_REQUEST, "stream_options": {"include_usage": True}})
     usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}

@@ -34,7 +34,9 @@ def backends() -> Iterator[dict[str, Backend]]:
     started: dict[str, Backend] = {}
     try:
         for name in ("a", "b", "solo"):
-            started[name] = start_backend(name, ["m", "mv"] if name != "solo" else ["s"], *FAST)
+            started[name] = start_backend(
+                name, ["m", "mv", "t"] if name != "solo" else ["s"], *FAST
+            )
         for name in ("ea", "eb"):
             started[name] = start_backend(name, ["e"], *FAST, "--echo-prefill")
         started["off"] = start_backend("off", ["o"], *FAST)
@@ -71,6 +73,11 @@ pools:
     instances: [{{name: ma, url: "{url("a")}"}}, {{name: mb, url: "{url("b")}"}}]
     timeouts: {{min_samples: 3}}
     hedging: false
+  tiny:
+    models: [t]
+    instances: [{{name: ta, url: "{url("a")}"}}, {{name: tb, url: "{url("b")}"}}]
+    retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
+    resume: {{max_text: 64}}
   noresume:
     models: [o]
     instances: [{{name: quiet, url: "{url("off")}"}}]
@@ -605,3 +612,26 @@ def wait_for_request(backends: dict[str, Backend], names: tuple[str, ...]) -> st
                 return name
         time.sleep(0.01)
     raise AssertionError("no request reached the backends")
+
+
+def test_a_whole_answer_that_cannot_be_continued_starts_again(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    """Its client has seen nothing yet: a whole answer whose text is past `resume.max_text`
+    (or has a reasoning or tool call in progress) is asked again from nothing, where a
+    stream would end with an error event."""
+    cut(backends, ("a", "b"), after=20)  # ~100 bytes of text each time: past max_text 64
+    raw = sdk.chat.completions.with_raw_response.create(model="t", messages=MESSAGES, max_tokens=30)
+    assert raw.headers["x-gateway-attempts"] == "3"
+    completion = raw.parse()
+    assert completion.choices[0].message.content == text(30)
+    assert completion.usage is not None and completion.usage.completion_tokens == 30
+    records = backends["a"].requests() + backends["b"].requests()
+    assert sorted(r["outcome"] for r in records) == ["died", "died", "ok"]
+    assert [r["max_tokens"] for r in records] == [30, 30, 30]  # each from the start
+    # A stream in the same pool, cut the same way, cannot be continued and ends as before.
+    cut(backends, ("a", "b"), after=20)
+    stream = sdk.chat.completions.create(model="t", messages=MESSAGES, max_tokens=30, stream=True)
+    with pytest.raises(openai.APIError, match="upstream"):
+        for _ in stream:
+            pass

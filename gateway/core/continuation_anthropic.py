@@ -37,10 +37,15 @@ MESSAGE_STOP: Final = format_event('{"type":"message_stop"}', "message_stop")
 
 def refusal(request: dict[str, Any]) -> str | None:
     """Why a Messages stream could not be continued, decided before it is sent. Extended
-    thinking is not continued: a prefill cannot carry a thinking block."""
+    thinking is not continued (a prefill cannot carry a thinking block), nor structured
+    output."""
     thinking = request.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         return "reasoning"
+    # Structured output: a continuation would begin a second document (as on OpenAI routes).
+    config = request.get("output_config")
+    if request.get("output_format") or (isinstance(config, dict) and config.get("format")):
+        return "structured"
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         return "unreadable"
     return None

@@ -47,6 +47,9 @@ _REFUSED: Final = (
     ("top_logprobs", "logprobs"),
     ("prompt_logprobs", "logprobs"),
     ("echo", "echo"),
+    # vLLM's token ids of each chunk: a continuation tokenizes the text so far anew, so its
+    # ids would not be the ones one generation gives.
+    ("return_token_ids", "token_ids"),
 )
 
 

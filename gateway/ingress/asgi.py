@@ -40,7 +40,7 @@ from gateway.ingress.headers import split_request_headers
 from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
-from gateway.ingress.resume import StreamResume, transcript_for
+from gateway.ingress.resume import Restart, StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
 from gateway.ingress.whole import WholeAnswer, fetch_as_stream
 from gateway.pipeline.admit import parse_priority
@@ -360,6 +360,12 @@ class DataPlane:
         )
         return resume
 
+    def _restart(self, call: Call, path: str, whole: WholeAnswer) -> Restart:
+        """How a whole answer fetched as a stream starts again when it cannot be continued."""
+        request = call.facts.request
+        policy = call.pool.policy.resume
+        return Restart(call.body, lambda: transcript_for(path, request, policy)[0], whole.restart)
+
     async def _proxy_traced(
         self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
     ) -> None:
@@ -470,7 +476,6 @@ class DataPlane:
                 status = error.status
                 await send_error(send, error, call.attempts, dialect)
                 return
-            status = response.status
             timeouts = call.timeouts
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
@@ -481,7 +486,9 @@ class DataPlane:
                 if fetched is not None:
                     whole = WholeAnswer(send, path)
                     resume.moves = False
+                    resume.restart = self._restart(call, path, whole)
             if whole is None:
+                status = response.status  # sent now (a whole answer's comes with its end)
                 ttfb_s = self._loop.time() - started
                 stats.ttfb[facts.model].observe(ttfb_s)
             broke = await relay(

@@ -9,7 +9,9 @@ is one of:
   sent through the request path below admission (`start`): it picks another instance (the
   one that broke is avoided while any other can take it), retries before its own first byte,
   and keeps the client's deadline;
-- a refusal (its reason), and the stream ends as it would without resume.
+- a refusal (its reason), and the stream ends as it would without resume. A whole answer
+  fetched as a stream (`ingress.whole`), whose client has seen nothing yet, is asked again
+  from nothing instead (a `Continue` without a rewriter: `Restart`), within the same limits.
 
 A resume is allowed within `resume.max_resumes` per request and the pool's resume budget,
 before the request's deadline. The resume budget is the retry budget's rule with its own
@@ -58,8 +60,26 @@ Start = Callable[[bytes, InstanceState], Awaitable[tuple[UpstreamResponse, float
 
 @dataclass(frozen=True, slots=True)
 class Continue:
+    """The next attempt: its body, and the rewriter of its events (None: a restart, whose
+    events go on as they come, into a fresh transcript)."""
+
     body: bytes
-    rewriter: Rewriter
+    rewriter: Rewriter | None
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """How a whole answer fetched as a stream starts again from nothing when it cannot be
+    continued (its client has seen nothing yet): the request's streamed body, a fresh
+    transcript, and `reset`, which empties what was assembled so far."""
+
+    body: bytes
+    transcript: Callable[[], Transcript | None]
+    reset: Callable[[], None]
+
+
+# Refusals that bound the request's resumes: a restart is bounded by them too.
+_LIMITS = frozenset({"max_resumes", "deadline", "budget"})
 
 
 def transcript_for(
@@ -125,6 +145,9 @@ class StreamResume:
         # Whether a healthy-looking attempt may be left (its instance isolated, its pace far
         # too slow), or only a broken one.
         self.moves = True
+        # For a whole answer: how it starts again when it cannot be continued (None: a stream,
+        # whose client already has part of it).
+        self.restart: Restart | None = None
 
     def plan(self, error: UpstreamError, broken: InstanceState) -> Continue | bytes | str:
         """What to do about a stream `error` broke on `broken`."""
@@ -132,6 +155,8 @@ class StreamResume:
         if isinstance(refused, bytes):
             return refused
         if refused is not None:
+            if self._restartable(refused, spent=False):
+                return self._restarted(error, broken)
             self._pool.stats.not_resumed(refused)
             return refused
         transcript = self.transcript
@@ -139,13 +164,36 @@ class StreamResume:
         try:
             body, rewriter = transcript.continuation()
         except NotResumable as exc:
+            if self._restartable(str(exc), spent=True):
+                return self._restarted(error, broken)
             self._pool.stats.not_resumed(str(exc))
             return str(exc)
+        self._resumed(error, broken)
+        return Continue(body, rewriter)
+
+    def _resumed(self, error: UpstreamError, broken: InstanceState) -> None:
         reason = break_reason(error)
         self.resumes += 1
         self.reasons.append(reason)
         self._pool.stats.resumed(broken.name, reason)
-        return Continue(body, rewriter)
+
+    def _restartable(self, refused: str, *, spent: bool) -> bool:
+        """Whether a whole answer that cannot be continued (a reasoning or tool call in
+        progress, too much text, an unreadable event) may start again, within the same
+        limits and budget as a resume."""
+        if self.restart is None or refused in _LIMITS:
+            return False
+        if self.resumes >= self._policy.max_resumes or self._clock() >= self._deadline:
+            return False
+        return spent or self._pool.resume_budget.try_spend(self._clock())
+
+    def _restarted(self, error: UpstreamError, broken: InstanceState) -> Continue:
+        restart = self.restart
+        assert restart is not None
+        self.transcript = restart.transcript()
+        restart.reset()
+        self._resumed(error, broken)
+        return Continue(restart.body, None)
 
     def too_slow(self, instance: InstanceState, pace_s: float) -> bool:
         """Whether a stream whose chunks came `pace_s` apart on average is far slower than the

@@ -10,6 +10,7 @@ the client before the end, so the answer is all or nothing, as a whole answer al
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import MutableMapping
 from typing import Any, Final
@@ -19,7 +20,7 @@ from gateway.core import continuation_anthropic, continuation_openai
 from gateway.core.assembly import Assembly, for_route, stream_request
 from gateway.core.continuation import UnreadableEvent
 from gateway.core.sse import event_boundary, split_events
-from gateway.errors import GatewayError, UpstreamProtocolError
+from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamStreamCut
 from gateway.ingress.dialect import MESSAGES_PATH, Dialect
 from gateway.ingress.relay import Send, send_error
 from gateway.ingress.resume import CHAT_PATH, COMPLETIONS_PATH
@@ -45,9 +46,21 @@ _ANTHROPIC_STATUSES: Final = {
     "request_too_large": 413,
     "rate_limit_error": 429,
     "api_error": 500,
+    "internal_error": 500,  # vLLM's Messages route
     "timeout_error": 504,
     "overloaded_error": 529,
 }
+# Requests sent as they came, whatever else they hold: the client's own `stream_options` (the
+# engine's to refuse without `stream`); vLLM's fields that only a whole answer carries back
+# (the KV and encoder-cache handles of disaggregated prefill) or that it refuses to stream
+# (beam search). A request that turns reasoning off is one too: vLLM then sends nothing
+# while the model thinks, which a stream's idle timeout would take for a hang.
+_SENT_AS_THEY_CAME: Final = (
+    "stream_options",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "use_beam_search",
+)
 # An engine's error event whose status cannot be told: the upstream failed.
 _UNKNOWN_STATUS: Final = 502
 
@@ -68,9 +81,13 @@ def fetch_as_stream(
         refused = continuation_openai.refusal(request, path == CHAT_PATH)
     else:
         return None
-    if refused is not None or "stream_options" in request:
+    if refused is not None or any(request.get(key) is not None for key in _SENT_AS_THEY_CAME):
         return None
-    if request.get("tools") or request.get("functions"):
+    if (
+        request.get("tools")
+        or request.get("functions")
+        or request.get("include_reasoning") is False
+    ):
         return None
     streamed = stream_request(request, messages)
     body = json.dumps(streamed, separators=(",", ":"), ensure_ascii=False).encode()
@@ -81,13 +98,20 @@ class WholeAnswer:
     """What the relay sends a fetched stream to (an ASGI `send`): its events assembled into
     the whole answer, which `finish` sends the client."""
 
-    __slots__ = ("_held", "_send", "assembly", "headers", "unreadable")
+    __slots__ = ("_held", "_route", "_send", "assembly", "headers", "unreadable")
 
     def __init__(self, send: Send, path: str) -> None:
         self._send = send
-        self.assembly: Assembly = for_route(path == CHAT_PATH, path == MESSAGES_PATH)
+        self._route = (path == CHAT_PATH, path == MESSAGES_PATH)
+        self.assembly: Assembly = for_route(*self._route)
         self.headers: list[tuple[bytes, bytes]] = []
         self._held = bytearray()  # the start of an event whose end has not come
+        self.unreadable = False
+
+    def restart(self) -> None:
+        """The answer starts again from nothing on another attempt (`resume.Restart`)."""
+        self.assembly = for_route(*self._route)
+        self._held.clear()
         self.unreadable = False
 
     async def __call__(self, message: MutableMapping[str, Any]) -> None:
@@ -117,22 +141,25 @@ class WholeAnswer:
     ) -> int:
         """Send the client the whole answer, or what ended the stream short; its status."""
         assembly = self.assembly
-        if error is not None:  # the gateway ended the stream (its error event is in it)
-            await send_error(self._send, error, attempts, dialect)
-            return error.status
-        if assembly.error is not None and not self.unreadable:
-            # The engine's own error, as it came in the stream: the engine's answer.
-            status = _status_of(assembly.error, dialect)
-            await self._json(status, assembly.error, attempts, instance)
+        engine_error = assembly.error if not self.unreadable else None
+        if engine_error is not None and (error is None or isinstance(error, UpstreamStreamCut)):
+            # The engine's own error, as it came in the stream (perhaps with no end after
+            # it): the engine's answer.
+            status = _status_of(engine_error, dialect)
+            await self._json(status, engine_error, attempts, instance)
             return status
-        if self.unreadable or not assembly.complete:
-            unreadable = UpstreamProtocolError(
-                "the upstream sent a stream no answer can be made of"
-            )
-            await send_error(self._send, unreadable, attempts, dialect)
-            return unreadable.status
-        await self._json(200, assembly.answer(), attempts, instance)
-        return 200
+        if error is None:
+            answer = None
+            if assembly.complete and not self.unreadable:
+                with contextlib.suppress(UnreadableEvent):  # a tool call's input cut short
+                    answer = assembly.answer()
+            if answer is not None:
+                await self._json(200, answer, attempts, instance)
+                return 200
+            error = UpstreamProtocolError("the upstream sent a stream no answer can be made of")
+        # The gateway ended the stream (its error event is in it), or no answer came of it.
+        await send_error(self._send, error, attempts, dialect)
+        return error.status
 
     async def _json(self, status: int, value: Any, attempts: int, instance: bytes) -> None:
         body = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
