@@ -107,3 +107,17 @@ def test_the_ring_stays_fixed_and_deterministic() -> None:
     first = run()
     assert first == run()
     assert 0 < sum(first) < len(first)
+
+
+def test_a_share_leaves_the_rest_of_the_budget_to_others() -> None:
+    budget = RetryBudget(0.0, 1.0)  # 10 over the window
+    assert spend_all_at_share(budget, 0.5) == 5  # hedges: half
+    assert spend_all(budget, 0.0) == 5  # retries: the rest
+    assert not budget.try_spend(0.0)
+
+
+def spend_all_at_share(budget: RetryBudget, share: float) -> int:
+    granted = 0
+    while granted < 100 and budget.try_spend(0.0, share):
+        granted += 1
+    return granted

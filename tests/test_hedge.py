@@ -133,3 +133,26 @@ def test_hedges_stop_when_the_retry_budget_is_spent() -> None:
     assert [(o.status, o.attempts) for o in outcomes] == [(200, 1)] * 5
     assert p.pool.stats.hedges.get("no_budget", 0) >= 1
     assert set(p.pool.stats.hedges) == {"no_budget"}
+
+
+def test_hedges_leave_half_the_retry_budget_to_retries() -> None:
+    # A budget of 2 retries over the window (no ratio): hedges may take 1 of them.
+    async def scenario() -> tuple[Pipeline, list[Outcome], bool]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=0.1)), "b": fast_then(Answer(after_s=0.1))},
+            SETTINGS + "\n    retries: {budget: {ratio: 0.0, min_per_second: 0.2}}",
+        )()
+        try:
+            await learned(p)
+            outcomes = [await p.request() for _ in range(6)]
+            # A retry still finds its half of the budget.
+            return p, outcomes, p.pool.budget.try_spend(asyncio.get_running_loop().time())
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, retry_allowed = run(scenario())
+    assert all(o.status == 200 for o in outcomes)
+    hedges = p.pool.stats.hedges
+    assert hedges.get("won", 0) + hedges.get("lost", 0) == 1
+    assert hedges.get("no_budget", 0) >= 1
+    assert retry_allowed

@@ -43,15 +43,18 @@ class RetryBudget:
         window = self._window
         window.add_first(window.advance(now))
 
-    def try_spend(self, now: float) -> bool:
+    def try_spend(self, now: float, share: float = 1.0) -> bool:
         """Whether one more retry fits at `now`; when it does, it is counted.
 
-        Allowed when `retries + 1 ≤ ratio * requests + min_per_second * window_s`, counting the
-        requests and retries of the window that ends at `now`.
+        Allowed when `retries + 1 ≤ share * (ratio * requests + min_per_second * window_s)`,
+        counting the requests and retries of the window that ends at `now`. A `share` below 1
+        leaves the rest of the budget to other spenders: hedges, which bet on latency, take at
+        most part of it, so retries, which rescue failures, always find the rest.
         """
         window = self._window
         slot = window.advance(now)
-        if window.second_total + 1 > self._ratio * window.first_total + self._allowance:
+        limit = self._ratio * window.first_total + self._allowance
+        if window.second_total + 1 > share * limit:
             return False
         window.add_second(slot)
         return True

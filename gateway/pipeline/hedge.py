@@ -7,7 +7,9 @@ timer is set at its instance's predicted first byte plus `hedging.k` deviations
 (`PoolState.hedge_delay`: near its 95th percentile, plus the wait behind the gateway's own
 queue there), never sooner than `hedging.min_delay`. Most attempts answer before it and only
 cancel the timer. When it fires, if another instance has a free slot (the gateway holds fewer
-attempts there than it was seen serving at once) and the pool's retry budget allows, a hedge
+attempts there than it was seen serving at once) and the first half of the pool's retry budget
+allows (`HEDGE_SHARE`: hedges bet on latency, and leave the rest to retries, which rescue
+failures), a hedge
 picks another instance (the pick layer, avoiding this one) and is sent from a task of its own:
 
 - the hedge answers first (a status below 400, read to the commit point): the first attempt
@@ -38,6 +40,9 @@ from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler, Layer
 from gateway.runtime import SUPERSEDED, Cancellation, Clock
 from gateway.upstream.response import UpstreamResponse
+
+# The part of the pool's retry budget hedges may spend: the rest is the retries'.
+HEDGE_SHARE = 0.5
 
 log = logging.getLogger("gateway.hedge")
 
@@ -152,7 +157,7 @@ class Hedge:
             # a cancelled request in an engine's queue.
             pool.stats.hedged("no_room")
             return
-        if not pool.budget.try_spend(now):
+        if not pool.budget.try_spend(now, HEDGE_SHARE):
             pool.stats.hedged("no_budget")
             return
         hedge = dataclasses.replace(
