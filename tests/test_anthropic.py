@@ -115,11 +115,11 @@ def test_a_mid_stream_error_event_not_resumed_is_passed_through_and_counted(
         assert b"[DONE]" not in body
         state = httpx.get(f"{gw.admin_url}/admin/state", timeout=5).json()
         instance = state["pools"]["chat"]["instances"][0]
-        # Each stream was resumed as often as allowed (twice), each attempt ending in the
-        # engine's error: every one counts against the instance.
+        # Each stream was resumed as often as allowed (three times), each attempt ending in
+        # the engine's error: every one counts against the instance.
         attempts = messages(backends["a"])
-        assert len(attempts) == 6
-        assert instance["failures"] == 6
+        assert len(attempts) == 8
+        assert instance["failures"] == 8
     finally:
         gw.stop()
         backends["a"].set_faults()
