@@ -19,20 +19,34 @@ MESSAGES = "/v1/messages"
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
-def facts(**extra: Any) -> Any:
-    return read_facts(json.dumps({**REQUEST, **extra}).encode())
+def fetch(
+    path: str = CHAT, policy: ResumePolicy | None = None, raw: bytes | None = None, **extra: Any
+) -> tuple[bytes, Any] | None:
+    """What `fetch_as_stream` makes of a request: REQUEST with `extra`, or the bytes `raw`."""
+    body = raw if raw is not None else json.dumps({**REQUEST, **extra}).encode()
+    return fetch_as_stream(path, read_facts(body), policy or ResumePolicy(), body)
 
 
-def test_a_whole_chat_request_is_fetched_as_a_stream_with_usage() -> None:
-    fetched = fetch_as_stream(CHAT, facts(), ResumePolicy())
+STREAMED = {**REQUEST, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps(REQUEST).encode(),
+        json.dumps(REQUEST, indent=2).encode() + b"\n",
+        json.dumps({**REQUEST, "stream": False}).encode(),
+    ],
+    ids=["compact", "indented", "stream-false"],
+)
+def test_a_whole_chat_request_is_fetched_as_a_stream_with_usage(raw: bytes) -> None:
+    fetched = fetch(raw=raw)
     assert fetched is not None
     body, streamed = fetched
-    assert json.loads(body) == {
-        **REQUEST,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    assert json.loads(body) == STREAMED
+    assert body.count(b'"stream"') == 1  # no key named twice
     assert streamed.stream and streamed.model == "m" and streamed.max_tokens == 8
+    assert streamed.request == STREAMED
 
 
 @pytest.mark.parametrize(
@@ -51,17 +65,17 @@ def test_a_whole_chat_request_is_fetched_as_a_stream_with_usage() -> None:
     ids=lambda extra: next(iter(extra)),
 )
 def test_what_a_stream_would_change_is_sent_as_it_came(extra: dict[str, Any]) -> None:
-    assert fetch_as_stream(CHAT, facts(**extra), ResumePolicy()) is None
+    assert fetch(**extra) is None
 
 
 def test_other_routes_and_a_policy_without_whole_answers_send_as_it_came() -> None:
-    assert fetch_as_stream("/v1/embeddings", facts(), ResumePolicy()) is None
-    assert fetch_as_stream(CHAT, facts(), ResumePolicy(whole_answers=False)) is None
-    assert fetch_as_stream(CHAT, facts(), ResumePolicy(enabled=False)) is None
+    assert fetch("/v1/embeddings") is None
+    assert fetch(policy=ResumePolicy(whole_answers=False)) is None
+    assert fetch(policy=ResumePolicy(enabled=False)) is None
     structured = {"output_config": {"format": {"type": "json_schema", "schema": {}}}}
-    assert fetch_as_stream(MESSAGES, facts(**structured), ResumePolicy()) is None
-    fetched = fetch_as_stream(MESSAGES, facts(), ResumePolicy())
-    assert fetched is not None and "stream_options" not in json.loads(fetched[0])
+    assert fetch(MESSAGES, **structured) is None
+    fetched = fetch(MESSAGES)
+    assert fetched is not None and json.loads(fetched[0]) == {**REQUEST, "stream": True}
 
 
 class Client:

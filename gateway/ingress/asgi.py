@@ -446,7 +446,7 @@ class DataPlane:
         # A whole answer fetched as a stream, so a cut is continued (None: sent as it came).
         fetched = None
         if not facts.stream and self._resume_handler is not None:
-            fetched = fetch_as_stream(path, facts, pool.policy.resume)
+            fetched = fetch_as_stream(path, facts, pool.policy.resume, body)
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
