@@ -68,6 +68,20 @@ def test_what_a_stream_would_change_is_sent_as_it_came(extra: dict[str, Any]) ->
     assert fetch(**extra) is None
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"tools": []}, {"include_reasoning": True}, {"stream_options": None}, {"n": 1}],
+    ids=["no-tools", "reasoning-on", "null-options", "one-choice"],
+)
+def test_fields_that_ask_for_nothing_do_not_keep_a_request_from_streaming(
+    extra: dict[str, Any],
+) -> None:
+    fetched = fetch(**extra)
+    assert fetched is not None
+    assert json.loads(fetched[0]) == {**REQUEST, **extra, **STREAMED}
+    assert fetched[0].count(b'"stream_options"') == 1  # no key named twice
+
+
 def test_other_routes_and_a_policy_without_whole_answers_send_as_it_came() -> None:
     assert fetch("/v1/embeddings") is None
     assert fetch(policy=ResumePolicy(whole_answers=False)) is None

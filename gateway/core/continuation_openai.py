@@ -67,10 +67,28 @@ _STRUCTURED: Final = (
 )
 
 
+# Every field `refusal` looks at: most requests name none of them, which one set operation
+# tells (this runs for every request fetched as a stream).
+_WATCHED: Final = frozenset({"response_format", *_STRUCTURED, *(key for key, _ in _REFUSED)})
+
+
 def refusal(request: dict[str, Any], chat: bool) -> str | None:
     """Why a request's stream could not be continued, decided before it is sent (None: it
     could be). More than one choice, and logprobs (a continuation's token boundaries and
     offsets are its own), an echo of the prompt, and structured output are not continued."""
+    if not _WATCHED.isdisjoint(request):
+        refused = _refused_option(request)
+        if refused is not None:
+            return refused
+    if chat:
+        if not isinstance(request.get("messages"), list):
+            return "unreadable"
+    elif not isinstance(request.get("prompt"), str):
+        return "prompt_not_text"  # token ids or several prompts
+    return None
+
+
+def _refused_option(request: dict[str, Any]) -> str | None:
     response_format = request.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         return "structured"
@@ -85,11 +103,6 @@ def refusal(request: dict[str, Any], chat: bool) -> str | None:
         if key == "top_logprobs" and value == 0:
             continue
         return reason
-    if chat:
-        if not isinstance(request.get("messages"), list):
-            return "unreadable"
-    elif not isinstance(request.get("prompt"), str):
-        return "prompt_not_text"  # token ids or several prompts
     return None
 
 

@@ -61,6 +61,9 @@ _SENT_AS_THEY_CAME: Final = (
     "ec_transfer_params",
     "use_beam_search",
 )
+# Those, and the fields that send a request as it came when they ask for something: most
+# requests name none, which one set operation tells.
+_LOOKED_AT: Final = frozenset({*_SENT_AS_THEY_CAME, "tools", "functions", "include_reasoning"})
 # What a whole request gets at the end of its JSON object to be fetched as a stream (its object
 # has `model`, so it is never empty, and it has neither field: no key is named twice).
 _STREAM_FIELDS: Final = b',"stream":true,"stream_options":{"include_usage":true}}'
@@ -86,17 +89,18 @@ def fetch_as_stream(
         refused = continuation_openai.refusal(request, path == CHAT_PATH)
     else:
         return None
-    if refused is not None or any(request.get(key) is not None for key in _SENT_AS_THEY_CAME):
+    if refused is not None:
         return None
-    if (
-        request.get("tools")
+    if not _LOOKED_AT.isdisjoint(request) and (
+        any(request.get(key) is not None for key in _SENT_AS_THEY_CAME)
+        or request.get("tools")
         or request.get("functions")
         or request.get("include_reasoning") is False
     ):
         return None
     streamed = stream_request(request, messages)
     end = body.rstrip()
-    if "stream" not in request and end.endswith(b"}"):
+    if "stream" not in request and "stream_options" not in request and end.endswith(b"}"):
         # The usual request names neither field: they are added at the end of the client's
         # own bytes, which costs a tenth of encoding the body again.
         body = end[:-1] + (_STREAM_FIELDS_MESSAGES if messages else _STREAM_FIELDS)
