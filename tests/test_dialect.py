@@ -78,3 +78,17 @@ def test_only_the_messages_route_speaks_anthropic() -> None:
 )
 def test_completion_tokens_from_either_protocol(data: bytes, tokens: int | None) -> None:
     assert completion_tokens(data) == tokens
+
+
+def test_an_engines_error_event_gives_its_status_in_each_dialect() -> None:
+    # vLLM's `code` is the HTTP status; Anthropic's error type names one.
+    assert OPENAI.error_status({"error": {"message": "x", "code": 400}}) == 400
+    assert OPENAI.error_status({"error": {"code": "bad"}}) == 502
+    assert OPENAI.error_status({"error": {"code": True}}) == 502
+    assert OPENAI.error_status({"error": "flat"}) == 502
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    assert ANTHROPIC.error_status(overloaded) == 529
+    assert ANTHROPIC.error_status({"error": {"type": "invalid_request_error"}}) == 400
+    assert ANTHROPIC.error_status({"error": {"type": "timeout_error"}}) == 504
+    assert ANTHROPIC.error_status({"error": {"type": "internal_error"}}) == 500
+    assert ANTHROPIC.error_status({"error": {"type": "mystery"}}) == 502

@@ -23,6 +23,7 @@ from starlette.types import Message, Scope
 
 from gateway.config.models import LimitsPolicy
 from gateway.config.routes import MODELS_PATH, PROXY_ROUTES
+from gateway.core.continuation import Transcript
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -299,13 +300,15 @@ class DataPlane:
         assert self._access is not None
         self._access.write(fields)
 
-    def _resumable(self, call: Call, path: str) -> StreamResume:
+    def _resumable(self, call: Call, path: str, whole: WholeAnswer | None) -> StreamResume:
         """A stream's resume: its transcript (or why it has none), and how a continuation is
         sent: the same request with the continuation's body, through the layers below
-        admission, avoiding the instances that broke it."""
+        admission, avoiding the instances that broke it. For a whole answer (`whole`), also
+        how it starts again from nothing when it cannot be continued."""
         pool = call.pool
         policy = pool.policy.resume
-        transcript, refusal = transcript_for(path, call.facts.request, policy)
+        request = call.facts.request
+        transcript, refusal = transcript_for(path, request, policy)
         handler = self._resume_handler
         assert handler is not None
         traced = self._tracer is not None
@@ -355,16 +358,17 @@ class DataPlane:
             assert timeouts is not None
             return response, timeouts.idle_s or timeouts.first_byte_s
 
+        restart = None
+        if whole is not None:
+
+            def fresh() -> Transcript | None:
+                return transcript_for(path, request, policy)[0]
+
+            restart = Restart(call.body, fresh, whole.restart)
         resume = StreamResume(
-            transcript, refusal, policy, pool, start, self._loop.time, call.deadline
+            transcript, refusal, policy, pool, start, self._loop.time, call.deadline, restart
         )
         return resume
-
-    def _restart(self, call: Call, path: str, whole: WholeAnswer) -> Restart:
-        """How a whole answer fetched as a stream starts again when it cannot be continued."""
-        request = call.facts.request
-        policy = call.pool.policy.resume
-        return Restart(call.body, lambda: transcript_for(path, request, policy)[0], whole.restart)
 
     async def _proxy_traced(
         self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
@@ -482,11 +486,9 @@ class DataPlane:
             idle_s = timeouts.idle_s or timeouts.first_byte_s
             whole: WholeAnswer | None = None
             if response.is_sse and response.status == 200 and self._resume_handler is not None:
-                resume = self._resumable(call, path)
                 if fetched is not None:
                     whole = WholeAnswer(send, path)
-                    resume.moves = False
-                    resume.restart = self._restart(call, path, whole)
+                resume = self._resumable(call, path, whole)
             if whole is None:
                 status = response.status  # sent now (a whole answer's comes with its end)
                 ttfb_s = self._loop.time() - started

@@ -10,7 +10,7 @@ own error type instead of choking on a foreign one.
 from __future__ import annotations
 
 import json
-from typing import Final
+from typing import Any, Final
 
 from gateway.errors import GatewayError
 
@@ -31,10 +31,30 @@ _ANTHROPIC_TYPES: Final = {
 }
 
 
+# An engine's error event whose status cannot be told: the upstream failed.
+_UNKNOWN_STATUS: Final = 502
+# Anthropic's error types by status, for an engine's error event on that route: the gateway's
+# own, and those only an engine sends.
+_ANTHROPIC_STATUSES: Final = {
+    **{kind: status for status, kind in _ANTHROPIC_TYPES.items() if status not in (405, 503)},
+    "api_error": 500,
+    "internal_error": 500,  # vLLM's Messages route
+    "overloaded_error": 529,
+}
+
+
 class Dialect:
     """OpenAI's: the gateway's native error shape."""
 
     name = "openai"
+
+    def error_status(self, event: dict[str, Any]) -> int:
+        """The status of an engine's error event (its data): vLLM's `error.code` is one."""
+        detail = event.get("error")
+        code = detail.get("code") if isinstance(detail, dict) else None
+        if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+            return code
+        return _UNKNOWN_STATUS
 
     def has_error_event(self, events: bytes) -> bool:
         """Whether the engine's error event is among `events` (vLLM's `data: {"error": ...}`):
@@ -55,6 +75,12 @@ class Dialect:
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
+
+    def error_status(self, event: dict[str, Any]) -> int:
+        """The status of an engine's error event: its error type's."""
+        detail = event.get("error")
+        kind = detail.get("type") if isinstance(detail, dict) else None
+        return _ANTHROPIC_STATUSES.get(str(kind), _UNKNOWN_STATUS)
 
     def has_error_event(self, events: bytes) -> bool:
         # An event's name line: its line end is a raw CR or LF, which no JSON text can hold

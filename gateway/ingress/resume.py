@@ -82,25 +82,28 @@ class Restart:
 _LIMITS = frozenset({"max_resumes", "deadline", "budget"})
 
 
+def refusal_for(path: str, request: dict[str, Any]) -> str | None:
+    """Why a stream on `path` could not be continued, decided from its request alone."""
+    if path in (CHAT_PATH, COMPLETIONS_PATH):
+        return continuation_openai.refusal(request, path == CHAT_PATH)
+    if path == MESSAGES_PATH:
+        return continuation_anthropic.refusal(request)
+    return "route"
+
+
 def transcript_for(
     path: str, request: dict[str, Any], policy: ResumePolicy
 ) -> tuple[Transcript | None, str | None]:
     """The transcript a stream on `path` keeps, or why it cannot be resumed at all."""
     if not policy.enabled:
         return None, "off"
-    max_text = policy.max_text
-    if path in (CHAT_PATH, COMPLETIONS_PATH):
-        chat = path == CHAT_PATH
-        refused = continuation_openai.refusal(request, chat)
-        if refused is not None:
-            return None, refused
-        return continuation_openai.OpenAITranscript(request, chat, max_text, policy.echo), None
+    refused = refusal_for(path, request)
+    if refused is not None:
+        return None, refused
+    max_text, echo = policy.max_text, policy.echo
     if path == MESSAGES_PATH:
-        refused = continuation_anthropic.refusal(request)
-        if refused is not None:
-            return None, refused
-        return continuation_anthropic.AnthropicTranscript(request, max_text, policy.echo), None
-    return None, "route"
+        return continuation_anthropic.AnthropicTranscript(request, max_text, echo), None
+    return continuation_openai.OpenAITranscript(request, path == CHAT_PATH, max_text, echo), None
 
 
 def break_reason(error: UpstreamError) -> str:
@@ -128,6 +131,7 @@ class StreamResume:
         start: Start,
         clock: Clock,
         deadline: float,
+        restart: Restart | None = None,
     ) -> None:
         self.transcript = transcript
         self._refusal = refusal
@@ -142,12 +146,16 @@ class StreamResume:
         self.attempts = 0  # the continuations' attempts, retries included
         self.instance: InstanceState | None = None  # where the stream ended
         self._prepaid = False  # a move (`movable`) spent the next resume's budget already
-        # Whether a healthy-looking attempt may be left (its instance isolated, its pace far
-        # too slow), or only a broken one.
-        self.moves = True
         # For a whole answer: how it starts again when it cannot be continued (None: a stream,
         # whose client already has part of it).
-        self.restart: Restart | None = None
+        self.restart = restart
+
+    @property
+    def moves(self) -> bool:
+        """Whether a healthy-looking attempt may be left (its instance isolated, its pace far
+        too slow): a stream's, not a whole answer's, whose client sees nothing before the end
+        and would lose the generation so far."""
+        return self.restart is None
 
     def plan(self, error: UpstreamError, broken: InstanceState) -> Continue | bytes | str:
         """What to do about a stream `error` broke on `broken`."""
@@ -182,9 +190,7 @@ class StreamResume:
         progress, too much text, an unreadable event) may start again, within the same
         limits and budget as a resume."""
         if self.restart is None or refused in _LIMITS:
-            return False
-        if self.resumes >= self._policy.max_resumes or self._clock() >= self._deadline:
-            return False
+            return False  # the limits were checked before the transcript (`_checks`)
         return spent or self._pool.resume_budget.try_spend(self._clock())
 
     def _restarted(self, error: UpstreamError, broken: InstanceState) -> Continue:
@@ -243,11 +249,8 @@ class StreamResume:
         ending = transcript.finishing()
         if ending is not None:
             return ending
-        reason = transcript.why_not()
-        if reason is not None:
-            return reason
         if self.resumes >= self._policy.max_resumes:
             return "max_resumes"
         if self._clock() >= self._deadline:
             return "deadline"
-        return None
+        return transcript.why_not()

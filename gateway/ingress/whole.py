@@ -16,14 +16,13 @@ from collections.abc import MutableMapping
 from typing import Any, Final
 
 from gateway.config.models import ResumePolicy
-from gateway.core import continuation_anthropic, continuation_openai
 from gateway.core.assembly import Assembly, for_route, stream_request
 from gateway.core.continuation import UnreadableEvent
 from gateway.core.sse import event_boundary, split_events
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamStreamCut
 from gateway.ingress.dialect import MESSAGES_PATH, Dialect
 from gateway.ingress.relay import Send, send_error
-from gateway.ingress.resume import CHAT_PATH, COMPLETIONS_PATH
+from gateway.ingress.resume import CHAT_PATH, refusal_for
 from gateway.pipeline.call import RequestFacts
 
 # The stream's headers that say it is a stream: a JSON answer sets its own.
@@ -37,19 +36,6 @@ _STREAM_HEADERS: Final = frozenset(
         b"x-gateway-instance",
     }
 )
-# Anthropic's error types and their statuses, for an engine's error event on that route.
-_ANTHROPIC_STATUSES: Final = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "request_too_large": 413,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "internal_error": 500,  # vLLM's Messages route
-    "timeout_error": 504,
-    "overloaded_error": 529,
-}
 # Requests sent as they came, whatever else they hold: the client's own `stream_options` (the
 # engine's to refuse without `stream`); vLLM's fields that only a whole answer carries back
 # (the KV and encoder-cache handles of disaggregated prefill) or that it refuses to stream
@@ -64,12 +50,21 @@ _SENT_AS_THEY_CAME: Final = (
 # Those, and the fields that send a request as it came when they ask for something: most
 # requests name none, which one set operation tells.
 _LOOKED_AT: Final = frozenset({*_SENT_AS_THEY_CAME, "tools", "functions", "include_reasoning"})
+
+
+def _added_fields(messages: bool) -> bytes:
+    """What `stream_request` adds, as the end of a JSON object: `,"stream":true...}`."""
+    return b"," + _dumps(stream_request({}, messages))[1:]
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 # What a whole request gets at the end of its JSON object to be fetched as a stream (its object
 # has `model`, so it is never empty, and it has neither field: no key is named twice).
-_STREAM_FIELDS: Final = b',"stream":true,"stream_options":{"include_usage":true}}'
-_STREAM_FIELDS_MESSAGES: Final = b',"stream":true}'
-# An engine's error event whose status cannot be told: the upstream failed.
-_UNKNOWN_STATUS: Final = 502
+_STREAM_FIELDS: Final = _added_fields(messages=False)
+_STREAM_FIELDS_MESSAGES: Final = _added_fields(messages=True)
 
 
 def fetch_as_stream(
@@ -82,14 +77,7 @@ def fetch_as_stream(
     if facts.stream or not (policy.enabled and policy.whole_answers):
         return None
     request = facts.request
-    messages = path == MESSAGES_PATH
-    if messages:
-        refused = continuation_anthropic.refusal(request)
-    elif path in (CHAT_PATH, COMPLETIONS_PATH):
-        refused = continuation_openai.refusal(request, path == CHAT_PATH)
-    else:
-        return None
-    if refused is not None:
+    if refusal_for(path, request) is not None:  # another route, or what is not continued
         return None
     if not _LOOKED_AT.isdisjoint(request) and (
         any(request.get(key) is not None for key in _SENT_AS_THEY_CAME)
@@ -98,6 +86,7 @@ def fetch_as_stream(
         or request.get("include_reasoning") is False
     ):
         return None
+    messages = path == MESSAGES_PATH
     streamed = stream_request(request, messages)
     end = body.rstrip()
     if "stream" not in request and "stream_options" not in request and end.endswith(b"}"):
@@ -105,7 +94,7 @@ def fetch_as_stream(
         # own bytes, which costs a tenth of encoding the body again.
         body = end[:-1] + (_STREAM_FIELDS_MESSAGES if messages else _STREAM_FIELDS)
     else:
-        body = json.dumps(streamed, separators=(",", ":"), ensure_ascii=False).encode()
+        body = _dumps(streamed)
     return body, RequestFacts(facts.model, True, facts.max_tokens, streamed)
 
 
@@ -160,7 +149,7 @@ class WholeAnswer:
         if engine_error is not None and (error is None or isinstance(error, UpstreamStreamCut)):
             # The engine's own error, as it came in the stream (perhaps with no end after
             # it): the engine's answer.
-            status = _status_of(engine_error, dialect)
+            status = dialect.error_status(engine_error)
             await self._json(status, engine_error, attempts, instance)
             return status
         if error is None:
@@ -177,7 +166,7 @@ class WholeAnswer:
         return error.status
 
     async def _json(self, status: int, value: Any, attempts: int, instance: bytes) -> None:
-        body = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        body = _dumps(value)
         headers = [(name, v) for name, v in self.headers if name not in _STREAM_HEADERS]
         headers += [
             (b"content-type", b"application/json"),
@@ -187,17 +176,3 @@ class WholeAnswer:
         ]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body})
-
-
-def _status_of(error: dict[str, Any], dialect: Dialect) -> int:
-    """The status of an engine's error event: its `code` (vLLM's is the HTTP status), or on
-    the Messages route its error type's."""
-    detail = error.get("error")
-    if not isinstance(detail, dict):
-        return _UNKNOWN_STATUS
-    if dialect.name == "anthropic":
-        return _ANTHROPIC_STATUSES.get(str(detail.get("type")), _UNKNOWN_STATUS)
-    code = detail.get("code")
-    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
-        return code
-    return _UNKNOWN_STATUS
