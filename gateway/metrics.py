@@ -147,9 +147,25 @@ class GatewayCollector(Collector):
             "vLLM's gauges as last scraped: requests waiting, KV-cache usage (0..1)",
             labels=["pool", "backend", "signal"],
         )
+        tenant_queued = GaugeMetricFamily(
+            "gateway_admission_tenant_queued",
+            "Requests waiting by tenant and class (the 20 tenants with the most waiting in "
+            'each class; the rest as tenant="other")',
+            labels=["pool", "class", "tenant"],
+        )
+        tenant_shed = CounterMetricFamily(
+            "gateway_admission_tenant_shed",
+            "Requests answered 429 by admission control, by tenant (the 100 tenants shed "
+            'most recently; the rest as tenant="other")',
+            labels=["pool", "tenant"],
+        )
         for name, admission in self._observed.admissions.items():
             signals = admission.policy.vllm_signals is not None
+            for tenant, count in admission.tenant_shed.items():
+                tenant_shed.add_metric([name, tenant], count)
             for klass in CLASSES:
+                for tenant, count in admission.tenants_queued(klass).items():
+                    tenant_queued.add_metric([name, klass, tenant], count)
                 queued.add_metric([name, klass], admission.queues.length(klass))
                 shed.add_metric([name, klass], admission.queues.shed[klass])
                 histogram = admission.waits[klass]
@@ -172,6 +188,7 @@ class GatewayCollector(Collector):
                         if value is not None:
                             vllm.add_metric([*labels, signal], value)
         yield from (queued, shed, running, room, limit, wait, tokens, saturated, vllm)
+        yield from (tenant_queued, tenant_shed)
 
     def _requests(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -162,9 +162,13 @@ def _instance_state(
             else None
         ),
         "vllm": {
+            # Whether its engine exports load gauges (null: not read yet, or the read failed).
+            "gauges": inst.engine_gauges,
             "saturated": inst.saturated,
             "waiting": inst.vllm_waiting,
             "cache_usage": inst.vllm_cache_usage,
+            "engine_slots": inst.engine_slots if inst.saturated else None,
+            "engine_batch": inst.engine_batch or None,
         },
         "requests": inst.requests,
         "failures": inst.failures,

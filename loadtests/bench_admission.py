@@ -1,21 +1,27 @@
 """Admission control, measured: a step from 100 % to 300 % of the backends' capacity, through the
-gateway without admission and with it, in one run.
+gateway without admission and with it, in one run, for a mixed traffic and for whole answers.
 
-    python -m loadtests.bench_admission [--step-s 20] [--out loadtests/out/bench_admission.json]
+    python -m loadtests.bench_admission [--step-s 20] [--traffic mixed --traffic whole]
+        [--out loadtests/out/bench_admission.json]
 
 Two fake vLLM instances run the engine model (`--max-running 8`: at most 8 requests generate at
 once, the rest queue; a KV cache of `KV_TOKENS` tokens: a request that starts when it does not
 fit fails with CUDA out of memory; decoding slows as the batch fills). Their capacity is
 measured first, by a closed loop that keeps every batch full. Then each configuration gets
-fresh backends and the same seeded traffic (20 % interactive, 30 % standard, 50 % batch):
-`step_s` seconds at 100 % of capacity, then `step_s` at 300 %.
+fresh backends and the same seeded traffic (20 % interactive, 30 % standard, 50 % batch; half
+of it streamed, or none of it: `--traffic`): `step_s` seconds at 100 % of capacity, then
+`step_s` at 300 %.
 
-- **without admission**: the gateway with dynamic timeouts, retries and breakers only;
-- **with admission**: the same plus `admission` with defaults, a KV-token budget of the cache's
-  size (default overcommit 1.3: the gateway estimates a prompt at 4 bytes a token, and this
-  fake counts a word, about 6.5 bytes, as one) and vLLM's load gauges scraped.
+- **without admission**: `admission: false`, the gateway with dynamic timeouts, retries and
+  breakers only;
+- **default admission**: the policy says nothing of admission (adaptive limits, the engines'
+  gauges read);
+- **with KV tokens**: the same plus `tokens`, a KV-token budget per instance of the size its
+  engine reports (default overcommit 1.3: the gateway estimates a prompt at 4 bytes a token,
+  and this fake counts a word, about 6.5 bytes, as one).
 
 Reported per configuration and step: per class, requests, ok %, shed, p50/p99 of the ok ones;
+per step, the goodput (requests answered well per second, and their output tokens per second);
 and the OOMs the backends raised. Loopback only; every process it starts is stopped.
 """
 
@@ -25,18 +31,18 @@ import argparse
 import asyncio
 import json
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict
+from contextlib import AbstractContextManager
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.ledger import JsonlWriter, read_records
+from loadtests.engine_pool import engines, gateway, one_pool_policy, url
+from loadtests.ledger import JsonlWriter, Record, read_records
 from loadtests.loadgen import ClassSummary, Target, WorkloadSpec, per_class_summary, run_load
-from loadtests.procs import ManagedProcess, gateway_process, python_module
+from loadtests.procs import ManagedProcess
 
 MAX_RUNNING = 8
 KV_TOKENS = 4000
@@ -55,51 +61,16 @@ FAKE_ARGS = (
     "--ttft", "0.05", "--per-token", "0.002",
 )  # fmt: skip
 
-WITHOUT = ""
-WITH = f"""
-    admission:
-      tokens: {{capacity: {KV_TOKENS}}}
-      vllm_signals: {{interval: 200ms, max_waiting: 0}}
-"""
+CONFIGS = {
+    "without admission": "    admission: false\n",
+    "default admission": "",
+    "with KV tokens": "    admission: {tokens: {}}\n",
+}
+TRAFFIC = {"mixed": 0.5, "whole": 0.0}
 
 
-@contextmanager
-def backends() -> Iterator[dict[str, ManagedProcess]]:
-    started: dict[str, ManagedProcess] = {}
-    try:
-        for name in BACKENDS:
-            started[name] = ManagedProcess(
-                python_module(
-                    "loadtests.fake_vllm", "--name", name, "--models", "m", "--seed", "3",
-                    *FAKE_ARGS,
-                )
-            )  # fmt: skip
-        yield started
-    finally:
-        for proc in started.values():
-            proc.stop()
-
-
-def url(proc: ManagedProcess) -> str:
-    return f"http://127.0.0.1:{proc.port()}"
-
-
-@contextmanager
-def gateway(fakes: dict[str, ManagedProcess], pool_settings: str) -> Iterator[ManagedProcess]:
-    instances = ", ".join(f'{{name: {n}, url: "{url(p)}"}}' for n, p in fakes.items())
-    policy = f"""
-listen: 127.0.0.1:0
-admin: {{listen: 127.0.0.1:0}}
-pools:
-  chat:
-    models: [m]
-    instances: [{instances}]
-{pool_settings}
-"""
-    path = Path(tempfile.mkdtemp(prefix="bench-admission-")) / "policy.yaml"
-    path.write_text(policy)
-    with gateway_process(path) as proc:
-        yield proc
+def backends() -> AbstractContextManager[dict[str, ManagedProcess]]:
+    return engines(BACKENDS, FAKE_ARGS)
 
 
 def scrape(url: str) -> str:
@@ -136,15 +107,16 @@ async def measure_capacity(seconds: float, out: Path) -> float:
 
 
 async def step_run(
-    name: str, pool_settings: str, capacity: float, step_s: float, out: Path
+    name: str, pool_settings: str, capacity: float, step_s: float, out: Path, stream_share: float
 ) -> dict[str, Any]:
     steps = ((0.0, capacity), (step_s, 3.0 * capacity))
-    with backends() as fakes, gateway(fakes, pool_settings) as proc:
+    spec = replace(SPEC, stream_share=stream_share)
+    with backends() as fakes, gateway(one_pool_policy(fakes, pool_settings)) as proc:
         base = f"http://{proc.ready['data']}"
         writer = JsonlWriter(out)
         try:
             stats = await run_load(
-                SPEC,
+                spec,
                 {"m": [Target("gateway", base, gateway=True)]},
                 writer,
                 rate_steps=steps,
@@ -166,7 +138,22 @@ async def step_run(
         "client_saw_oom": sum(r.oom for r in records),
         "at_100": _summaries(per_class_summary(records, until=step_s)),
         "at_300": _summaries(per_class_summary(records, since=step_s)),
+        "goodput": {
+            "at_100": goodput(records, 0.0, step_s),
+            "at_300": goodput(records, step_s, 2 * step_s),
+        },
     }
+
+
+def goodput(records: list[Record], since: float, until: float) -> dict[str, float]:
+    """Requests answered well, and their output tokens, per second of the step: of those sent
+    in [since, until), over the time from the step's start to the last one's answer (a
+    gateway that sheds more ends sooner, and is not credited for the time it saved)."""
+    ok = [r for r in records if since <= r.t < until and r.ok]
+    if not ok:
+        return {"rps": 0.0, "tokens_per_s": 0.0}
+    span = max(until, max(r.t + (r.total or 0.0) for r in ok)) - since
+    return {"rps": len(ok) / span, "tokens_per_s": sum(r.max_tokens for r in ok) / span}
 
 
 def queue_wait_p99(metrics: str) -> dict[str, float]:
@@ -199,8 +186,8 @@ def _ms(value: float | None) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| config | step | class | requests | ok % | shed | p50 ms | p99 ms |",
-        "|---|---|---|--:|--:|--:|--:|--:|",
+        "| traffic | config | step | class | requests | ok % | shed | p50 ms | p99 ms |",
+        "|---|---|---|---|--:|--:|--:|--:|--:|",
     ]
     for result in results:
         for step in ("at_100", "at_300"):
@@ -209,30 +196,48 @@ def table(results: list[dict[str, Any]]) -> str:
                 if s is None:
                     continue
                 lines.append(
-                    f"| {result['name']} | {step[3:]} % | {klass} | {s['count']} | "
-                    f"{s['ok_percent']:.1f} | {s['shed']} | {_ms(s['p50_s'])} | {_ms(s['p99_s'])} |"
+                    f"| {result['traffic']} | {result['name']} | {step[3:]} % | {klass} | "
+                    f"{s['count']} | {s['ok_percent']:.1f} | {s['shed']} | {_ms(s['p50_s'])} | "
+                    f"{_ms(s['p99_s'])} |"
                 )
+    lines += [
+        "",
+        "| traffic | config | goodput at 100 %: ok/s, tokens/s | at 300 %: ok/s, tokens/s "
+        "| backend OOMs | OOMs reaching clients |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
+    for result in results:
+        at_100, at_300 = result["goodput"]["at_100"], result["goodput"]["at_300"]
+        lines.append(
+            f"| {result['traffic']} | {result['name']} | {at_100['rps']:.1f}, "
+            f"{at_100['tokens_per_s']:,.0f} | {at_300['rps']:.1f}, {at_300['tokens_per_s']:,.0f} "
+            f"| {result['backend_ooms']} | {result['client_saw_oom']} |"
+        )
     lines.append("")
     for result in results:
         waits = ", ".join(
             f"{klass} ≤ {_ms(bound)} ms" for klass, bound in result["queue_wait_p99_s"].items()
         )
-        lines.append(
-            f"{result['name']}: backend OOMs {result['backend_ooms']}, "
-            f"OOM answers reaching clients {result['client_saw_oom']}"
-            + (f"; queue wait p99 (whole run): {waits}" if waits else "")
-        )
+        if waits:
+            lines.append(
+                f"{result['traffic']}, {result['name']}: queue wait p99 (whole run): {waits}"
+            )
     return "\n".join(lines)
 
 
-async def main_async(step_s: float, calibrate_s: float) -> dict[str, Any]:
+async def main_async(
+    step_s: float, calibrate_s: float, traffic: list[str], configs: list[str]
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-admission-"))
     capacity = await measure_capacity(calibrate_s, work / "capacity.jsonl")
     print(f"capacity: {capacity:.1f} req/s ({len(BACKENDS)} x max-running {MAX_RUNNING})")
     results = []
-    for name, settings in (("without admission", WITHOUT), ("with admission", WITH)):
-        results.append(await step_run(name, settings, capacity, step_s, work / f"{name}.jsonl"))
-        print(f"{name}: done")
+    for mix in traffic:
+        for name in configs:
+            out = work / f"{mix}-{name}.jsonl"
+            result = await step_run(name, CONFIGS[name], capacity, step_s, out, TRAFFIC[mix])
+            results.append({"traffic": mix, **result})
+            print(f"{mix}, {name}: done")
     return {"capacity_rps": capacity, "step_s": step_s, "results": results}
 
 
@@ -240,9 +245,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-s", type=float, default=20.0, help="seconds per step")
     parser.add_argument("--calibrate-s", type=float, default=10.0)
+    parser.add_argument("--traffic", action="append", choices=sorted(TRAFFIC))
+    parser.add_argument("--config", action="append", choices=sorted(CONFIGS))
     parser.add_argument("--out", type=Path, default=Path("loadtests/out/bench_admission.json"))
     args = parser.parse_args()
-    report = asyncio.run(main_async(args.step_s, args.calibrate_s))
+    report = asyncio.run(
+        main_async(
+            args.step_s,
+            args.calibrate_s,
+            args.traffic or list(TRAFFIC),
+            args.config or list(CONFIGS),
+        )
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(table(report["results"]))

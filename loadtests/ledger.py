@@ -47,6 +47,7 @@ class Record:
     # Added later, so defaulted: older ledger lines without them still parse.
     priority: str | None = None  # the x-gateway-priority class sent; None: no header
     shed: bool = False  # a 429 marked `x-gateway-error: shed` (gateway admission control)
+    retry_after: str | None = None  # a 429's Retry-After header, as it came
 
     @property
     def ok(self) -> bool:

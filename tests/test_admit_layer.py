@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 
 from gateway.config import parse_policy
+from gateway.config.models import TenantsPolicy
 from gateway.errors import Shed
-from gateway.pipeline.admit import PoolAdmission, parse_priority, unreserve
+from gateway.pipeline.admit import (
+    PoolAdmission,
+    TenantCounts,
+    parse_priority,
+    tenant_of,
+    unreserve,
+)
 from gateway.upstream.registry import Registry
 
 POLICY = """
@@ -124,18 +132,23 @@ async def test_tokens_are_reserved_on_the_roomiest_instance_at_admission() -> No
     assert await asyncio.wait_for(third, 5) is first
 
 
-async def test_a_saturated_instance_gives_no_room_until_it_clears() -> None:
+async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears() -> None:
     adm = token_admission()
-    for inst in adm.pool.instances:
+    a, b = adm.pool.instances
+    for inst in (a, b):
         inst.saturated = True
-    assert adm.room() == 0
+        inst.engine_slots = 1  # what the engine read left room for
+    # Never none: a queue that other clients keep full still takes this gateway's requests.
+    assert adm.room() == 2
+    assert await adm.enter("standard", 10) is not None
+    assert await adm.enter("standard", 10) is not None
     waiting = asyncio.ensure_future(adm.enter("standard", 10))
     await asyncio.sleep(0)
     assert not waiting.done() and len(adm.queues) == 1
-    adm.pool.instances[1].saturated = False
-    adm.pool.capacity_changed()  # what the vLLM scraper says when it clears
-    assert await asyncio.wait_for(waiting, 5) is adm.pool.instances[1]
-    assert adm.room() == 8
+    b.saturated = False
+    adm.pool.capacity_changed()  # what the engine scraper says when it clears
+    assert await asyncio.wait_for(waiting, 5) in (a, b)
+    assert adm.room() == 1 + 8
 
 
 def test_priorities() -> None:
@@ -143,3 +156,74 @@ def test_priorities() -> None:
     assert parse_priority(b" Interactive ") == "interactive"
     with pytest.raises(ValueError):
         parse_priority(b"urgent")
+
+
+# -- tenants -------------------------------------------------------------------------------------
+
+
+def test_a_tenant_is_the_api_keys_digest_or_the_named_header() -> None:
+    by_key = TenantsPolicy()
+    digest = "key-" + hashlib.sha256(b"sk-one").hexdigest()[:12]
+    assert tenant_of([("Authorization", "Bearer sk-one")], by_key) == digest
+    assert tenant_of([("x-api-key", "sk-one")], by_key) == digest
+    assert tenant_of([("authorization", "Basic abc"), ("x-api-key", "sk-one")], by_key) == digest
+    assert tenant_of([("content-type", "application/json")], by_key) == ""
+    by_header = TenantsPolicy(header="X-Team")
+    headers = [("authorization", "Bearer sk-one"), ("x-team", " research " + "x" * 100)]
+    assert tenant_of(headers, by_header) == ("research " + "x" * 100)[:64]
+    assert tenant_of([("authorization", "Bearer sk-one")], by_header) == ""
+    with pytest.raises(ValueError):
+        TenantsPolicy(header="x-gateway-tenant")
+
+
+def test_tenant_counts_stay_bounded() -> None:
+    counts = TenantCounts(size=2)
+    for tenant in ("a", "b", "a", "", "c"):
+        counts.add(tenant)
+    # b, then a (the least recently counted) were folded into `other`.
+    assert counts.items() == [("anonymous", 1), ("c", 1), ("other", 3)]
+
+
+TENANTS_POLICY = """
+pools:
+  chat:
+    models: [m]
+    instances: [{name: a, url: "http://127.0.0.1:9"}]
+    health: {enabled: false}
+    admission:
+      concurrency: {mode: fixed, limit: 1}
+      batch: {max_queue: 4}
+      tenants: {header: x-team, weights: {gold: 3}}
+"""
+
+
+async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() -> None:
+    policy = parse_policy(TENANTS_POLICY)
+    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
+    assert pool.policy.admission is not None
+    adm = PoolAdmission(pool, pool.policy.admission)
+    await adm.enter("batch")  # the one slot
+    order: list[str] = []
+
+    async def wait(tenant: str) -> None:
+        try:
+            await adm.enter("batch", tenant=lambda: tenant)
+        except Shed:
+            order.append(f"shed {tenant}")
+            return
+        order.append(tenant)
+
+    tasks = [asyncio.ensure_future(wait("flood")) for _ in range(4)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.ensure_future(wait("gold")) for _ in range(2)]  # the queue is full
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert order == ["shed flood", "shed flood"]  # the flood gave up its newest two
+    assert adm.state(0.0)["tenants"]["queued"]["batch"] == {"flood": 2, "gold": 2, "other": 0}
+    for _ in range(4):
+        adm.leave()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    # Even at first (flood started waiting first); then gold, of weight 3, three turns to one.
+    assert order[2:] == ["flood", "gold", "gold", "flood"]
+    assert dict(adm.tenant_shed.items()) == {"flood": 2, "other": 0}

@@ -177,7 +177,7 @@ def test_otlp_sink_counts_spans() -> None:
 
 
 @pytest.mark.timeout(ADMISSION_TIMEOUT_S + 60)
-def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -> None:
+def test_the_admission_step_benchmark_runs_every_configuration(tmp_path: Path) -> None:
     out = tmp_path / "admission.json"
     done = subprocess.run(
         [
@@ -188,6 +188,8 @@ def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -
             "2",
             "--calibrate-s",
             "2",
+            "--traffic",
+            "whole",
             "--out",
             str(out),
         ],
@@ -200,15 +202,21 @@ def test_the_admission_step_benchmark_runs_both_configurations(tmp_path: Path) -
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["capacity_rps"] > 0
-    without, with_admission = report["results"]
-    assert (without["name"], with_admission["name"]) == ("without admission", "with admission")
+    without, default, tokens = report["results"]
+    assert [r["name"] for r in report["results"]] == [
+        "without admission",
+        "default admission",
+        "with KV tokens",
+    ]
     for result in report["results"]:
-        assert result["sent"] > 0
+        assert result["traffic"] == "whole" and result["sent"] > 0
         assert set(result["at_300"]) == {"interactive", "standard", "batch"}
-    # Only the gateway with admission has queues to report.
+        assert result["goodput"]["at_300"]["rps"] > 0
+    # Only the gateways with admission have queues to report.
     assert without["queue_wait_p99_s"] == {}
-    assert set(with_admission["queue_wait_p99_s"]) == {"interactive", "standard", "batch"}
-    assert "| with admission | 300 % | interactive |" in done.stdout
+    for result in (default, tokens):
+        assert set(result["queue_wait_p99_s"]) == {"interactive", "standard", "batch"}
+    assert "| whole | default admission | 300 % | interactive |" in done.stdout
 
 
 @pytest.mark.timeout(OPERATIONS_TIMEOUT_S + 60)

@@ -185,3 +185,83 @@ def test_reconfigure_keeps_the_waiting_entries_and_bounds_new_arrivals() -> None
     assert [entry.item for entry in (q.pop(2.0), q.pop(2.0), q.pop(2.0))] == [0, 1, 2]
     with pytest.raises(ValueError, match="batch"):
         q.reconfigure(BASE, dict.fromkeys(CLASSES, 1), {**TIMEOUT, "batch": 0.0}, 100)
+
+
+# -- tenants within a class ------------------------------------------------------------------
+
+
+def test_tenants_share_a_class_by_weight_whatever_they_sent() -> None:
+    weights = {"big": 1.0, "small": 1.0, "heavy": 2.0}
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 10_000), dict.fromkeys(CLASSES, 1e9), 100_000,
+        tenant_weight=weights.__getitem__,
+    )  # fmt: skip
+    for i in range(1000):  # big sends 10x what small sends, both before anything is served
+        q.offer(i, "batch", 0.0, tenant="big")
+        if i % 10 == 0:
+            q.offer(i, "batch", 0.0, tenant="small")
+    served = Counter(entry.tenant for entry in (q.pop(1.0) for _ in range(100)) if entry)
+    assert served == {"big": 50, "small": 50}
+    assert q.tenants("batch") == {"big": 950, "small": 50}
+    # A tenant of weight 2 gets two turns for each of the others'.
+    for i in range(300):
+        q.offer(i, "batch", 2.0, tenant="heavy")
+    served = Counter(entry.tenant for entry in (q.pop(3.0) for _ in range(40)) if entry)
+    assert served == {"heavy": 20, "big": 10, "small": 10}
+
+
+def test_fifo_within_a_tenant_and_an_idle_tenant_banks_no_credit() -> None:
+    q = queues()
+    for i in range(5):
+        q.offer(i, "standard", 0.0, tenant="a")
+    assert [e.item for e in (q.pop(1.0) for _ in range(5)) if e] == [0, 1, 2, 3, 4]
+    assert q.tenants("standard") == {}  # forgotten once nothing of it waits
+    for i in range(20):
+        q.offer(i, "standard", 2.0, tenant="a")
+    for i in range(20):
+        q.offer(100 + i, "standard", 2.0, tenant="b")
+    # b was not served before, a was: no catching up, they alternate at once.
+    order = [e.tenant for e in (q.pop(3.0) for _ in range(6)) if e]
+    assert order == ["a", "b", "a", "b", "a", "b"]
+
+
+def test_a_full_class_drops_from_the_tenant_with_the_most_waiting() -> None:
+    q = queues(max_queue=10)
+    for i in range(10):
+        assert q.offer(i, "batch", 0.0, tenant="flood").queued
+    offer = q.offer(100, "batch", 1.0, tenant="quiet")
+    assert offer.queued and [(e.item, e.tenant) for e in offer.evicted] == [(9, "flood")]
+    assert q.tenants("batch") == {"flood": 9, "quiet": 1}
+    assert q.shed["batch"] == 1
+    # The flooding tenant itself is refused rather than evicting its own.
+    refused = q.offer(200, "batch", 2.0, tenant="flood")
+    assert not refused.queued and refused.reason == "the batch queue is full"
+
+
+def test_the_expected_wait_counts_the_tenants_own_queue_and_share() -> None:
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 1000), dict.fromkeys(CLASSES, 10.0), max_total=10_000
+    )
+    # 10 completions/s; one tenant's 99 waiting: its next one would wait 10 s: allowed.
+    for i in range(99):
+        assert q.offer(i, "batch", 0.0, service_rate=10.0, tenant="flood").queued
+    assert q.offer(99, "batch", 0.0, service_rate=10.0, tenant="flood").queued
+    assert not q.offer(100, "batch", 0.0, service_rate=10.0, tenant="flood").queued
+    # Another tenant waits behind none of its own, at half the class: 1 / (10 * 0.5) = 0.2 s.
+    assert q.offer(0, "batch", 0.0, service_rate=10.0, tenant="other").queued
+
+
+def test_expiry_and_eviction_reach_every_tenant() -> None:
+    q: AdmissionQueues[int] = AdmissionQueues(
+        BASE, dict.fromkeys(CLASSES, 100), TIMEOUT, max_total=3
+    )
+    q.offer(1, "batch", 0.0, tenant="a")
+    q.offer(2, "batch", 1.0, tenant="b")
+    q.offer(3, "batch", 2.0, tenant="b")
+    offer = q.offer(4, "interactive", 3.0, tenant="a")
+    assert [(e.item, e.tenant) for e in offer.evicted] == [(3, "b")]  # the largest tenant's newest
+    assert q.next_expiry() == pytest.approx(3.05)
+    assert [e.item for e in q.expire(3.1)] == [4]
+    assert q.next_expiry() == pytest.approx(60.0)
+    assert sorted(e.item for e in q.expire(61.5)) == [1, 2]
+    assert len(q) == 0

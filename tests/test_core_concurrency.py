@@ -104,6 +104,63 @@ def test_an_app_limited_instance_keeps_its_limit_but_may_still_shrink() -> None:
     assert limits[-1] < 64
 
 
+# -- GradientLimiter: a whole answer's time per output token ------------------------------------
+
+
+def test_whole_answers_teach_the_limit_by_their_time_per_token() -> None:
+    limiter = GradientLimiter(initial_limit=32, per_token_tolerance=2.0)
+    now = 0.0
+    for _ in range(50):  # steady: 4 ms a token, busy, so the limit grows
+        limiter.record(now, None, limiter.limit, per_token_s=0.004)
+        now += STEP
+    grown = limiter.estimate
+    assert grown > 32 and limiter.per_token.baseline == pytest.approx(0.004, rel=1e-2)
+    assert limiter.first_token.samples == 0  # no first token was seen
+    # A fuller batch decodes each token 1.9x slower: within the tolerance, no cut.
+    for _ in range(50):
+        limiter.record(now, None, limiter.limit, per_token_s=0.0076)
+        now += STEP
+    assert limiter.estimate > grown
+    # Requests queue in the engine: 4x the baseline. The limit comes down.
+    for _ in range(100):
+        limiter.record(now, None, limiter.limit, per_token_s=0.016)
+        now += STEP
+    assert limiter.estimate < grown
+
+
+def test_each_signal_has_its_own_baseline_and_the_more_congested_one_wins() -> None:
+    limiter = GradientLimiter(initial_limit=32, max_limit=1000)
+    now = 0.0
+    for _ in range(20):  # streams at 50 ms to first token, whole answers at 4 ms a token
+        limiter.record(now, 0.05, limiter.limit)
+        limiter.record(now, None, limiter.limit, per_token_s=0.004)
+        now += STEP
+    assert (limiter.first_token.baseline, limiter.per_token.baseline) == pytest.approx(
+        (0.05, 0.004), rel=1e-2
+    )
+    high = limiter.estimate
+    # First tokens stay fast while whole answers slow down 4x: the whole answers pull the
+    # shared estimate down although every stream's gradient is 1.
+    for _ in range(200):
+        limiter.record(now, 0.05, limiter.limit)
+        limiter.record(now, None, limiter.limit, per_token_s=0.016)
+        now += STEP
+    assert limiter.estimate < high
+    # A request carrying both takes the smaller gradient: one congested signal is enough.
+    both = GradientLimiter(initial_limit=64, max_limit=1000)
+    both.record(0.0, 0.05, 64, per_token_s=0.004)
+    before = both.estimate
+    both.record(STEP, 0.05, 64, per_token_s=0.04)  # per token 10x: gradient 0.5 (floor)
+    assert both.estimate < before
+
+
+def test_a_request_without_usable_figures_teaches_nothing() -> None:
+    limiter = GradientLimiter(initial_limit=32)
+    for latency, per_token in ((None, None), (0.0, None), (None, math.inf), (-1.0, math.nan)):
+        limiter.record(0.0, latency, 32, per_token_s=per_token)
+    assert limiter.samples == 0 and limiter.estimate == 32.0
+
+
 # -- GradientLimiter: overload -------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.core.vllm_metrics import read_running, read_vllm_load
+from gateway.core.vllm_metrics import EngineLoad, read_engine_load, read_kv_tokens
 
 PAGE = b"""# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
@@ -17,7 +17,7 @@ vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.75
 
 
 def test_waiting_adds_up_and_cache_usage_is_the_fullest_engine() -> None:
-    assert read_vllm_load(PAGE) == (5.0, 0.75)
+    assert read_engine_load(PAGE) == EngineLoad(5.0, 7.0, 0.75, None)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,13 @@ def test_waiting_adds_up_and_cache_usage_is_the_fullest_engine() -> None:
     ],
 )
 def test_edge_cases(page: bytes, expected: tuple[float | None, float | None]) -> None:
-    assert read_vllm_load(page) == expected
+    load = read_engine_load(page)
+    assert (load.waiting, load.cache_usage) == expected
+
+
+def test_a_page_without_gauges_is_empty() -> None:
+    assert read_engine_load(b"process_cpu_seconds_total 3.5\n").empty
+    assert not read_engine_load(b"vllm:num_requests_running 0\n").empty
 
 
 def test_llama_cpp_names_its_queue_and_running_requests_its_own_way() -> None:
@@ -43,8 +49,7 @@ def test_llama_cpp_names_its_queue_and_running_requests_its_own_way() -> None:
         b"llamacpp:requests_processing 4\n"
         b"llamacpp:requests_deferred 2\n"
     )
-    assert read_vllm_load(page) == (2.0, None)
-    assert read_running(page) == 4.0
+    assert read_engine_load(page) == EngineLoad(2.0, 4.0, None, None)
 
 
 def test_running_requests_add_up_over_vllm_engines() -> None:
@@ -52,5 +57,24 @@ def test_running_requests_add_up_over_vllm_engines() -> None:
         b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
         b'vllm:num_requests_running{engine="1",model_name="m"} 5.0\n'
     )
-    assert read_running(page) == 8.0
-    assert read_running(b"other 1\n") is None
+    assert read_engine_load(page).running == 8.0
+    assert read_engine_load(b"other 1\n").running is None
+
+
+def test_the_kv_cache_size_is_blocks_times_block_size_over_engines() -> None:
+    one = (
+        b'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_cpu_blocks="1024",'
+        b'num_gpu_blocks="573",num_gpu_blocks_override="None",sliding_window="None"} 1.0\n'
+    )
+    assert read_kv_tokens(one) == 573 * 16
+    assert read_kv_tokens(b"# TYPE vllm:cache_config_info gauge\n" + one) == 573 * 16
+    two = (
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1\n'
+        b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="50"} 1\n'
+    )
+    assert read_kv_tokens(b"vllm:num_requests_running 1\n" + two) == 150 * 16
+    # Not sized yet, a label missing, another metric with a longer name: no size.
+    unsized = b'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1'
+    assert read_kv_tokens(unsized) is None
+    assert read_kv_tokens(b'vllm:cache_config_info{num_gpu_blocks="10"} 1\n') is None
+    assert read_kv_tokens(b'vllm:cache_config_info_x{block_size="1",num_gpu_blocks="2"} 1') is None

@@ -37,12 +37,16 @@ COMPLETION = json.dumps(
 
 
 async def echo_backend(scope: Scope, receive: Receive, send: Send) -> None:
-    """/health and /metrics answer 200; any POST gets a small chat completion."""
+    """/health and /metrics answer 200 (the latter with an engine gauge, so it is read every
+    interval); any POST gets a small chat completion."""
     if scope["type"] != "http":
         return
     while (await receive()).get("more_body"):
         pass
-    body = COMPLETION if scope["method"] == "POST" else b"ok"
+    if scope["method"] == "POST":
+        body = COMPLETION
+    else:
+        body = b"vllm:num_requests_waiting 0\n" if scope["path"] == "/metrics" else b"ok"
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtests.procs import wait_until
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 from tests.test_admission import max_concurrency
 
@@ -85,3 +86,35 @@ async def test_large_requests_are_spread_by_kv_tokens_and_small_ones_pass_them(
     assert max(small_ends) < min(large_ends), logs
     for instance in state["pools"]["chat"]["instances"]:
         assert instance["kv_tokens"] == {"in_use": 0, "budget": 1000}
+
+
+def test_each_instance_budget_is_sized_by_its_own_engine(tmp_path: Path) -> None:
+    # Two GPU types in one pool: engines with KV caches of 4000 and 2048 tokens, which they
+    # report as vLLM does (`vllm:cache_config_info`). The policy gives no capacity.
+    backends = running_backends(("big",), ["m"], "--max-running", "8", "--kv-tokens", "4000")
+    small = running_backends(("small",), ["m"], "--max-running", "8", "--kv-tokens", "2048")
+    try:
+        both = {**next(backends), **next(small)}
+        policy = pool_policy(
+            both,
+            """
+        admission:
+          tokens: {overcommit: 1.0}
+          vllm_signals: {interval: 50ms}
+        """,
+        )
+        gateway = start_gateway(tmp_path / "policy.yaml", policy)
+        try:
+
+            def budgets() -> dict[str, object]:
+                state = httpx.get(f"{gateway.admin_url}/admin/state", timeout=5).json()
+                instances = state["pools"]["chat"]["instances"]
+                return {i["name"]: (i["kv_tokens"] or {}).get("budget") for i in instances}
+
+            assert wait_until(lambda: None not in budgets().values(), timeout_s=10)
+            assert budgets() == {"big": 4000, "small": 2048}
+        finally:
+            gateway.stop()
+    finally:
+        for gen in (backends, small):
+            gen.close()

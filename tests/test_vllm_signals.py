@@ -14,10 +14,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
+from starlette.types import Receive, Scope, Send
 
+from gateway.config import parse_policy
+from gateway.upstream.registry import Registry
+from gateway.upstream.vllm_load import VllmLoadScraper
 from loadtests.procs import wait_until
+from tests.asgi_server import Recorder, ThreadedServer
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 
 SHORT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -96,7 +102,7 @@ async def test_a_saturated_instance_gets_no_new_work(
         gateway.stop()
 
 
-async def test_requests_wait_in_the_gateway_while_every_instance_is_saturated(
+async def test_while_every_instance_is_saturated_one_request_each_goes_and_the_rest_wait(
     backends: dict[str, Backend], tmp_path: Path
 ) -> None:
     only_a = {"a": backends["a"]}
@@ -108,19 +114,121 @@ async def test_requests_wait_in_the_gateway_while_every_instance_is_saturated(
                     wait_until, lambda: instance_state(gateway, "a")["vllm"]["saturated"]
                 )
                 backends["a"].reset()
-                waiting = asyncio.ensure_future(
-                    client.post(f"{gateway.url}/v1/chat/completions", json=SHORT)
+                first, second = (
+                    asyncio.ensure_future(
+                        client.post(f"{gateway.url}/v1/chat/completions", json=SHORT)
+                    )
+                    for _ in range(2)
                 )
                 assert await asyncio.to_thread(
                     wait_until,
                     lambda: instance_state(gateway, "a")["admission"]["queued"]["standard"] == 1,
                 )
-                # Held in the gateway's queue, not sent to vLLM's.
-                sent = [r for r in backends["a"].requests() if r["path"].startswith("/v1/")]
-                assert sent == [] and not waiting.done()
-            # The direct requests are gone; the next read frees the instance and the request goes.
-            response = await asyncio.wait_for(waiting, 10)
-            assert response.status_code == 200
-            assert response.headers["x-gateway-instance"] == "a"
+                # One waits in the engine's queue, as it would sent directly (a queue that
+                # other clients keep full must not shut this gateway's clients out); the
+                # other in the gateway's, not vLLM's.
+                assert await asyncio.to_thread(
+                    wait_until,
+                    lambda: (
+                        len([r for r in backends["a"].requests() if r["path"].startswith("/v1/")])
+                        == 1
+                    ),
+                )
+                assert not first.done() and not second.done()
+            # The direct requests are gone: the engine serves the first, the next read frees
+            # the instance and the second goes.
+            for response in await asyncio.wait_for(asyncio.gather(first, second), 10):
+                assert response.status_code == 200
+                assert response.headers["x-gateway-instance"] == "a"
     finally:
         gateway.stop()
+
+
+# -- the scraper against engines with and without gauges ------------------------------------
+
+
+class Pages:
+    """An ASGI app whose /metrics answer is set by the test: a status and a page."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.page = b""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": []})
+        await send({"type": "http.response.body", "body": self.page})
+
+
+async def test_an_engine_without_gauges_is_left_to_the_limiter_and_asked_again_later() -> None:
+    pages = Pages()
+    recorder = Recorder(pages)
+    server = ThreadedServer(recorder)
+    try:
+        policy = parse_policy(
+            f"""
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: a, url: "http://127.0.0.1:{server.port}"}}]
+    admission: {{vllm_signals: {{recheck: 30s}}}}
+"""
+        )
+        registry = Registry(policy, now=asyncio.get_running_loop().time())
+        pool = registry.pools["chat"]
+        admission = pool.policy.admission
+        assert admission is not None
+        limit = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession() as session:
+            scraper = VllmLoadScraper(registry, session)
+            inst = pool.instances[0]
+
+            pages.status, pages.page = 404, b"not found"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is False and not inst.saturated
+            await scraper.scrape_pool(pool, admission, limit)  # not asked again before recheck
+            assert len(recorder.requests) == 1
+
+            # Another engine took its place (the recheck came): its gauges are read.
+            scraper._recheck_at.clear()
+            pages.status = 200
+            pages.page = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 3\n"
+            inst.in_flight = 6
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is True and inst.saturated
+            # 6 in flight, 3 beyond the engine's room: 3 may stay; the limiter's room is
+            # held to that.
+            assert inst.engine_slots == 3 and inst.room() == 3
+
+            # It ran 4 at once with others waiting: its batch. Once it is no longer saturated,
+            # it is given that batch and a headroom of 2 at most (not the limiter's 16).
+            assert inst.engine_batch == 4
+            pages.page = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 0\n"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert not inst.saturated and inst.room() == 4 + 2
+            # Running more without a queue shows a larger batch: the cap follows.
+            pages.page = b"llamacpp:requests_processing 12\nllamacpp:requests_deferred 0\n"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_batch == 12 and inst.room() == 12 + 3
+
+            # A page of other metrics (a plain exporter): no gauges.
+            pages.page = b"process_cpu_seconds_total 12.5\n"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is False and not inst.saturated
+
+            # A failed read (5xx) forgets the signals but is asked again next time.
+            scraper._recheck_at.clear()
+            pages.status = 500
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is None and not inst.saturated
+            count = len(recorder.requests)
+            await scraper.scrape_pool(pool, admission, limit)
+            assert len(recorder.requests) == count + 1
+
+            # Even with more waiting than it holds, a saturated instance keeps one slot.
+            pages.status = 200
+            pages.page = b'vllm:num_requests_waiting{model_name="m"} 40\n'
+            inst.in_flight = 2
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.saturated and inst.engine_slots == 1
+    finally:
+        server.stop()

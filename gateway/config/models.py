@@ -313,29 +313,73 @@ class ConcurrencyPolicy(Strict):
     limit: int = Field(default=64, ge=1)  # the fixed cap, and the adaptive one's maximum
     initial: int = Field(default=16, ge=1)
     min: int = Field(default=2, ge=1)
+    # How far a stream's time to first token may rise over its learned baseline, and a whole
+    # answer's time per output token, before the adaptive limit shrinks. Time per token also
+    # rises as a fuller batch decodes more slowly (throughput, not overload): more room.
+    tolerance: float = Field(default=1.5, ge=1)
+    per_token_tolerance: float = Field(default=2.0, ge=1)
 
 
 class TokenBudgetPolicy(Strict):
     """The KV-cache tokens each instance is trusted with at once (absent: not counted)."""
 
-    # vLLM logs it at start: "GPU KV cache size: N tokens".
-    capacity: int = Field(ge=1)
+    # vLLM logs it at start ("GPU KV cache size: N tokens") and exports it
+    # (`vllm:cache_config_info`): read from each instance's engine when it does (that wins, as
+    # one pool may mix GPU types), else this one (absent: instances whose engine does not say
+    # are not counted).
+    capacity: int | None = Field(default=None, ge=1)
     overcommit: float = Field(default=1.3, gt=0)  # requests rarely reach their max_tokens
 
 
 class VllmSignalsPolicy(Strict):
-    """vLLM's own load gauges, scraped per instance: a saturated instance gets no new work."""
+    """The engine's own load gauges (vLLM's, or llama.cpp's server's), scraped per instance: a
+    saturated instance gets no new work."""
 
     path: UrlPath = "/metrics"
     interval: Duration = Field(default=0.5, gt=0)
     timeout: Duration = Field(default=0.25, gt=0)
+    # How long an instance whose page has none of the gauges (or no page) is left alone before
+    # it is asked again: an engine may be replaced by one that has them.
+    recheck: Duration = Field(default=30.0, gt=0)
     # Saturated above these: requests waiting in vLLM's own queue, share of the KV cache used.
     max_waiting: float = Field(default=0.0, ge=0)
     max_cache_usage: Fraction = 0.95
 
 
+def _tenant_header(value: str) -> str:
+    name = value.strip().lower()
+    if not _TOKEN_RE.match(name):
+        raise ValueError(f"invalid header name {value!r}")
+    if name.startswith("x-gateway-") or name in ("authorization", "x-api-key"):
+        raise ValueError(
+            f"the header {name!r} cannot name a tenant (without `header`, the API key does)"
+        )
+    return name
+
+
+class TenantsPolicy(Strict):
+    """Who a request is for, within its admission class: the client's API key (as a digest,
+    `key-` and 12 hex digits) unless `header` names a header whose value is the tenant. A
+    request with neither is the anonymous tenant ("")."""
+
+    header: Annotated[str, AfterValidator(_tenant_header)] | None = None
+    weights: dict[str, Annotated[float, Field(gt=0)]] = {}  # by tenant; the rest: default_weight
+    default_weight: float = Field(default=1.0, gt=0)
+
+
+def _off_or_defaults(value: object) -> object:
+    """`section: false` turns an optional-with-defaults section off (None), `true` keeps its
+    defaults."""
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    return value
+
+
 class AdmissionPolicy(Strict):
-    """Queues in front of the pool (absent: every request goes straight to an instance)."""
+    """Queues in front of the pool (on by default; `admission: false`: every request goes
+    straight to an instance)."""
 
     default_priority: Literal["interactive", "standard", "batch"] = "standard"
     max_queued: int = Field(default=1000, ge=0)  # over the three classes
@@ -343,8 +387,13 @@ class AdmissionPolicy(Strict):
     standard: AdmissionClassPolicy = AdmissionClassPolicy()
     batch: BatchPolicy = BatchPolicy()
     concurrency: ConcurrencyPolicy = ConcurrencyPolicy()
+    tenants: TenantsPolicy = TenantsPolicy()
     tokens: TokenBudgetPolicy | None = None
-    vllm_signals: VllmSignalsPolicy | None = None
+    # Read from every instance unless turned off; an engine without the gauges is left to
+    # the limiter.
+    vllm_signals: Annotated[VllmSignalsPolicy | None, BeforeValidator(_off_or_defaults)] = (
+        VllmSignalsPolicy()
+    )
 
 
 # Headers a credential may not be sent in: the connection's own, what the gateway computes,
@@ -521,7 +570,9 @@ class PoolPolicy(Strict):
     breaker: BreakerPolicy = BreakerPolicy()
     resume: Resume = ResumePolicy()
     hedging: Hedging = HedgingPolicy()
-    admission: AdmissionPolicy | None = None
+    admission: Annotated[AdmissionPolicy | None, BeforeValidator(_off_or_defaults)] = (
+        AdmissionPolicy()
+    )
     tls: TlsPolicy | None = None
     credentials: CredentialsPolicy | None = None
 

@@ -12,20 +12,25 @@ starve the others; a quiet class keeps its whole weight.
 
 **Service order.** Stride scheduling between the classes that have requests waiting: each has a
 `pass`; the class with the lowest pass is served and its pass grows by `1 / weight`. A class
-that was empty restarts at the lowest active pass (no credit banked while idle). FIFO within a
-class. Over any stretch where several classes wait, each gets a share of the service in
-proportion to its weight. A class whose first request cannot be placed yet (no instance has
-room in its KV-token budget for it) is passed over for the next class in that order if that
-class is more urgent: small interactive requests go past a large batch one, but batch requests
-never take the room a large interactive one waits for.
+that was empty restarts at the lowest active pass (no credit banked while idle). Within a
+class, tenants share the service by their weights the same way, FIFO within a tenant
+(`gateway.core.fair_queue`). Over any stretch where several classes wait, each gets a share of
+the service in proportion to its weight. A class whose first request cannot be placed yet (no
+instance has room in its KV-token budget for it) is passed over for the next class in that
+order if that class is more urgent: small interactive requests go past a large batch one, but
+batch requests never take the room a large interactive one waits for.
 
 **Bounds and shedding** (`offer`), in order:
-1. the class's own queue is full (`max_queue[class]`): refused;
-2. the expected wait, `(ahead + 1) / (service_rate * share)`, exceeds the class's
-   `queue_timeout`: refused at once (better a fast 429 than a slow one), when the service rate
-   is known;
+1. the expected wait, `(ahead + 1) / (service_rate * share)` (`ahead`: the tenant's own
+   requests waiting in the class; `share`: the class's share times the tenant's share within
+   it), exceeds the class's `queue_timeout`: refused at once (better a fast 429 than a slow
+   one), when the service rate is known;
+2. the class's own queue is full (`max_queue[class]`): the tenant with the most requests
+   waiting gives up its newest one, when it has more waiting than this tenant would; else
+   refused;
 3. the pool's total (`max_total`) is full: the newest request of the least urgent class below
-   this one is evicted to make room (batch before standard), else this one is refused.
+   this one (of its tenant with the most waiting) is evicted to make room (batch before
+   standard), else this one is refused.
 `pop` serves the next request; entries whose queue timeout passed are returned by `expire` (and
 skipped by `pop`): the shell answers them 429, so everything admitted is eventually answered.
 
@@ -35,12 +40,13 @@ Pure: `now` is an argument.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Generic, Literal, TypeVar
+from typing import Final, Generic, TypeVar
 
-Priority = Literal["interactive", "standard", "batch"]
+from gateway.core.fair_queue import Entry, FairQueue
+from gateway.core.fair_queue import Priority as Priority
+
 CLASSES: Final[tuple[Priority, ...]] = ("interactive", "standard", "batch")
 BURST_FLOOR: Final = 0.3
 BURST_SLOPE: Final = 0.7
@@ -99,14 +105,6 @@ class ArrivalRate:
 
 
 @dataclass(slots=True)
-class Entry(Generic[T]):
-    item: T
-    priority: Priority
-    enqueued_at: float
-    expires_at: float
-
-
-@dataclass(slots=True)
 class Offer(Generic[T]):
     """What `offer` did: queued or not (`reason` says why not), and whom it evicted."""
 
@@ -126,12 +124,20 @@ class AdmissionQueues(Generic[T]):
         max_total: int,
         window_s: int = 10,
         peak_half_life_s: float = 300.0,
+        tenant_weight: Callable[[str], float] = lambda tenant: 1.0,
     ) -> None:
         self.reconfigure(base_weights, max_queue, queue_timeout_s, max_total)
-        self._queues: dict[Priority, deque[Entry[T]]] = {name: deque() for name in CLASSES}
+        self._queues: dict[Priority, FairQueue[T]] = {
+            name: FairQueue(tenant_weight) for name in CLASSES
+        }
         self._pass: dict[Priority, float] = dict.fromkeys(CLASSES, 0.0)
         self._rates = {name: ArrivalRate(window_s, peak_half_life_s) for name in CLASSES}
         self.shed: dict[Priority, int] = dict.fromkeys(CLASSES, 0)
+
+    def set_tenant_weight(self, tenant_weight: Callable[[str], float]) -> None:
+        """New tenant weights (a policy reload): they apply from each tenant's next service."""
+        for queue in self._queues.values():
+            queue.weight_of = tenant_weight
 
     def reconfigure(
         self,
@@ -158,6 +164,10 @@ class AdmissionQueues(Generic[T]):
     def length(self, priority: Priority) -> int:
         return len(self._queues[priority])
 
+    def tenants(self, priority: Priority) -> dict[str, int]:
+        """The requests each tenant has waiting in the class."""
+        return self._queues[priority].tenants()
+
     def weights(self, now: float) -> dict[Priority, float]:
         rates = self._rates
         return {
@@ -177,19 +187,33 @@ class AdmissionQueues(Generic[T]):
         """Count an arrival of the class (queued or not: the burst is in the arrivals)."""
         self._rates[priority].arrive(now)
 
-    def offer(self, item: T, priority: Priority, now: float, service_rate: float = 0.0) -> Offer[T]:
-        """Queue `item` (counted by `arrived` already), or say why not."""
+    def offer(
+        self,
+        item: T,
+        priority: Priority,
+        now: float,
+        service_rate: float = 0.0,
+        tenant: str = "",
+    ) -> Offer[T]:
+        """Queue `item` (counted by `arrived` already) for `tenant`, or say why not."""
         queue = self._queues[priority]
-        if len(queue) >= self._max_queue[priority]:
-            return self._refuse(priority, f"the {priority} queue is full")
         timeout = self._timeout[priority]
         if service_rate > 0:
-            expected = (len(queue) + 1) / (service_rate * self.share(priority, now))
+            share = self.share(priority, now) * queue.share(tenant)
+            expected = (queue.waiting(tenant) + 1) / (service_rate * share)
             if expected > timeout:
                 return self._refuse(
                     priority, f"the {priority} queue would take {expected:.2f}s (> {timeout:g}s)"
                 )
         evicted: list[Entry[T]] = []
+        if len(queue) >= self._max_queue[priority]:
+            # Full: the tenant with the most waiting gives up its newest, unless it is this one.
+            if queue.largest() <= queue.waiting(tenant) + 1:
+                return self._refuse(priority, f"the {priority} queue is full")
+            victim = queue.newest_of_largest()
+            assert victim is not None
+            self.shed[priority] += 1
+            evicted.append(victim)
         if len(self) >= self._max_total:
             victim = self._evict_below(priority)
             if victim is None:
@@ -197,7 +221,7 @@ class AdmissionQueues(Generic[T]):
             evicted.append(victim)
         if not queue:
             self._pass[priority] = self._lowest_active_pass(default=self._pass[priority])
-        queue.append(Entry(item, priority, now, now + timeout))
+        queue.append(Entry(item, priority, now, now + timeout, tenant))
         return Offer(True, None, evicted)
 
     def _refuse(self, priority: Priority, reason: str) -> Offer[T]:
@@ -208,10 +232,10 @@ class AdmissionQueues(Generic[T]):
         for name in reversed(CLASSES):
             if name == priority:
                 return None
-            queue = self._queues[name]
-            if queue:
+            victim = self._queues[name].newest_of_largest()  # the newest: it waited least
+            if victim is not None:
                 self.shed[name] += 1
-                return queue.pop()  # the newest: the one that has waited least
+                return victim
         return None
 
     def _lowest_active_pass(self, default: float) -> float:
@@ -224,10 +248,9 @@ class AdmissionQueues(Generic[T]):
         """Remove and return every entry whose queue timeout has passed (answer them 429)."""
         expired: list[Entry[T]] = []
         for name in CLASSES:
-            queue = self._queues[name]
-            while queue and queue[0].expires_at <= now:
-                expired.append(queue.popleft())
-                self.shed[name] += 1
+            gone = self._queues[name].expire(now)
+            self.shed[name] += len(gone)
+            expired.extend(gone)
         return expired
 
     def pop(self, now: float, fits: Callable[[T], bool] | None = None) -> Entry[T] | None:
@@ -237,22 +260,23 @@ class AdmissionQueues(Generic[T]):
         keeps it at its head and is passed over, but only for more urgent classes: a less
         urgent one must not take the room that entry waits for.
         """
-        queues = self._queues
-        waiting = [name for name in CLASSES if queues[name] and queues[name][0].expires_at > now]
+        heads = {name: self._queues[name].head() for name in CLASSES}
+        waiting = [name for name, head in heads.items() if head and head.expires_at > now]
         waiting.sort(key=self._pass.__getitem__)  # stable: ties go to the more urgent class
         blocked = len(CLASSES)  # the most urgent class whose head does not fit, by rank
         for name in waiting:
             rank = CLASSES.index(name)
             if rank > blocked:
                 continue
-            queue = queues[name]
-            if fits is None or fits(queue[0].item):
+            head = heads[name]
+            assert head is not None
+            if fits is None or fits(head.item):
                 self._pass[name] += 1.0 / self.weights(now)[name]
-                return queue.popleft()
+                return self._queues[name].popleft()
             blocked = rank
         return None
 
     def next_expiry(self) -> float | None:
         """When the oldest waiting entry times out (for the shell's timer), or None."""
-        heads = [q[0].expires_at for q in self._queues.values() if q]
-        return min(heads) if heads else None
+        heads = [q.next_expiry() for q in self._queues.values()]
+        return min((h for h in heads if h is not None), default=None)

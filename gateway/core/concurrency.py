@@ -26,7 +26,12 @@ class Limiter(Protocol):
         ...
 
     def record(
-        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+        self,
+        now: float,
+        latency_s: float | None,
+        in_flight: int,
+        overloaded: bool = False,
+        per_token_s: float | None = None,
     ) -> None:
         """Learn from one finished request."""
         ...
@@ -36,28 +41,78 @@ class Limiter(Protocol):
         ...
 
 
+class Signal:
+    """One latency signal of a `GradientLimiter`: a fast `recent` and a slow `baseline`, and
+    the gradient `clamp(tolerance · baseline / recent, 0.5, 1.0)` they give (rules in the
+    limiter's docstring)."""
+
+    __slots__ = ("baseline", "last_sample", "recent", "samples", "tolerance")
+
+    def __init__(self, tolerance: float) -> None:
+        if not tolerance >= 1.0:
+            raise ValueError(f"tolerance must be at least 1, got {tolerance}")
+        self.tolerance = tolerance
+        self.recent = 0.0
+        self.baseline = 0.0
+        self.samples = 0
+        self.last_sample = 0.0
+
+    def observe(self, now: float, value: float, recent_weight: float, half_life: float) -> float:
+        """Take one sample (finite, > 0); the gradient after it."""
+        if self.samples == 0:
+            self.recent = value
+            self.baseline = value
+        else:
+            self.recent += recent_weight * (value - self.recent)
+            elapsed = max(0.0, now - self.last_sample)
+            weight = 1.0 - 2.0 ** (-elapsed / half_life)
+            self.baseline += weight * (self.recent - self.baseline)
+        self.last_sample = now
+        self.samples += 1
+        return min(1.0, max(MIN_GRADIENT, self.tolerance * self.baseline / self.recent))
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and 0.0 < value < math.inf
+
+
 class GradientLimiter:
     """An adaptive concurrency limit for one instance (after Netflix's Gradient2 and Envoy's
     adaptive concurrency). The rules, exactly:
 
-    **Signals.** `record(now, latency_s, in_flight)` takes one successful request's latency (for
-    an LLM, its time to first token: it grows once the engine starts queueing) and the number
-    of requests in flight on the instance when it was taken (this one included).
+    **Signals.** `record(now, latency_s, in_flight, per_token_s=...)` takes one successful
+    request's latency figures and the number of requests in flight on the instance when it was
+    taken (this one included). Two signals, each a `Signal` with its own tolerance:
 
-    - `recent` (fast): `recent += recent_weight · (latency_s - recent)`, per sample;
+    - **first token** (`latency_s`): a stream's time to first token. It grows once the engine
+      starts queueing;
+    - **per token** (`per_token_s`): a whole answer's latency over its output tokens, for
+      answers that stream no first token. It grows with the engine's queue too (amortised over
+      the answer), and with a fuller batch decoding each token more slowly, which is the engine
+      trading latency for throughput as designed: hence its larger tolerance.
+
+    Per signal:
+
+    - `recent` (fast): `recent += recent_weight · (sample - recent)`, per sample;
     - `baseline` (slow, per second rather than per sample): `baseline += w · (recent -
       baseline)` with `w = 1 - 2^(-Δt / baseline_half_life)`, Δt the seconds since the
-      previous sample (0 if the clock went back). It moves halfway to the recent latency every
-      `baseline_half_life` seconds, however many requests there are: an instance that became
-      slower for good is relearned, and the limit it allows grows back. The price: queueing
-      that lasts that long is taken for the instance's new normal too.
+      signal's previous sample (0 if the clock went back). It moves halfway to the recent
+      latency every `baseline_half_life` seconds, however many requests there are: an instance
+      that became slower for good is relearned, and the limit it allows grows back. The price:
+      queueing that lasts that long is taken for the instance's new normal too.
 
-    The first sample sets both to `latency_s`. A latency that is not finite and > 0 is ignored.
+    A signal's first sample sets both to it. A sample that is not finite and > 0 (or None) is
+    ignored; a request with neither is not learned from.
+
+    **How they combine.** Both move one shared estimate: a request's gradient is its signal's
+    `clamp(tolerance · baseline / recent, 0.5, 1.0)` (the smaller of the two when it carries
+    both), so whichever kind of traffic sees the engine congested pulls the limit down, and
+    traffic of the other kind cannot hold it up for long: its gradient of 1 only lets the
+    estimate grow by its square root.
 
     **Limit** (a float `estimate`, published as `limit = max(min_limit, ⌊estimate⌋)`). After
     each sample:
 
-    - `gradient = clamp(tolerance · baseline / recent, 0.5, 1.0)`;
     - `target = estimate · gradient + sqrt(estimate)` (the square root is the headroom that
       lets it probe for more);
     - if `target > estimate` and the instance was not busy (`2 · in_flight < limit`), nothing
@@ -81,17 +136,14 @@ class GradientLimiter:
         "_backoff_ratio",
         "_baseline_half_life",
         "_last_cut",
-        "_last_sample",
         "_max_limit",
         "_min_limit",
         "_recent_weight",
         "_smoothing",
-        "_tolerance",
-        "baseline",
         "cuts",
         "estimate",
-        "recent",
-        "samples",
+        "first_token",
+        "per_token",
     )
 
     def __init__(
@@ -105,14 +157,13 @@ class GradientLimiter:
         baseline_half_life: float = 600.0,
         backoff_ratio: float = 0.8,
         backoff_interval: float = 1.0,
+        per_token_tolerance: float = 2.0,
     ) -> None:
         if not 1 <= min_limit <= initial_limit <= max_limit:
             raise ValueError(
                 "limits must satisfy 1 <= min_limit <= initial_limit <= max_limit, got "
                 f"{min_limit}, {initial_limit}, {max_limit}"
             )
-        if not tolerance >= 1.0:
-            raise ValueError(f"tolerance must be at least 1, got {tolerance}")
         for name, weight in (("smoothing", smoothing), ("recent_weight", recent_weight)):
             if not 0.0 < weight <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {weight}")
@@ -122,21 +173,31 @@ class GradientLimiter:
             raise ValueError(f"backoff_ratio must be in (0, 1), got {backoff_ratio}")
         if not backoff_interval >= 0.0:
             raise ValueError(f"backoff_interval must be >= 0, got {backoff_interval}")
+        self.first_token = Signal(tolerance)
+        self.per_token = Signal(per_token_tolerance)
         self.estimate = float(initial_limit)
         self._min_limit = min_limit
         self._max_limit = max_limit
-        self._tolerance = tolerance
         self._smoothing = smoothing
         self._recent_weight = recent_weight
         self._baseline_half_life = baseline_half_life
         self._backoff_ratio = backoff_ratio
         self._backoff_interval = backoff_interval
-        self.recent = 0.0
-        self.baseline = 0.0
-        self.samples = 0
         self.cuts = 0
-        self._last_sample = 0.0
         self._last_cut = -math.inf
+
+    # The first-token signal's figures, as they were before there were two.
+    @property
+    def recent(self) -> float:
+        return self.first_token.recent
+
+    @property
+    def baseline(self) -> float:
+        return self.first_token.baseline
+
+    @property
+    def samples(self) -> int:
+        return self.first_token.samples + self.per_token.samples
 
     @property
     def limit(self) -> int:
@@ -148,7 +209,12 @@ class GradientLimiter:
         return in_flight < self.limit
 
     def record(
-        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+        self,
+        now: float,
+        latency_s: float | None,
+        in_flight: int,
+        overloaded: bool = False,
+        per_token_s: float | None = None,
     ) -> None:
         """Learn from one finished request (rules in the class docstring)."""
         if overloaded:
@@ -157,22 +223,17 @@ class GradientLimiter:
                 self.cuts += 1
                 self.estimate = max(float(self._min_limit), self.estimate * self._backoff_ratio)
             return
-        if not (0.0 < latency_s < math.inf):
+        gradient = math.inf
+        weight, half_life = self._recent_weight, self._baseline_half_life
+        if _usable(latency_s):
+            assert latency_s is not None
+            gradient = self.first_token.observe(now, latency_s, weight, half_life)
+        if _usable(per_token_s):
+            assert per_token_s is not None
+            gradient = min(gradient, self.per_token.observe(now, per_token_s, weight, half_life))
+        if gradient == math.inf:
             return
-        if self.samples == 0:
-            self.recent = latency_s
-            self.baseline = latency_s
-        else:
-            self.recent += self._recent_weight * (latency_s - self.recent)
-            elapsed = max(0.0, now - self._last_sample)
-            weight = 1.0 - 2.0 ** (-elapsed / self._baseline_half_life)
-            self.baseline += weight * (self.recent - self.baseline)
-        self._last_sample = now
-        self.samples += 1
-
         estimate = self.estimate
-        gradient = self._tolerance * self.baseline / self.recent
-        gradient = min(1.0, max(MIN_GRADIENT, gradient))
         target = estimate * gradient + math.sqrt(estimate)
         if target > estimate and 2 * in_flight < self.limit:
             return  # app-limited: no evidence for a higher limit
@@ -182,7 +243,8 @@ class GradientLimiter:
     def __repr__(self) -> str:
         return (
             f"GradientLimiter(limit={self.limit}, estimate={self.estimate:.6g}, "
-            f"recent={self.recent:.6g}, baseline={self.baseline:.6g})"
+            f"first_token={self.first_token.recent:.6g}/{self.first_token.baseline:.6g}, "
+            f"per_token={self.per_token.recent:.6g}/{self.per_token.baseline:.6g})"
         )
 
 
@@ -207,7 +269,12 @@ class FixedLimiter:
         return in_flight < self._limit
 
     def record(
-        self, now: float, latency_s: float, in_flight: int, overloaded: bool = False
+        self,
+        now: float,
+        latency_s: float | None,
+        in_flight: int,
+        overloaded: bool = False,
+        per_token_s: float | None = None,
     ) -> None:
         """Nothing to learn."""
 
@@ -313,4 +380,6 @@ def limiter_for(policy: ConcurrencyPolicy) -> Limiter:
         initial_limit=float(min(max(policy.initial, policy.min), policy.limit)),
         min_limit=policy.min,
         max_limit=policy.limit,
+        tolerance=policy.tolerance,
+        per_token_tolerance=policy.per_token_tolerance,
     )

@@ -107,6 +107,7 @@ def _record(
     probe: bool,
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
+    per_token_s: float | None = None,  # of a whole answer: its latency over its output tokens
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
 ) -> None:
@@ -117,14 +118,14 @@ def _record(
     pool.failure.observe(failed)
     limiter = instance.limiter
     if limiter is not None:
-        # A stream's time to first token is what grows when vLLM queues. A whole answer's
-        # latency also grows as a fuller batch decodes each token more slowly, which is vLLM
-        # trading latency for throughput as designed, not overload: it teaches nothing.
-        # Timeouts, OOMs, 429, 503 and 529 say it is overloaded, streamed or not.
+        # A stream's time to first token is what grows when the engine queues; a whole
+        # answer's time per output token grows with it too (and with a fuller batch: the
+        # limiter gives that signal more room). Timeouts, OOMs, 429, 503 and 529 say it is
+        # overloaded, streamed or not.
         if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
             limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
-        elif outcome.kind == "ok" and first_byte_s is not None:
-            limiter.record(now, first_byte_s, instance.in_flight)
+        elif outcome.kind == "ok" and (first_byte_s is not None or per_token_s is not None):
+            limiter.record(now, first_byte_s, instance.in_flight, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
         _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff)
@@ -328,6 +329,8 @@ class Account:
         _end(instance, tokens)
         outcome = response.outcome
         now = self._clock()
+        output_tokens = completion_tokens(response.body) if outcome.kind == "ok" else None
+        generated = output_tokens if output_tokens is not None else call.facts.max_tokens
         _record(
             self._timeout_log,
             call.pool,
@@ -337,10 +340,9 @@ class Account:
             now - started,
             call.probe,
             self._on_transition,
+            per_token_s=(now - started) / generated if generated else None,
         )
         if outcome.kind == "ok":
-            instance.latency.observe_whole(
-                response.first_at - response.started_at, completion_tokens(response.body)
-            )
+            instance.latency.observe_whole(response.first_at - response.started_at, output_tokens)
             _learning(call.pool, instance)
         return response

@@ -8,15 +8,22 @@ class's queue (`gateway.core.admission`: burst-aware weights, FIFO within a clas
 once with 429 + Retry-After. When a slot frees, the next request by weight is let through; one
 whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
 queued for: the pick layer answers 503 at once, as without admission.
+
+Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
+names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
+bounded: the queues hold only tenants with requests waiting, and the shed counts keep the
+`TENANTS_COUNTED` tenants shed most recently, the others added up under `other`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from gateway.config.models import AdmissionPolicy
+from gateway.config.models import AdmissionPolicy, TenantsPolicy
 from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
 from gateway.core.breaker import ADMITTING
 from gateway.core.concurrency import estimate_tokens
@@ -28,6 +35,14 @@ from gateway.upstream.response import UpstreamResponse
 
 PRIORITIES: Final = frozenset(CLASSES)
 
+
+# Tenants whose shed requests are counted apart (metrics, /admin/state); the rest are `other`.
+TENANTS_COUNTED: Final = 100
+OTHER_TENANTS: Final = "other"
+ANONYMOUS: Final = "anonymous"
+_LABEL_BYTES: Final = 64  # of a tenant header's value
+# How fast the mean time a request holds its slot follows new ones.
+_HOLD_WEIGHT: Final = 0.05
 
 QUEUE_WAIT_BUCKETS_S: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -46,19 +61,76 @@ class _Waiter:
         self.reserved: InstanceState | None = None
 
 
+def tenant_of(headers: Sequence[tuple[str, str]], policy: TenantsPolicy) -> str:
+    """The request's tenant: the named header's value (its first `_LABEL_BYTES` characters),
+    else `key-` and 12 hex digits of the API key's SHA-256 (the key itself is kept nowhere);
+    "" when the request has neither."""
+    wanted = policy.header
+    for name, value in headers:
+        if wanted is not None:
+            if name.lower() == wanted:
+                return value.strip()[:_LABEL_BYTES]
+            continue
+        lowered = name.lower()
+        if lowered == "authorization":
+            scheme, _, key = value.partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                continue
+        elif lowered == "x-api-key":
+            key = value
+        else:
+            continue
+        return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
+    return ""
+
+
+class TenantCounts:
+    """Counts by tenant for at most `size` tenants, the least recently counted folded into
+    `other` when a new one comes: bounded memory, and bounded label sets in metrics."""
+
+    __slots__ = ("_counts", "_size", "other")
+
+    def __init__(self, size: int = TENANTS_COUNTED) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._size = size
+        self.other = 0
+
+    def add(self, tenant: str) -> None:
+        counts = self._counts
+        if tenant in counts:
+            counts[tenant] += 1
+            counts.move_to_end(tenant)
+            return
+        if len(counts) >= self._size:
+            self.other += counts.popitem(last=False)[1]
+        counts[tenant] = 1
+
+    def items(self) -> list[tuple[str, int]]:
+        """(tenant label, count), `other` last (0 while nothing was folded into it)."""
+        labelled = [(tenant or ANONYMOUS, count) for tenant, count in self._counts.items()]
+        return [*labelled, (OTHER_TENANTS, self.other)]
+
+
 class PoolAdmission:
     """One pool's queues and slots."""
 
     def __init__(self, pool: PoolState, policy: AdmissionPolicy) -> None:
         self.pool = pool
         self.policy = policy
-        self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(*_queue_settings(policy))
+        self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(
+            *_queue_settings(policy), tenant_weight=_weights(policy.tenants)
+        )
         self.running = 0
         self.completions = ArrivalRate(window_s=10)
+        # The mean time a request holds its slot: with the room, the pool's rate of service
+        # while it is full, before 10 s of completions can tell it.
+        self.hold_s = 0.0
+        self.tenant_shed = TenantCounts()
         self.waits = {name: Histogram(QUEUE_WAIT_BUCKETS_S) for name in CLASSES}
         # Its clock is the loop it sets its queue timers on (`call_at`): the same as the
         # layers' (`gateway.request_path`), read from there so the two can never disagree.
         self._loop = asyncio.get_running_loop()
+        self.clock = self._loop.time
         self._timer: asyncio.TimerHandle | None = None
         pool.capacity_listeners.append(self.dispatch)
 
@@ -67,6 +139,7 @@ class PoolAdmission:
         and their waiters carry over, so the pool's slots are never counted twice."""
         self.policy = policy
         self.queues.reconfigure(*_queue_settings(policy))
+        self.queues.set_tenant_weight(_weights(policy.tenants))
         self.dispatch()  # the new weights or bounds may let someone through
 
     def state(self, now: float) -> dict[str, Any]:
@@ -78,14 +151,28 @@ class PoolAdmission:
             "queued": {name: queues.length(name) for name in CLASSES},
             "shed": dict(queues.shed),
             "weights": queues.weights(now),
+            "tenants": {
+                "queued": {name: self.tenants_queued(name) for name in CLASSES},
+                "shed": dict(self.tenant_shed.items()),
+            },
         }
 
+    def tenants_queued(self, priority: Priority, top: int = 20) -> dict[str, int]:
+        """The `top` tenants with the most requests waiting in the class, the rest added up
+        under `other` (bounded, for metrics and the operator's view)."""
+        ranked = sorted(self.queues.tenants(priority).items(), key=lambda kv: -kv[1])
+        shown = {tenant or ANONYMOUS: count for tenant, count in ranked[:top]}
+        # Always there (0 when nobody else waits): a series that never goes missing.
+        shown[OTHER_TENANTS] = shown.get(OTHER_TENANTS, 0) + sum(c for _, c in ranked[top:])
+        return shown
+
     def room(self) -> int:
-        """Slots in the pool: the concurrency limits of the instances taking new work."""
+        """Slots in the pool: the concurrency limits of the instances taking new work, held
+        to their engines' room while saturated."""
         return sum(
-            inst.limiter.limit
+            inst.room()
             for inst in self.pool.routable
-            if inst.limiter is not None and inst.breaker.state == ADMITTING and not inst.saturated
+            if inst.limiter is not None and inst.breaker.state == ADMITTING
         )
 
     def _place(self, tokens: int) -> InstanceState | None:
@@ -94,8 +181,10 @@ class PoolAdmission:
         best: InstanceState | None = None
         most = -1
         for inst in self.pool.routable:
-            if inst.breaker.state != ADMITTING or inst.saturated:
+            if inst.breaker.state != ADMITTING:
                 continue
+            if inst.saturated and inst.in_flight >= inst.engine_slots:
+                continue  # its engine has no room: this one's tokens would wait there
             budget = inst.budget
             if budget is None:
                 return inst
@@ -112,9 +201,12 @@ class PoolAdmission:
         inst.budget.acquire(tokens)
         return inst
 
-    async def enter(self, priority: Priority, tokens: int = 0) -> InstanceState | None:
+    async def enter(
+        self, priority: Priority, tokens: int = 0, tenant: Callable[[], str] = str
+    ) -> InstanceState | None:
         """Return once the request holds a slot, with the instance its tokens are reserved on
-        (None: no reservation); raises Shed when it is refused."""
+        (None: no reservation); raises Shed when it is refused. `tenant` says whose request
+        it is, asked only when it has to wait."""
         now = self._loop.time()
         queues = self.queues
         queues.arrived(priority, now)
@@ -126,10 +218,13 @@ class PoolAdmission:
             self.running += 1  # nothing takes traffic: the pick layer answers 503 straight away
             return None
         waiter = _Waiter(self._loop.create_future(), tokens)
-        offer = queues.offer(waiter, priority, now, self.completions.qps(now))
+        whose = tenant()
+        offer = queues.offer(waiter, priority, now, self._service_rate(now), whose)
         for entry in offer.evicted:
+            self.tenant_shed.add(entry.tenant)
             _refuse(entry.item.future, "evicted by a more urgent request", self._retry_after_s())
         if not offer.queued:
+            self.tenant_shed.add(whose)
             raise Shed(
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
                 retry_after_s=self._retry_after_s(),
@@ -149,10 +244,22 @@ class PoolAdmission:
         self.waits[priority].observe(self._loop.time() - now)
         return waiter.reserved
 
-    def leave(self) -> None:
+    def leave(self, held_s: float | None = None) -> None:
+        """A request gives its slot back, after holding it `held_s` (None: not counted)."""
         self.running -= 1
         self.completions.arrive(self._loop.time())
+        if held_s is not None:
+            self.hold_s += (held_s - self.hold_s) * (_HOLD_WEIGHT if self.hold_s else 1.0)
         self.dispatch()
+
+    def _service_rate(self, now: float) -> float:
+        """Requests a second the pool completes while full: the completions of the last 10 s,
+        or the room over the mean slot hold when that is more (a burst after a quiet spell
+        would otherwise be judged by the quiet spell's completions)."""
+        completed = self.completions.qps(now)
+        if self.hold_s <= 0:
+            return completed
+        return max(completed, self.room() / self.hold_s)
 
     def dispatch(self) -> None:
         """Let waiting requests through while there is room."""
@@ -187,6 +294,7 @@ class PoolAdmission:
         self._timer = None
         now = self._loop.time()
         for entry in self.queues.expire(now):
+            self.tenant_shed.add(entry.tenant)
             _refuse(
                 entry.item.future,
                 f"waited {now - entry.enqueued_at:.2f}s in the {entry.priority} queue",
@@ -196,7 +304,7 @@ class PoolAdmission:
 
     def _retry_after_s(self) -> float:
         """When to come back: about the time the queues in front take to drain."""
-        rate = self.completions.qps(self._loop.time())
+        rate = self._service_rate(self._loop.time())
         return max(1.0, len(self.queues) / rate) if rate > 0 else 1.0
 
 
@@ -212,6 +320,11 @@ def _queue_settings(
         {name: c.queue_timeout for name, c in classes.items()},
         policy.max_queued,
     )
+
+
+def _weights(policy: TenantsPolicy) -> Callable[[str], float]:
+    weights, default = policy.weights, policy.default_weight
+    return lambda tenant: weights.get(tenant, default)
 
 
 def unreserve(instance: InstanceState | None, tokens: int) -> None:
@@ -240,7 +353,12 @@ class Admit:
             call.tokens = estimate_tokens(
                 len(call.body), call.facts.max_tokens, call.pool.policy.timeouts.assumed_max_tokens
             )
-        call.reserved = await admission.enter(priority, call.tokens)
+        tenants = admission.policy.tenants
+        call.reserved = await admission.enter(
+            priority, call.tokens, lambda: tenant_of(call.headers, tenants)
+        )
+        clock = admission.clock
+        admitted = clock()
         try:
             response = await next_handler(call)
         except BaseException:
@@ -248,9 +366,9 @@ class Admit:
             admission.leave()
             raise
         if response.body is not None:
-            admission.leave()
+            admission.leave(clock() - admitted)
             return response
-        response.after(lambda r, error: admission.leave(), request=True)
+        response.after(lambda r, error: admission.leave(clock() - admitted), request=True)
         return response
 
 

@@ -19,7 +19,8 @@ class Pick:
 
     May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
     Retry-After; in pools with admission control also below its concurrency limit, with room
-    in its KV-token budget for the request, and not saturated by vLLM's account. An isolated
+    in its KV-token budget for the request, and, while its engine reports it saturated, below
+    what the engine has room for (and only when no unsaturated one may take it). An isolated
     instance whose isolation ran out takes the attempt as its one probe (a real request)
     first. An instance that refused this request's connection, dropped it or let it time out
     is not asked again while any other one could take it. When every healthy instance was
@@ -43,6 +44,7 @@ class Pick:
         reserved = call.reserved  # holds this request's tokens already
         # One pass: a due probe wins; else the admitting instances this request may use.
         fresh: list[InstanceState] = []
+        queueing: list[InstanceState] = []  # saturated, but with room for this one
         admitting: list[InstanceState] = []
         probe = None
         avoid = call.avoid
@@ -52,22 +54,20 @@ class Pick:
                 continue  # it refused, dropped or sat on this request a moment ago
             if breaker.state == ADMITTING:
                 admitting.append(inst)
-                limiter = inst.limiter
                 budget = inst.budget
                 if (
                     inst.not_before <= now
                     and inst not in tried
-                    and not inst.saturated
-                    and (limiter is None or inst.in_flight < limiter.limit)
+                    and inst.in_flight < inst.room()
                     and (budget is None or inst is reserved or budget.fits(tokens))
                 ):
-                    fresh.append(inst)
+                    (queueing if inst.saturated else fresh).append(inst)
             elif probe is None and breaker.try_admit(now):
                 probe = inst
         if probe is not None:
             instance = probe
         elif admitting:
-            instance = _balance(pool, fresh or admitting, now)
+            instance = _balance(pool, fresh or queueing or admitting, now)
         else:
             panic = None
             if pool.policy.breaker.when_none_available == "panic":

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
+from gateway.config.models import TokenBudgetPolicy
 from gateway.config.routes import PROXY_ROUTES
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
@@ -35,6 +36,8 @@ from gateway.upstream.tls import client_ssl
 # Client headers that carry API keys: never forwarded when the gateway authenticates clients
 # itself or sends a credential of its own (a client's key must not reach a backend).
 CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
+# An instance's room when nothing caps it (no concurrency limiter).
+UNCAPPED = 1 << 30
 
 
 class InstanceState:
@@ -45,6 +48,9 @@ class InstanceState:
         "breaker",
         "budget",
         "capacity_seen",
+        "engine_batch",
+        "engine_gauges",
+        "engine_slots",
         "failures",
         "ghosts",
         "ghosts_until",
@@ -136,6 +142,29 @@ class InstanceState:
         self.vllm_waiting: float | None = None
         self.vllm_cache_usage: float | None = None
         self.saturated = False
+        # While saturated, the attempts it may have in flight: what it had at the read less
+        # the requests beyond the engine's room, at least one (so a queue that other clients
+        # keep full still lets this gateway's requests through, as they would go directly).
+        self.engine_slots = 1
+        # The most requests its engine was seen running at once, counted from the first read
+        # that found requests waiting there (0: none yet): its batch, as far as it has shown.
+        self.engine_batch = 0
+        # Whether its engine exports load gauges (None: not read yet, or the read failed).
+        self.engine_gauges: bool | None = None
+
+    def room(self) -> int:
+        """How many attempts it may have in flight now: its concurrency limit (without one,
+        no cap), and no more than its engine's batch plus a quarter (at least 2) once the
+        engine has shown it, held to the engine's room while saturated.
+
+        The batch is a most-ever-seen, so this never holds an engine below what it has run;
+        the headroom lets it show a larger batch (which raises the cap), and keeps the engine's
+        own queue to that headroom between two reads instead of the limiter's full excess."""
+        limit = self.limiter.limit if self.limiter is not None else UNCAPPED
+        batch = self.engine_batch
+        if batch:
+            limit = min(limit, batch + max(2, -(-batch // 4)))
+        return min(limit, self.engine_slots) if self.saturated else limit
 
     @property
     def idle_stretch(self) -> float:
@@ -297,12 +326,12 @@ class PoolState:
             tokens = admission.tokens if admission else None
             if tokens != (was.tokens if was else None):
                 used = inst.budget.used if inst.budget is not None else 0
-                inst.budget = TokenBudget(tokens.capacity, tokens.overcommit) if tokens else None
+                inst.budget = _budget(tokens)  # sized again by its engine's next read
                 if inst.budget is not None:
                     inst.budget.used = used  # tokens of requests in flight stay counted
             if admission is None or admission.vllm_signals is None:
                 inst.saturated = False  # nobody scrapes it any more
-                inst.vllm_waiting = inst.vllm_cache_usage = None
+                inst.vllm_waiting = inst.vllm_cache_usage = inst.engine_gauges = None
             instances.append(inst)
         retries, was_retries = policy.retries, previous.retries
         # The swap: plain assignments, no await in between.
@@ -473,10 +502,15 @@ def _new_instance(
         breaker,
         now,
         limiter_for(admission.concurrency) if admission else None,
-        TokenBudget(admission.tokens.capacity, admission.tokens.overcommit)
-        if admission and admission.tokens
-        else None,
+        _budget(admission.tokens if admission else None),
     )
+
+
+def _budget(tokens: TokenBudgetPolicy | None) -> TokenBudget | None:
+    """The token budget the policy gives an instance before its engine says its size."""
+    if tokens is None or tokens.capacity is None:
+        return None
+    return TokenBudget(tokens.capacity, tokens.overcommit)
 
 
 def clients_authenticated(policy: Policy) -> bool:

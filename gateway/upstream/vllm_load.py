@@ -1,11 +1,22 @@
-"""vLLM's own load signals: each instance's `/metrics` scraped, so a saturated one gets no new work.
+"""The engines' own load signals: each instance's `/metrics` scraped, so a saturated one gets no
+new work beyond what its engine has room for.
 
-For pools whose `admission.vllm_signals` is set, one task per pool reads every instance's
-`/metrics` each `interval`, bounded by `timeout`, keeps `vllm:num_requests_waiting` and the KV-
-cache usage on the instance, and judges it saturated (`gateway.core.concurrency.vllm_saturated`).
-A failed or unreadable scrape forgets the signals: an instance is never held back on stale
-news (its health check and breaker judge a dead one). When an instance stops being saturated
-the pool is told, so requests waiting for admission go at once rather than at the next finish.
+For pools with admission (on by default) and `admission.vllm_signals` (also on by default), one
+task per pool reads every instance's `/metrics` each `interval`, bounded by `timeout`. What it
+reads (`gateway.core.vllm_metrics`): vLLM's requests waiting and running and its KV-cache usage,
+or llama.cpp's server's requests deferred and processing (that server has no cache gauge); and
+vLLM's KV-cache size (`vllm:cache_config_info`), which sizes the instance's token budget when the
+pool counts tokens. An instance whose engine queues more than `max_waiting` requests or fills its
+cache past `max_cache_usage` is saturated (`gateway.core.concurrency.vllm_saturated`): it may
+keep what it has in flight less the requests beyond the engine's room, and at least one. Once
+an engine has been seen queueing, the most requests it was seen running at once is its batch,
+which caps what it is given (`InstanceState.room`).
+
+An engine without the gauges (a page without them, or no page: 404) is left to the concurrency
+limiter, and asked again every `recheck`. A failed or unreadable read forgets the signals: an
+instance is never held back on stale news (its health check and breaker judge a dead one). When
+an instance stops being saturated the pool is told, so requests waiting for admission go at once
+rather than at the next finish.
 """
 
 from __future__ import annotations
@@ -15,9 +26,9 @@ import logging
 
 import aiohttp
 
-from gateway.config.models import VllmSignalsPolicy
-from gateway.core.concurrency import vllm_saturated
-from gateway.core.vllm_metrics import read_running, read_vllm_load
+from gateway.config.models import AdmissionPolicy, VllmSignalsPolicy
+from gateway.core.concurrency import TokenBudget, vllm_saturated
+from gateway.core.vllm_metrics import EngineLoad, read_engine_load
 from gateway.runtime import cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
@@ -25,17 +36,21 @@ log = logging.getLogger("gateway.vllm_load")
 
 # The most of a /metrics page read: vLLM's runs to tens of kilobytes of histograms.
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+# Statuses that say the instance has no metrics page (as opposed to failing to serve it).
+_NO_PAGE = frozenset((401, 403, 404, 405, 501))
 
 
 class VllmLoadScraper:
     def __init__(self, registry: Registry, session: aiohttp.ClientSession) -> None:
         self._pools = [
-            (pool, pool.policy.admission.vllm_signals)
+            (pool, pool.policy.admission)
             for pool in registry.pools.values()
             if pool.policy.admission is not None and pool.policy.admission.vllm_signals
         ]
         self._session = session
         self._tasks: list[asyncio.Task[None]] = []
+        # Instances whose engine showed no gauges, and when to ask them again (loop time).
+        self._recheck_at: dict[InstanceState, float] = {}
         self.scrapes = 0
         self.failures = 0
 
@@ -46,32 +61,33 @@ class VllmLoadScraper:
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
 
-    async def _run(self, pool: PoolState, policy: VllmSignalsPolicy) -> None:
+    async def _run(self, pool: PoolState, admission: AdmissionPolicy) -> None:
+        policy = admission.vllm_signals
+        assert policy is not None
         limit = aiohttp.ClientTimeout(total=policy.timeout)
         while True:
-            await self.scrape_pool(pool, policy, limit)
+            await self.scrape_pool(pool, admission, limit)
             await asyncio.sleep(policy.interval)
 
     async def scrape_pool(
-        self, pool: PoolState, policy: VllmSignalsPolicy, limit: aiohttp.ClientTimeout
+        self, pool: PoolState, admission: AdmissionPolicy, limit: aiohttp.ClientTimeout
     ) -> None:
-        freed = await asyncio.gather(
-            *(self._scrape(pool, inst, policy, limit) for inst in pool.instances)
-        )
+        now = asyncio.get_running_loop().time()
+        due = [i for i in pool.instances if self._recheck_at.get(i, now) <= now]
+        freed = await asyncio.gather(*(self._scrape(pool, inst, admission, limit) for inst in due))
         if any(freed):
             pool.capacity_changed()
 
-    async def _scrape(
+    async def _read(
         self,
         pool: PoolState,
         instance: InstanceState,
         policy: VllmSignalsPolicy,
         limit: aiohttp.ClientTimeout,
-    ) -> bool:
-        """Refresh one instance's signals; True when it just stopped being saturated."""
+    ) -> EngineLoad | None:
+        """The engine's gauges; None when the read failed. An engine without gauges gives an
+        empty `EngineLoad` and is not asked again for `recheck`."""
         self.scrapes += 1
-        waiting: float | None = None
-        usage: float | None = None
         try:
             async with self._session.get(
                 instance.base_url + policy.path,
@@ -81,22 +97,66 @@ class VllmLoadScraper:
                 headers=pool.credential_headers,
             ) as response:
                 if response.status == 200:
-                    page = await response.content.read(MAX_PAGE_BYTES)
-                    waiting, usage = read_vllm_load(page)
-                    running = read_running(page)
-                    if waiting and running and running > instance.capacity_seen:
-                        # Requests wait inside the engine: it runs all it can at once.
-                        instance.capacity_seen = int(running)
+                    load = read_engine_load(await response.content.read(MAX_PAGE_BYTES))
+                elif response.status in _NO_PAGE:
+                    load = EngineLoad()
                 else:
                     self.failures += 1
+                    return None
         except (TimeoutError, aiohttp.ClientError):
             self.failures += 1
+            return None
+        if load.empty:
+            now = asyncio.get_running_loop().time()
+            self._recheck_at[instance] = now + policy.recheck
+            if instance.engine_gauges is not False:
+                log.info(
+                    "no engine load gauges: the concurrency limiter alone paces this instance",
+                    extra={
+                        "fields": {
+                            "pool": instance.pool_name,
+                            "instance": instance.name,
+                            "path": policy.path,
+                            "recheck_s": policy.recheck,
+                        }
+                    },
+                )
+        else:
+            self._recheck_at.pop(instance, None)
+        instance.engine_gauges = not load.empty
+        return load
+
+    async def _scrape(
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        admission: AdmissionPolicy,
+        limit: aiohttp.ClientTimeout,
+    ) -> bool:
+        """Refresh one instance's signals; True when it just stopped being saturated."""
+        policy = admission.vllm_signals
+        assert policy is not None
+        load = await self._read(pool, instance, policy, limit)
+        if load is None:
+            instance.engine_gauges = None
+            load = EngineLoad()
+        waiting, running = load.waiting, load.running
+        if waiting and running and running > instance.capacity_seen:
+            # Requests wait inside the engine: it runs all it can at once.
+            instance.capacity_seen = int(running)
+        if running and (waiting or instance.engine_batch):
+            instance.engine_batch = max(instance.engine_batch, int(running))
+        if admission.tokens is not None and load.kv_tokens:
+            _size_budget(instance, load.kv_tokens, admission.tokens.overcommit)
         was = instance.saturated
         instance.vllm_waiting = waiting
-        instance.vllm_cache_usage = usage
+        instance.vllm_cache_usage = load.cache_usage
         instance.saturated = vllm_saturated(
-            waiting, usage, policy.max_waiting, policy.max_cache_usage
+            waiting, load.cache_usage, policy.max_waiting, policy.max_cache_usage
         )
+        if instance.saturated:
+            excess = max(0.0, (waiting or 0.0) - policy.max_waiting)
+            instance.engine_slots = max(1, instance.in_flight - int(excess))
         if instance.saturated != was:
             log.info(
                 "vllm load",
@@ -106,8 +166,21 @@ class VllmLoadScraper:
                         "instance": instance.name,
                         "saturated": instance.saturated,
                         "waiting": waiting,
-                        "cache_usage": usage,
+                        "cache_usage": load.cache_usage,
+                        "engine_slots": instance.engine_slots if instance.saturated else None,
                     }
                 },
             )
         return was and not instance.saturated
+
+
+def _size_budget(instance: InstanceState, kv_tokens: int, overcommit: float) -> None:
+    """The instance's token budget from its engine's own KV-cache size (which wins over the
+    policy's `capacity`: one pool may mix GPU types); tokens in use stay counted."""
+    budget = instance.budget
+    if budget is not None and budget.capacity_tokens == kv_tokens:
+        return
+    resized = TokenBudget(kv_tokens, overcommit)
+    if budget is not None:
+        resized.used = budget.used
+    instance.budget = resized

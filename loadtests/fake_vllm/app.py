@@ -359,7 +359,12 @@ class FakeVllm:
             # One engine serves every model, so each model's line shows the engine's figures.
             running = dict.fromkeys(self.config.models, engine.running)
             body = r.metrics_text(
-                self.config.models, running, self.success, engine.waiting, engine.cache_usage
+                self.config.models,
+                running,
+                self.success,
+                engine.waiting,
+                engine.cache_usage,
+                engine.kv_tokens,
             )
         await respond(send, 200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
@@ -421,6 +426,8 @@ class FakeVllm:
             "kv_tokens": engine.kv_tokens,
             "max_running": engine.max_running,
             "ooms": engine.ooms,
+            "peak_running": engine.peak_running,
+            "peak_waiting": engine.peak_waiting,
         }
         await respond(send, 200, r.dumps(state))
 

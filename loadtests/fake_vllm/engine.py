@@ -59,7 +59,10 @@ class Engine:
         self.batch_slowdown = batch_slowdown
         self.running = 0
         self.kv_used = 0
-        self.ooms = 0  # cumulative; the only counter `reset` clears
+        self.ooms = 0  # cumulative; with the peaks, the counters `reset` clears
+        # The most requests running, and waiting, at once (what a client put on the engine).
+        self.peak_running = 0
+        self.peak_waiting = 0
         self._queue: deque[Slot] = deque()
         # (waiting count to reach, future to resolve), for `wait_waiting`.
         self._waiters = CountWaiters()
@@ -85,6 +88,7 @@ class Engine:
             self._start(slot)
         else:
             self._queue.append(slot)
+            self.peak_waiting = max(self.peak_waiting, len(self._queue))
             self._wake()
         return slot
 
@@ -122,6 +126,8 @@ class Engine:
     def reset(self) -> None:
         """Clear cumulative counters; requests in flight keep their places."""
         self.ooms = 0
+        self.peak_running = self.running
+        self.peak_waiting = self.waiting
 
     async def wait_waiting(self, count: int, timeout_s: float) -> bool:
         """Wait until at least `count` requests are queued; False if `timeout_s` passed first."""
@@ -138,6 +144,7 @@ class Engine:
         else:
             slot.state = RUNNING
             self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
             self.kv_used += slot.need
             slot.factor = self.slowdown(self.running)
         slot.started.set_result(None)

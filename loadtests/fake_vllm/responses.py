@@ -227,11 +227,13 @@ def metrics_text(
     success: Mapping[str, int],
     waiting: int = 0,
     cache_usage: float | None = None,
+    kv_tokens: int = 0,
 ) -> bytes:
     """Prometheus exposition with the names vLLM uses, labelled by `model_name`.
 
     `waiting` and `cache_usage` (0..1) are the engine's, shown on every model's line; without a
-    cache size (None) each running request stands for 1 % of the cache.
+    cache size (None) each running request stands for 1 % of the cache. An engine with a KV
+    cache of `kv_tokens` shows it as vLLM does, in blocks of 16 tokens, in `cache_config_info`.
     """
     names = list(models)
     lines: list[str] = []
@@ -272,4 +274,11 @@ def metrics_text(
         "Count of successfully processed requests.",
         [(f'finished_reason="length",{lbl}', float(success.get(m, 0))) for m, lbl in per_model],
     )
+    if kv_tokens > 0:
+        family(
+            "vllm:cache_config_info",
+            "gauge",
+            "Information of the LLMEngine CacheConfig",
+            [(f'block_size="16",cache_dtype="auto",num_gpu_blocks="{kv_tokens // 16}"', 1.0)],
+        )
     return ("\n".join(lines) + "\n").encode()

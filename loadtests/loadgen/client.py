@@ -53,6 +53,7 @@ class Target:
     name: str
     base_url: str
     gateway: bool = False
+    api_key: str | None = None  # sent as `Authorization: Bearer` (a gateway's tenant)
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -119,6 +120,8 @@ async def send(
             base["anthropic-version"] = ANTHROPIC_VERSION
     headers = base.copy()
     headers["x-loadgen-seq"] = str(plan.seq)
+    if target.api_key is not None:
+        headers["authorization"] = f"Bearer {target.api_key}"
     scanner: SseScanner | None = None
     nbytes = 0
     started = time.perf_counter()
@@ -160,6 +163,7 @@ async def send(
                 record.oom = oom_header or (status == 500 and b"out of memory" in body.lower())
                 if status == 429:
                     record.shed = is_shed(response_headers.get(ERROR_HEADER), body)
+                    record.retry_after = response_headers.get("retry-after")
     except Exception as exc:  # any failure, ours included, ends in the record, never lost
         record.error = describe(exc)
         record.proper = False
