@@ -150,13 +150,13 @@ class GatewayCollector(Collector):
         tenant_queued = GaugeMetricFamily(
             "gateway_admission_tenant_queued",
             "Requests waiting by tenant and class (the 20 tenants with the most waiting in "
-            'each class; the rest as tenant="other")',
+            'each class; the rest as tenant="(other)")',
             labels=["pool", "class", "tenant"],
         )
         tenant_shed = CounterMetricFamily(
             "gateway_admission_tenant_shed",
             "Requests answered 429 by admission control, by tenant (the 100 tenants shed "
-            'most recently; the rest as tenant="other")',
+            'most recently; the rest as tenant="(other)")',
             labels=["pool", "tenant"],
         )
         for name, admission in self._observed.admissions.items():

@@ -265,3 +265,45 @@ def test_expiry_and_eviction_reach_every_tenant() -> None:
     assert q.next_expiry() == pytest.approx(60.0)
     assert sorted(e.item for e in q.expire(61.5)) == [1, 2]
     assert len(q) == 0
+
+
+def test_tenants_that_keep_one_request_waiting_do_not_starve_a_backlog() -> None:
+    # Two light tenants each send their next request as soon as the last was served; a heavy
+    # one has a backlog. Each of the three gets a third of the service.
+    q = queues()
+    for i in range(1000):
+        q.offer(i, "batch", 0.0, tenant="heavy")
+    for light in ("l1", "l2"):
+        q.offer(0, "batch", 0.0, tenant=light)
+    served: Counter[str] = Counter()
+    for n in range(900):
+        entry = q.pop(1.0)
+        assert entry is not None
+        served[entry.tenant] += 1
+        if entry.tenant != "heavy":
+            q.offer(n, "batch", 1.0, tenant=entry.tenant)  # back at once
+    assert served == {"heavy": 300, "l1": 300, "l2": 300}
+    # A newcomer every turn fares no better against the backlog: half each.
+    q = queues()
+    for i in range(100):
+        q.offer(i, "batch", 0.0, tenant="heavy")
+    q.offer(0, "batch", 0.0, tenant="new-0")
+    served = Counter()
+    for n in range(1, 61):
+        entry = q.pop(1.0)
+        assert entry is not None
+        served["heavy" if entry.tenant == "heavy" else "new"] += 1
+        if entry.tenant != "heavy":
+            q.offer(n, "batch", 1.0, tenant=f"new-{n}")
+    assert served == {"heavy": 30, "new": 30}
+
+
+def test_a_fair_drop_is_always_handed_back_to_be_answered() -> None:
+    q = queues(max_queue=3, max_total=3)
+    for i in range(3):
+        q.offer(i, "batch", 0.0, tenant="flood")
+    # A reload lowers the pool's bound below what waits: the fair drop still makes the room.
+    q.reconfigure(BASE, dict.fromkeys(CLASSES, 3), dict.fromkeys(CLASSES, 1e9), 2)
+    offer = q.offer(10, "batch", 1.0, tenant="quiet")
+    assert offer.queued and [e.item for e in offer.evicted] == [2]
+    assert len(q) == 3 and q.tenants("batch") == {"flood": 2, "quiet": 1}

@@ -154,11 +154,23 @@ def test_each_signal_has_its_own_baseline_and_the_more_congested_one_wins() -> N
     assert both.estimate < before
 
 
-def test_a_request_without_usable_figures_teaches_nothing() -> None:
-    limiter = GradientLimiter(initial_limit=32)
-    for latency, per_token in ((None, None), (0.0, None), (None, math.inf), (-1.0, math.nan)):
-        limiter.record(0.0, latency, 32, per_token_s=per_token)
-    assert limiter.samples == 0 and limiter.estimate == 32.0
+def test_a_success_without_latency_figures_heals_overload_cuts() -> None:
+    limiter = GradientLimiter(initial_limit=64, min_limit=2, backoff_interval=1.0)
+    for second in range(12):  # timeouts and 503s, once a second: cut to 64 x 0.8^12
+        limiter.record(float(second), 1.0, 64, overloaded=True)
+    cut = limiter.estimate
+    assert cut < 5
+    # Embeddings (no first token, no output tokens) keep succeeding while busy: no latency is
+    # learned, yet the limit grows back as after any success without congestion.
+    for n in range(200):
+        limiter.record(20.0 + n * STEP, None, limiter.limit, per_token_s=None)
+    assert limiter.samples == 0
+    assert limiter.estimate > 8 * cut
+    # Unusable figures are ignored the same way (not learned), and never shrink the limit.
+    before = limiter.estimate
+    for latency, per_token in ((0.0, None), (None, math.inf), (-1.0, math.nan)):
+        limiter.record(30.0, latency, 1, per_token_s=per_token)
+    assert limiter.samples == 0 and limiter.estimate == before
 
 
 # -- GradientLimiter: overload -------------------------------------------------------------------
@@ -252,12 +264,14 @@ def test_the_baseline_moves_by_elapsed_time_not_by_sample_count(
 
 
 @pytest.mark.parametrize("latency_s", [0.0, -1.0, math.nan, math.inf])
-def test_unusable_latencies_are_ignored(latency_s: float) -> None:
+def test_unusable_latencies_are_not_learned(latency_s: float) -> None:
     limiter = GradientLimiter(initial_limit=32)
     limiter.record(0.0, 0.1, in_flight=32)
     estimate = limiter.estimate
-    limiter.record(1.0, latency_s, in_flight=32)
+    limiter.record(1.0, latency_s, in_flight=1)  # not busy: a plain success changes nothing
     assert (limiter.samples, limiter.recent, limiter.estimate) == (1, 0.1, estimate)
+    limiter.record(2.0, latency_s, in_flight=32)  # busy: a success with no sign of congestion
+    assert (limiter.samples, limiter.recent) == (1, 0.1) and limiter.estimate > estimate
 
 
 @pytest.mark.parametrize(

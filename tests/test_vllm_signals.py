@@ -188,9 +188,16 @@ pools:
             await scraper.scrape_pool(pool, admission, limit)  # not asked again before recheck
             assert len(recorder.requests) == 1
 
-            # Another engine took its place (the recheck came): its gauges are read.
+            # Another engine took its place (the recheck came): its gauges are read. Until it
+            # queues, it is given twice the most it was seen running, at least 16.
             scraper._recheck_at.clear()
             pages.status = 200
+            pages.page = b"llamacpp:requests_processing 3\nllamacpp:requests_deferred 0\n"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is True and inst.room() == 16
+            pages.page = b"llamacpp:requests_processing 12\nllamacpp:requests_deferred 0\n"
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.room() == 24 and inst.engine_batch == 0
             pages.page = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 3\n"
             inst.in_flight = 6
             await scraper.scrape_pool(pool, admission, limit)

@@ -310,8 +310,11 @@ class ConcurrencyPolicy(Strict):
     """How many attempts an instance may have in flight: fixed, or learned from its latency."""
 
     mode: Literal["adaptive", "fixed"] = "adaptive"
-    limit: int = Field(default=64, ge=1)  # the fixed cap, and the adaptive one's maximum
-    initial: int = Field(default=16, ge=1)
+    limit: int = Field(default=1024, ge=1)  # the fixed cap, and the adaptive one's maximum
+    # The adaptive limit starts open: it comes down once latency, overload or the engine's own
+    # gauges show congestion, so a pool is never held below what its engines serve before the
+    # gateway has seen them serve anything.
+    initial: int = Field(default=1024, ge=1)
     min: int = Field(default=2, ge=1)
     # How far a stream's time to first token may rise over its learned baseline, and a whole
     # answer's time per output token, before the adaptive limit shrinks. Time per token also
@@ -368,11 +371,11 @@ class TenantsPolicy(Strict):
 
 
 def _off_or_defaults(value: object) -> object:
-    """`section: false` turns an optional-with-defaults section off (None), `true` keeps its
-    defaults."""
+    """`section: false` turns an optional-with-defaults section off (None); `true`, or the key
+    with no value, keeps its defaults."""
     if value is False:
         return None
-    if value is True:
+    if value is True or value is None:
         return {}
     return value
 

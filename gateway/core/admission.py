@@ -214,7 +214,7 @@ class AdmissionQueues(Generic[T]):
             assert victim is not None
             self.shed[priority] += 1
             evicted.append(victim)
-        if len(self) >= self._max_total:
+        if not evicted and len(self) >= self._max_total:  # (a fair drop made room already)
             victim = self._evict_below(priority)
             if victim is None:
                 return self._refuse(priority, "the pool's queues are full")

@@ -102,7 +102,9 @@ class GradientLimiter:
       queueing that lasts that long is taken for the instance's new normal too.
 
     A signal's first sample sets both to it. A sample that is not finite and > 0 (or None) is
-    ignored; a request with neither is not learned from.
+    ignored; a successful request with neither counts as a gradient of 1 (no sign of
+    congestion: the additive increase that heals overload cuts on traffic that never measures
+    latency, such as embeddings).
 
     **How they combine.** Both move one shared estimate: a request's gradient is its signal's
     `clamp(tolerance · baseline / recent, 0.5, 1.0)` (the smaller of the two when it carries
@@ -232,7 +234,10 @@ class GradientLimiter:
             assert per_token_s is not None
             gradient = min(gradient, self.per_token.observe(now, per_token_s, weight, half_life))
         if gradient == math.inf:
-            return
+            # A success without latency figures (an embedding, an answer without usage): no
+            # sign of congestion, so it counts as a gradient of 1, as an additive increase
+            # does: cuts by overload heal on traffic that never measures latency.
+            gradient = 1.0
         estimate = self.estimate
         target = estimate * gradient + math.sqrt(estimate)
         if target > estimate and 2 * in_flight < self.limit:

@@ -8,10 +8,13 @@ any stretch where several tenants wait, each is served in proportion to its weig
 the number of requests it sent: one tenant's burst waits behind its own requests, not in front
 of everyone else's.
 
-**Bounded state.** A tenant exists here only while it has requests waiting: the one served
-last is forgotten with its pass, and a tenant that starts waiting again starts at the lowest
-pass among those waiting (the pass of the last one served when nobody waits), so it banks no
-credit while idle and owes nothing for what it was served before.
+**No credit, no starvation.** A tenant that starts waiting starts at the lowest pass among
+those waiting, so it banks no credit while idle; but not below the pass its own last request
+left it at, so a tenant that keeps one request waiting at a time (served, back at once) cannot
+come back ahead of a tenant with a backlog each time and starve it: it waits its turn like any
+other. **Bounded state.** A tenant's queue and pass exist only while it has requests waiting;
+the pass it leaves with is kept only while it is above the lowest waiting pass (below, it
+changes nothing), and everything kept is dropped when nothing waits.
 
 **Fair drop.** When the class is full, `newest_of_largest` gives up the newest request of the
 tenant with the most waiting, so a tenant that floods the queue loses its own requests first.
@@ -42,14 +45,16 @@ class Entry(Generic[T]):
 class FairQueue(Generic[T]):
     """Per-tenant FIFOs served by weight (rules in the module docstring)."""
 
-    __slots__ = ("_count", "_last_pass", "_pass", "_tenants", "weight_of")
+    __slots__ = ("_count", "_left", "_pass", "_tenants", "weight_of")
 
     def __init__(self, weight_of: Callable[[str], float]) -> None:
         self.weight_of = weight_of  # a tenant's weight (> 0)
         self._tenants: dict[str, deque[Entry[T]]] = {}
         self._pass: dict[str, float] = {}
+        # The pass each tenant that stopped waiting left with, while it is above the lowest
+        # waiting pass (`_prune`).
+        self._left: dict[str, float] = {}
         self._count = 0
-        self._last_pass = 0.0
 
     def __len__(self) -> int:
         return self._count
@@ -74,9 +79,10 @@ class FairQueue(Generic[T]):
     def append(self, entry: Entry[T]) -> None:
         queue = self._tenants.get(entry.tenant)
         if queue is None:
-            start = min(self._pass.values()) if self._pass else self._last_pass
+            lowest = min(self._pass.values()) if self._pass else 0.0
+            left = self._left.pop(entry.tenant, lowest)
             queue = self._tenants[entry.tenant] = deque()
-            self._pass[entry.tenant] = start
+            self._pass[entry.tenant] = max(lowest, left)
         queue.append(entry)
         self._count += 1
 
@@ -90,11 +96,8 @@ class FairQueue(Generic[T]):
         tenant = self._next_tenant()
         if tenant is None:
             raise IndexError("nothing waits")
-        entry = self._take(tenant, newest=False)
-        passed = self._pass.get(tenant)
-        if passed is not None:
-            self._pass[tenant] = passed + 1.0 / self.weight_of(tenant)
-        return entry
+        self._pass[tenant] += 1.0 / self.weight_of(tenant)
+        return self._take(tenant, newest=False)
 
     def newest_of_largest(self) -> Entry[T] | None:
         """Give up the newest request of the tenant with the most waiting (None if none)."""
@@ -132,7 +135,18 @@ class FairQueue(Generic[T]):
         queue = self._tenants[tenant]
         entry = queue.pop() if newest else queue.popleft()
         self._count -= 1
-        if not queue:  # forgotten: it starts afresh when it waits again
+        if not queue:  # it stops waiting: its pass is kept while it can matter
             del self._tenants[tenant]
-            self._last_pass = self._pass.pop(tenant)
+            self._left[tenant] = self._pass.pop(tenant)
+            self._prune()
         return entry
+
+    def _prune(self) -> None:
+        """Forget the passes that cannot matter any more: at or below the lowest waiting pass
+        (a tenant coming back starts there anyway), or all of them when nothing waits."""
+        if not self._pass:
+            self._left.clear()
+            return
+        lowest = min(self._pass.values())
+        if any(p <= lowest for p in self._left.values()):
+            self._left = {t: p for t, p in self._left.items() if p > lowest}

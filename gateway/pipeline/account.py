@@ -63,6 +63,9 @@ _SIGNS_OF_DOWN = frozenset(("timeout", "connect_failure", "reset"))
 # Statuses that say "too busy": 529 is Anthropic's overloaded_error.
 _BUSY = frozenset((429, 503, 529))
 _STREAM_ERROR = Outcome.from_error("protocol")
+# A whole answer teaches the limiter its time per output token only from this many tokens:
+# a shorter one's latency is mostly its prompt's prefill.
+MIN_RATED_TOKENS = 16
 _LOST_RACE = Outcome.from_error("timeout", Phase.FIRST_BYTE)
 
 
@@ -124,7 +127,7 @@ def _record(
         # overloaded, streamed or not.
         if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
             limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
-        elif outcome.kind == "ok" and (first_byte_s is not None or per_token_s is not None):
+        elif outcome.kind == "ok":
             limiter.record(now, first_byte_s, instance.in_flight, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
@@ -331,6 +334,8 @@ class Account:
         now = self._clock()
         output_tokens = completion_tokens(response.body) if outcome.kind == "ok" else None
         generated = output_tokens if output_tokens is not None else call.facts.max_tokens
+        if generated is not None and generated < MIN_RATED_TOKENS:
+            generated = None  # its prefill, not its decoding, would be the measure
         _record(
             self._timeout_log,
             call.pool,

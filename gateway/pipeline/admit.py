@@ -38,8 +38,9 @@ PRIORITIES: Final = frozenset(CLASSES)
 
 # Tenants whose shed requests are counted apart (metrics, /admin/state); the rest are `other`.
 TENANTS_COUNTED: Final = 100
-OTHER_TENANTS: Final = "other"
-ANONYMOUS: Final = "anonymous"
+# In parentheses: no tenant header's value is taken for them by accident.
+OTHER_TENANTS: Final = "(other)"
+ANONYMOUS: Final = "(anonymous)"
 _LABEL_BYTES: Final = 64  # of a tenant header's value
 # How fast the mean time a request holds its slot follows new ones.
 _HOLD_WEIGHT: Final = 0.05
@@ -63,25 +64,28 @@ class _Waiter:
 
 def tenant_of(headers: Sequence[tuple[str, str]], policy: TenantsPolicy) -> str:
     """The request's tenant: the named header's value (its first `_LABEL_BYTES` characters),
-    else `key-` and 12 hex digits of the API key's SHA-256 (the key itself is kept nowhere);
-    "" when the request has neither."""
+    else `key-` and 12 hex digits of the SHA-256 of the API key the client presented (its
+    `Authorization: Bearer` first, else `x-api-key`, as authentication reads them; the key
+    itself is kept nowhere); "" when the request has neither."""
     wanted = policy.header
-    for name, value in headers:
-        if wanted is not None:
+    if wanted is not None:
+        for name, value in headers:
             if name.lower() == wanted:
                 return value.strip()[:_LABEL_BYTES]
-            continue
+        return ""
+    api_key = None
+    for name, value in headers:
         lowered = name.lower()
         if lowered == "authorization":
             scheme, _, key = value.partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                continue
-        elif lowered == "x-api-key":
-            key = value
-        else:
-            continue
-        return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
-    return ""
+            if scheme.lower() == "bearer" and key.strip():
+                api_key = key
+                break
+        elif lowered == "x-api-key" and api_key is None:
+            api_key = value
+    if not api_key or not api_key.strip():
+        return ""
+    return "key-" + hashlib.sha256(api_key.strip().encode()).hexdigest()[:12]
 
 
 class TenantCounts:
@@ -177,19 +181,21 @@ class PoolAdmission:
 
     def _place(self, tokens: int) -> InstanceState | None:
         """An instance taking new work that has room for `tokens` in its KV-token budget (the
-        one with the most room left), or None."""
+        one with the most room left), one its engine does not say is saturated first (as the
+        pick layer chooses), or None."""
         best: InstanceState | None = None
-        most = -1
+        most = (-1, -1)
         for inst in self.pool.routable:
             if inst.breaker.state != ADMITTING:
                 continue
             if inst.saturated and inst.in_flight >= inst.engine_slots:
                 continue  # its engine has no room: this one's tokens would wait there
             budget = inst.budget
-            if budget is None:
-                return inst
-            if budget.fits(tokens) and budget.available > most:
-                best, most = inst, budget.available
+            if budget is not None and not budget.fits(tokens):
+                continue
+            rank = (0 if inst.saturated else 1, budget.available if budget is not None else 0)
+            if rank > most:
+                best, most = inst, rank
         return best
 
     def _reserve(self, tokens: int) -> InstanceState | None:
@@ -222,7 +228,12 @@ class PoolAdmission:
         offer = queues.offer(waiter, priority, now, self._service_rate(now), whose)
         for entry in offer.evicted:
             self.tenant_shed.add(entry.tenant)
-            _refuse(entry.item.future, "evicted by a more urgent request", self._retry_after_s())
+            why = (
+                "the queue is full: dropped for a tenant with fewer requests waiting"
+                if entry.priority == priority
+                else "evicted by a more urgent request"
+            )
+            _refuse(entry.item.future, why, self._retry_after_s())
         if not offer.queued:
             self.tenant_shed.add(whose)
             raise Shed(

@@ -38,6 +38,8 @@ from gateway.upstream.tls import client_ssl
 CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 # An instance's room when nothing caps it (no concurrency limiter).
 UNCAPPED = 1 << 30
+# What an engine whose gauges are read is given before it has shown what it runs.
+ENGINE_START = 16
 
 
 class InstanceState:
@@ -50,6 +52,7 @@ class InstanceState:
         "capacity_seen",
         "engine_batch",
         "engine_gauges",
+        "engine_peak",
         "engine_slots",
         "failures",
         "ghosts",
@@ -146,24 +149,31 @@ class InstanceState:
         # the requests beyond the engine's room, at least one (so a queue that other clients
         # keep full still lets this gateway's requests through, as they would go directly).
         self.engine_slots = 1
-        # The most requests its engine was seen running at once, counted from the first read
-        # that found requests waiting there (0: none yet): its batch, as far as it has shown.
+        # The most requests its engine was seen running at once (its gauges read), and the
+        # same counted from the first read that found requests waiting there (0: none yet):
+        # its batch, as far as it has shown.
+        self.engine_peak = 0
         self.engine_batch = 0
         # Whether its engine exports load gauges (None: not read yet, or the read failed).
         self.engine_gauges: bool | None = None
 
     def room(self) -> int:
         """How many attempts it may have in flight now: its concurrency limit (without one,
-        no cap), and no more than its engine's batch plus a quarter (at least 2) once the
-        engine has shown it, held to the engine's room while saturated.
+        no cap), and, while its engine's gauges are read, what the engine has shown it runs:
+        its batch plus a quarter (at least 2) once it has queued, else twice the most it was
+        seen running (at least `ENGINE_START`), as a slow start does; held to the engine's room
+        while saturated.
 
-        The batch is a most-ever-seen, so this never holds an engine below what it has run;
-        the headroom lets it show a larger batch (which raises the cap), and keeps the engine's
-        own queue to that headroom between two reads instead of the limiter's full excess."""
+        Both are most-ever-seen figures, so this never holds an engine below what it has run;
+        the headroom lets it show more (which raises the cap), and keeps the engine's own queue
+        to that headroom between two reads instead of a burst's full excess."""
         limit = self.limiter.limit if self.limiter is not None else UNCAPPED
-        batch = self.engine_batch
-        if batch:
-            limit = min(limit, batch + max(2, -(-batch // 4)))
+        if self.engine_gauges:
+            batch = self.engine_batch
+            if batch:
+                limit = min(limit, batch + max(2, -(-batch // 4)))
+            else:
+                limit = min(limit, max(ENGINE_START, 2 * self.engine_peak))
         return min(limit, self.engine_slots) if self.saturated else limit
 
     @property
@@ -332,6 +342,7 @@ class PoolState:
             if admission is None or admission.vllm_signals is None:
                 inst.saturated = False  # nobody scrapes it any more
                 inst.vllm_waiting = inst.vllm_cache_usage = inst.engine_gauges = None
+                inst.engine_batch = inst.engine_peak = 0
             instances.append(inst)
         retries, was_retries = policy.retries, previous.retries
         # The swap: plain assignments, no await in between.

@@ -8,9 +8,11 @@ or llama.cpp's server's requests deferred and processing (that server has no cac
 vLLM's KV-cache size (`vllm:cache_config_info`), which sizes the instance's token budget when the
 pool counts tokens. An instance whose engine queues more than `max_waiting` requests or fills its
 cache past `max_cache_usage` is saturated (`gateway.core.concurrency.vllm_saturated`): it may
-keep what it has in flight less the requests beyond the engine's room, and at least one. Once
-an engine has been seen queueing, the most requests it was seen running at once is its batch,
-which caps what it is given (`InstanceState.room`).
+keep what it has in flight less its share of the requests beyond the engine's room (its share
+of what the engine runs and queues: other replicas and clients queue there too), and at least
+one. What an engine has shown it runs caps what it is given (`InstanceState.room`): twice the
+most it was seen running, until it has been seen queueing; then the most it ran at once, its
+batch, with some headroom.
 
 An engine without the gauges (a page without them, or no page: 404) is left to the concurrency
 limiter, and asked again every `recheck`. A failed or unreadable read forgets the signals: an
@@ -97,7 +99,7 @@ class VllmLoadScraper:
                 headers=pool.credential_headers,
             ) as response:
                 if response.status == 200:
-                    load = read_engine_load(await response.content.read(MAX_PAGE_BYTES))
+                    load = read_engine_load(await _page(response))
                 elif response.status in _NO_PAGE:
                     load = EngineLoad()
                 else:
@@ -109,6 +111,7 @@ class VllmLoadScraper:
         if load.empty:
             now = asyncio.get_running_loop().time()
             self._recheck_at[instance] = now + policy.recheck
+            instance.engine_batch = instance.engine_peak = 0  # nothing to cap it by any more
             if instance.engine_gauges is not False:
                 log.info(
                     "no engine load gauges: the concurrency limiter alone paces this instance",
@@ -144,8 +147,10 @@ class VllmLoadScraper:
         if waiting and running and running > instance.capacity_seen:
             # Requests wait inside the engine: it runs all it can at once.
             instance.capacity_seen = int(running)
-        if running and (waiting or instance.engine_batch):
-            instance.engine_batch = max(instance.engine_batch, int(running))
+        if running:
+            instance.engine_peak = max(instance.engine_peak, int(running))
+            if waiting or instance.engine_batch:
+                instance.engine_batch = max(instance.engine_batch, int(running))
         if admission.tokens is not None and load.kv_tokens:
             _size_budget(instance, load.kv_tokens, admission.tokens.overcommit)
         was = instance.saturated
@@ -155,8 +160,13 @@ class VllmLoadScraper:
             waiting, load.cache_usage, policy.max_waiting, policy.max_cache_usage
         )
         if instance.saturated:
+            # The requests beyond the engine's room, this gateway's share of them (other
+            # replicas and clients have theirs in its queue too).
             excess = max(0.0, (waiting or 0.0) - policy.max_waiting)
-            instance.engine_slots = max(1, instance.in_flight - int(excess))
+            queued = (running or 0.0) + (waiting or 0.0)
+            if queued > 0:
+                excess *= min(1.0, instance.in_flight / queued)
+            instance.engine_slots = max(1, instance.in_flight - round(excess))
         if instance.saturated != was:
             log.info(
                 "vllm load",
@@ -172,6 +182,18 @@ class VllmLoadScraper:
                 },
             )
         return was and not instance.saturated
+
+
+async def _page(response: aiohttp.ClientResponse) -> bytes:
+    """The whole page (a read returns what has arrived so far), at most `MAX_PAGE_BYTES`."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= MAX_PAGE_BYTES:
+            break
+    return b"".join(chunks)[:MAX_PAGE_BYTES]
 
 
 def _size_budget(instance: InstanceState, kv_tokens: int, overcommit: float) -> None:
