@@ -78,3 +78,14 @@ def test_the_kv_cache_size_is_blocks_times_block_size_over_engines() -> None:
     assert read_kv_tokens(unsized) is None
     assert read_kv_tokens(b'vllm:cache_config_info{num_gpu_blocks="10"} 1\n') is None
     assert read_kv_tokens(b'vllm:cache_config_info_x{block_size="1",num_gpu_blocks="2"} 1') is None
+
+
+def test_sglang_and_tgi_queues_are_read_under_their_names() -> None:
+    sglang = (
+        b'sglang:num_running_reqs{model_name="q"} 8\n'
+        b'sglang:num_queue_reqs{model_name="q"} 4\n'
+        b'sglang:token_usage{model_name="q"} 0.52\n'
+    )
+    assert read_engine_load(sglang) == EngineLoad(4.0, 8.0, 0.52, None)
+    tgi = b"# TYPE tgi_batch_current_size gauge\ntgi_batch_current_size 4\ntgi_queue_size 7\n"
+    assert read_engine_load(tgi) == EngineLoad(7.0, 4.0, None, None)

@@ -25,6 +25,11 @@ class Limiter(Protocol):
         """How many requests the instance may have in flight."""
         ...
 
+    @property
+    def cap(self) -> int:
+        """The most it may ever allow: the policy's bound, whatever it learns."""
+        ...
+
     def record(
         self,
         now: float,
@@ -202,6 +207,11 @@ class GradientLimiter:
         return self.first_token.samples + self.per_token.samples
 
     @property
+    def cap(self) -> int:
+        """`max_limit`."""
+        return self._max_limit
+
+    @property
     def limit(self) -> int:
         """`max(min_limit, ⌊estimate⌋)`."""
         return max(self._min_limit, math.floor(self.estimate + _EPSILON))
@@ -266,6 +276,11 @@ class FixedLimiter:
 
     @property
     def limit(self) -> int:
+        """The fixed limit."""
+        return self._limit
+
+    @property
+    def cap(self) -> int:
         """The fixed limit."""
         return self._limit
 

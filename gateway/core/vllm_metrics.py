@@ -4,7 +4,8 @@ A vLLM `/metrics` page runs to tens of kilobytes of histograms; only a few gauge
 each is found by its name at the start of a line and its samples' values are read to the end of
 those lines. Several samples (one per `model_name` or engine) are combined: requests waiting
 and running add up, cache usage is the fullest engine's, KV-cache sizes add up over engines.
-llama.cpp's server exports the same queue figures under its own names, and no cache size.
+llama.cpp's server, SGLang and TGI export the same queue figures under their own names (SGLang
+its cache usage too; none of them a cache size this reads).
 """
 
 from __future__ import annotations
@@ -14,12 +15,23 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-# llama.cpp's server (`--metrics`) names its queue of requests beyond its slots "deferred".
-WAITING = (b"vllm:num_requests_waiting", b"llamacpp:requests_deferred")
+# llama.cpp's server (`--metrics`) names its queue of requests beyond its slots "deferred";
+# SGLang and Hugging Face's TGI export the same figures under their own names.
+WAITING = (
+    b"vllm:num_requests_waiting",
+    b"llamacpp:requests_deferred",
+    b"sglang:num_queue_reqs",
+    b"tgi_queue_size",
+)
 # Requests the engine is running (decoding or prefilling) right now.
-RUNNING = (b"vllm:num_requests_running", b"llamacpp:requests_processing")
+RUNNING = (
+    b"vllm:num_requests_running",
+    b"llamacpp:requests_processing",
+    b"sglang:num_running_reqs",
+    b"tgi_batch_current_size",
+)
 # vLLM 0.10 renamed the cache gauge; older servers only have the first name.
-CACHE_USAGE = (b"vllm:gpu_cache_usage_perc", b"vllm:kv_cache_usage_perc")
+CACHE_USAGE = (b"vllm:gpu_cache_usage_perc", b"vllm:kv_cache_usage_perc", b"sglang:token_usage")
 # vLLM's cache settings as labels of an info gauge: the KV cache holds blocks x block size tokens.
 CACHE_CONFIG = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -158,22 +158,33 @@ class InstanceState:
         self.engine_gauges: bool | None = None
 
     def room(self) -> int:
-        """How many attempts it may have in flight now: its concurrency limit (without one,
-        no cap), and, while its engine's gauges are read, what the engine has shown it runs:
-        its batch plus a quarter (at least 2) once it has queued, else twice the most it was
-        seen running (at least `ENGINE_START`), as a slow start does; held to the engine's room
-        while saturated.
+        """How many attempts it may have in flight now.
 
+        While its engine's gauges are read, what the engine has shown it runs: its batch plus
+        a quarter (at least 2) once it has queued, else twice the most it was seen running (at
+        least `ENGINE_START`), as a slow start does; held to the engine's room while saturated.
         Both are most-ever-seen figures, so this never holds an engine below what it has run;
         the headroom lets it show more (which raises the cap), and keeps the engine's own queue
-        to that headroom between two reads instead of a burst's full excess."""
-        limit = self.limiter.limit if self.limiter is not None else UNCAPPED
+        to that headroom between two reads instead of a burst's full excess. The engine's own
+        account is believed over the concurrency limiter's, which learns from latency and
+        failures: those also rise when an instance is faulty rather than full, which its
+        breaker and the balancer deal with, and a limit cut for them would shed requests the
+        engines could serve.
+
+        The policy's bound (a fixed limit, or the adaptive one's maximum) holds either way.
+
+        Otherwise its concurrency limit (without one, no cap)."""
+        limiter = self.limiter
         if self.engine_gauges:
             batch = self.engine_batch
             if batch:
-                limit = min(limit, batch + max(2, -(-batch // 4)))
+                limit = batch + max(2, -(-batch // 4))
             else:
-                limit = min(limit, max(ENGINE_START, 2 * self.engine_peak))
+                limit = max(ENGINE_START, 2 * self.engine_peak)
+            if limiter is not None:
+                limit = min(limit, limiter.cap)
+        else:
+            limit = limiter.limit if limiter is not None else UNCAPPED
         return min(limit, self.engine_slots) if self.saturated else limit
 
     @property
