@@ -216,11 +216,20 @@ pools:
             pages.page = b"llamacpp:requests_processing 12\nllamacpp:requests_deferred 0\n"
             await scraper.scrape_pool(pool, admission, limit)
             assert inst.engine_batch == 12 and inst.room() == 12 + 3
+            # A read that fails (the network, a restart) forgets the saturation but keeps the
+            # pace the engine showed: not the limiter's, learned from the same faults.
+            assert inst.limiter is not None
+            inst.limiter.record(0.0, 1.0, 1, overloaded=True)
+            pages.status = 500
+            await scraper.scrape_pool(pool, admission, limit)
+            assert inst.engine_gauges is None and inst.room() == 12 + 3
+            pages.status = 200
 
-            # A page of other metrics (a plain exporter): no gauges.
+            # A page of other metrics (a plain exporter): no gauges. The limiter paces it.
             pages.page = b"process_cpu_seconds_total 12.5\n"
             await scraper.scrape_pool(pool, admission, limit)
             assert inst.engine_gauges is False and not inst.saturated
+            assert inst.room() == inst.limiter.limit < 1024
 
             # A failed read (5xx) forgets the signals but is asked again next time.
             scraper._recheck_at.clear()

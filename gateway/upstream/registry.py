@@ -52,6 +52,7 @@ class InstanceState:
         "capacity_seen",
         "engine_batch",
         "engine_gauges",
+        "engine_paced",
         "engine_peak",
         "engine_slots",
         "failures",
@@ -156,11 +157,15 @@ class InstanceState:
         self.engine_batch = 0
         # Whether its engine exports load gauges (None: not read yet, or the read failed).
         self.engine_gauges: bool | None = None
+        # Paced by its engine's gauges (`room`): since a read found them, until one finds none.
+        # A read that fails changes nothing: a faulty network is no reason to fall back to a
+        # limit learned from the same faults.
+        self.engine_paced = False
 
     def room(self) -> int:
         """How many attempts it may have in flight now.
 
-        While its engine's gauges are read, what the engine has shown it runs: its batch plus
+        While its engine's gauges are read (`engine_paced`), what the engine has shown it runs: its batch plus
         a quarter (at least 2) once it has queued, else twice the most it was seen running (at
         least `ENGINE_START`), as a slow start does; held to the engine's room while saturated.
         Both are most-ever-seen figures, so this never holds an engine below what it has run;
@@ -175,7 +180,7 @@ class InstanceState:
 
         Otherwise its concurrency limit (without one, no cap)."""
         limiter = self.limiter
-        if self.engine_gauges:
+        if self.engine_paced:
             batch = self.engine_batch
             if batch:
                 limit = batch + max(2, -(-batch // 4))
@@ -354,6 +359,7 @@ class PoolState:
                 inst.saturated = False  # nobody scrapes it any more
                 inst.vllm_waiting = inst.vllm_cache_usage = inst.engine_gauges = None
                 inst.engine_batch = inst.engine_peak = 0
+                inst.engine_paced = False
             instances.append(inst)
         retries, was_retries = policy.retries, previous.retries
         # The swap: plain assignments, no await in between.

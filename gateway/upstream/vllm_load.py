@@ -16,7 +16,8 @@ batch, with some headroom.
 
 An engine without the gauges (a page without them, or no page: 404) is left to the concurrency
 limiter, and asked again every `recheck`. A failed or unreadable read forgets the signals: an
-instance is never held back on stale news (its health check and breaker judge a dead one). When
+instance is never held back on stale news (its health check and breaker judge a dead one); an
+engine that had gauges stays paced by what it showed (`InstanceState.engine_paced`). When
 an instance stops being saturated the pool is told, so requests waiting for admission go at once
 rather than at the next finish.
 """
@@ -126,7 +127,7 @@ class VllmLoadScraper:
                 )
         else:
             self._recheck_at.pop(instance, None)
-        instance.engine_gauges = not load.empty
+        instance.engine_gauges = instance.engine_paced = not load.empty
         return load
 
     async def _scrape(
