@@ -165,9 +165,10 @@ class InstanceState:
     def room(self) -> int:
         """How many attempts it may have in flight now.
 
-        While its engine's gauges are read (`engine_paced`), what the engine has shown it runs: its batch plus
-        a quarter (at least 2) once it has queued, else twice the most it was seen running (at
-        least `ENGINE_START`), as a slow start does; held to the engine's room while saturated.
+        While its engine's gauges are read (`engine_paced`), what the engine has shown it
+        runs: its batch plus a quarter (at least 2) once it has queued, else twice the most it
+        was seen running (at least `ENGINE_START`), as a slow start does; held to the engine's
+        room while saturated.
         Both are most-ever-seen figures, so this never holds an engine below what it has run;
         the headroom lets it show more (which raises the cap), and keeps the engine's own queue
         to that headroom between two reads instead of a burst's full excess. The engine's own
