@@ -156,6 +156,8 @@ def _instance_state(
         "forced": inst.breaker.forced,
         "in_flight": inst.in_flight,
         "concurrency_limit": inst.limiter.limit if inst.limiter is not None else None,
+        # What it may have in flight now: its engine's pace, or the limit (`InstanceState.room`).
+        "room": inst.room() if inst.limiter is not None else None,
         "kv_tokens": (
             {"in_use": inst.budget.used, "budget": inst.budget.budget}
             if inst.budget is not None
