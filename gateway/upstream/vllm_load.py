@@ -10,8 +10,8 @@ pool counts tokens. An instance whose engine queues more than `max_waiting` requ
 cache past `max_cache_usage` is saturated (`gateway.core.concurrency.vllm_saturated`): it may
 keep what it has in flight less its share of the requests beyond the engine's room (its share
 of what the engine runs and queues: other replicas and clients queue there too), and at least
-one. What an engine has shown it runs caps what it is given (`InstanceState.room`): twice the
-most it was seen running, until it has been seen queueing; then the most it ran at once, its
+one. What an engine has shown it runs caps what it is given (`InstanceState.room`): four times
+the most it was seen running, until it has been seen queueing; then the most it ran at once, its
 batch, with some headroom.
 
 An engine without the gauges (a page without them, or no page: 404) is left to the concurrency

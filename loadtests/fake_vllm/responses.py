@@ -232,7 +232,9 @@ def metrics_text(
     """Prometheus exposition with the names vLLM uses, labelled by `model_name`.
 
     `waiting` and `cache_usage` (0..1) are the engine's, shown on every model's line; without a
-    cache size (None) each running request stands for 1 % of the cache. An engine with a KV
+    cache size (None: a fake whose capacity is unlimited) the cache is never used up, so usage
+    is 0 (an engine that serves any number of requests at full speed does not report a full
+    cache). An engine with a KV
     cache of `kv_tokens` shows it as vLLM does, in blocks of 16 tokens, in `cache_config_info`.
     """
     names = list(models)
@@ -256,10 +258,7 @@ def metrics_text(
         "Number of requests waiting to be processed.",
         [(lbl, float(waiting)) for _, lbl in per_model],
     )
-    usage = [
-        (lbl, min(1.0, running.get(m, 0) / 100) if cache_usage is None else float(cache_usage))
-        for m, lbl in per_model
-    ]
+    usage = [(lbl, 0.0 if cache_usage is None else float(cache_usage)) for m, lbl in per_model]
     # vLLM 0.10 renamed the cache gauge; both names are served so either kind of scraper works.
     family(
         "vllm:gpu_cache_usage_perc",
