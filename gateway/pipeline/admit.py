@@ -223,6 +223,7 @@ class PoolAdmission:
         if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
             self.running += 1  # nothing takes traffic: the pick layer answers 503 straight away
             return None
+        self.pool.engines_wanted.set()  # full: what do the engines say now?
         waiter = _Waiter(self._loop.create_future(), tokens)
         whose = tenant()
         offer = queues.offer(waiter, priority, now, self._service_rate(now), whose)

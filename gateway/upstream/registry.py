@@ -235,6 +235,7 @@ class PoolState:
         "budget",
         "capacity_listeners",
         "credential_headers",
+        "engines_wanted",
         "failure",
         "instances",
         "name",
@@ -295,6 +296,9 @@ class PoolState:
         self.routable: list[InstanceState] = []  # healthy instances, kept by `refresh_routable`
         # Told when the pool may take more work than before (admission lets waiters through).
         self.capacity_listeners: list[Callable[[], None]] = []
+        # Set when admission has to queue: its engines' gauges are read now rather than at the
+        # next interval (a slow start then grows as fast as the engines keep up).
+        self.engines_wanted = asyncio.Event()
         self.refresh_routable()
 
     def set_upstream_headers(self, client_auth: bool) -> None:

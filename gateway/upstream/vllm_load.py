@@ -2,7 +2,9 @@
 new work beyond what its engine has room for.
 
 For pools with admission (on by default) and `admission.vllm_signals` (also on by default), one
-task per pool reads every instance's `/metrics` each `interval`, bounded by `timeout`. What it
+task per pool reads every instance's `/metrics` each `interval`, bounded by `timeout`, and at
+once when admission has to queue a request (at most every `EARLIEST_READ_S`), so a slow start
+grows as fast as the engines show they keep up. What it
 reads (`gateway.core.vllm_metrics`): vLLM's requests waiting and running and its KV-cache usage,
 or llama.cpp's server's requests deferred and processing (that server has no cache gauge); and
 vLLM's KV-cache size (`vllm:cache_config_info`), which sizes the instance's token budget when the
@@ -39,6 +41,9 @@ log = logging.getLogger("gateway.vllm_load")
 
 # The most of a /metrics page read: vLLM's runs to tens of kilobytes of histograms.
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+# The soonest a pool's engines are read again when admission asks: a vLLM page runs to
+# a hundred kilobytes its API server has to render.
+EARLIEST_READ_S = 0.1
 # Statuses that say the instance has no metrics page (as opposed to failing to serve it).
 _NO_PAGE = frozenset((401, 403, 404, 405, 501))
 
@@ -65,12 +70,23 @@ class VllmLoadScraper:
         await cancel_and_wait(self._tasks)
 
     async def _run(self, pool: PoolState, admission: AdmissionPolicy) -> None:
+        """Read every `interval`, and sooner when admission asks (`pool.engines_wanted`), but
+        no more often than every `EARLIEST_READ_S`."""
         policy = admission.vllm_signals
         assert policy is not None
         limit = aiohttp.ClientTimeout(total=policy.timeout)
+        loop = asyncio.get_running_loop()
+        wanted = pool.engines_wanted
         while True:
+            started = loop.time()
+            wanted.clear()
             await self.scrape_pool(pool, admission, limit)
-            await asyncio.sleep(policy.interval)
+            left = policy.interval - (loop.time() - started)
+            try:
+                await asyncio.wait_for(wanted.wait(), max(0.0, left))
+            except TimeoutError:
+                continue
+            await asyncio.sleep(max(0.0, EARLIEST_READ_S - (loop.time() - started)))
 
     async def scrape_pool(
         self, pool: PoolState, admission: AdmissionPolicy, limit: aiohttp.ClientTimeout
