@@ -191,7 +191,10 @@ class PoolAdmission:
             if inst.saturated and inst.in_flight >= inst.engine_slots:
                 continue  # its engine has no room: this one's tokens would wait there
             budget = inst.budget
-            if budget is not None and not budget.fits(tokens):
+            if budget is None:
+                if not inst.saturated:
+                    return inst  # nothing to rank it by: no budget, and room in its engine
+            elif not budget.fits(tokens):
                 continue
             rank = (0 if inst.saturated else 1, budget.available if budget is not None else 0)
             if rank > most:
