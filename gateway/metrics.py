@@ -114,6 +114,12 @@ class GatewayCollector(Collector):
             "Requests answered 429 by admission control, by class (refused, evicted, timed out)",
             labels=["pool", "class"],
         )
+        overflow = CounterMetricFamily(
+            "gateway_admission_overflow",
+            "Requests sent on past a learned concurrency limit instead of answered 429 (no "
+            "engine gauges, fixed limit or token budget held them), by class",
+            labels=["pool", "class"],
+        )
         running = GaugeMetricFamily(
             "gateway_admission_running", "Requests holding a slot of the pool", labels=["pool"]
         )
@@ -168,6 +174,7 @@ class GatewayCollector(Collector):
                     tenant_queued.add_metric([name, klass, tenant], count)
                 queued.add_metric([name, klass], admission.queues.length(klass))
                 shed.add_metric([name, klass], admission.queues.shed[klass])
+                overflow.add_metric([name, klass], admission.queues.overflow[klass])
                 histogram = admission.waits[klass]
                 wait.add_metric([name, klass], _buckets(histogram), histogram.sum)
             running.add_metric([name], admission.running)
@@ -187,7 +194,7 @@ class GatewayCollector(Collector):
                     ):
                         if value is not None:
                             vllm.add_metric([*labels, signal], value)
-        yield from (queued, shed, running, room, limit, wait, tokens, saturated, vllm)
+        yield from (queued, shed, overflow, running, room, limit, wait, tokens, saturated, vllm)
         yield from (tenant_queued, tenant_shed)
 
     def _requests(self) -> Iterator[Metric]:

@@ -134,3 +134,43 @@ def test_an_unknown_priority_is_a_bad_request(gateway: Gateway) -> None:
     assert response.status_code == 400
     assert "x-gateway-priority" in response.json()["error"]["message"]
     assert response.headers["x-gateway-error"] == "invalid_request"
+
+
+async def test_a_learned_limit_without_engine_gauges_never_sheds(
+    backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    """Its limit is a guess from latency and failures: it orders and delays, but what it would
+    shed goes on to the backends, which take it as they would without the gateway."""
+    for backend in backends.values():
+        backend.reset()
+    policy = pool_policy(
+        backends,
+        """
+        admission:
+          vllm_signals: false
+          concurrency: {limit: 64, initial: 1, min: 1}
+          batch: {max_queue: 2, queue_timeout: 10s}
+        """,
+    )
+    gw = start_gateway(tmp_path / "policy.yaml", policy)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            burst = [send(client, gw, "batch", 0.0) for _ in range(12)]
+            results = await asyncio.wait_for(asyncio.gather(*burst), 30)
+            state = (await client.get(f"{gw.admin_url}/admin/state")).json()
+            metrics = (await client.get(f"{gw.admin_url}/metrics")).text
+    finally:
+        gw.stop()
+    assert [s for _, s, _, _ in results] == [200] * 12
+    admission = state["pools"]["chat"]["admission"]
+    assert admission["shed"] == {"interactive": 0, "standard": 0, "batch": 0}
+    assert admission["overflow"]["batch"] >= 12 - 2 - 2  # past two slots and two places
+    overflow = float(admission["overflow"]["batch"])
+    assert f'gateway_admission_overflow_total{{class="batch",pool="chat"}} {overflow}' in metrics
+    assert 'gateway_shed_requests_total{class="batch",pool="chat"} 0.0' in metrics
+    # Sent on past the learned limit, to both instances.
+    peaks = [
+        max_concurrency([r for r in b.requests() if r["path"] == "/v1/chat/completions"])
+        for b in backends.values()
+    ]
+    assert sum(peaks) > 2, peaks

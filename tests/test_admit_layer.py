@@ -231,3 +231,82 @@ async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() 
     # Even at first (flood started waiting first); then gold, of weight 3, three turns to one.
     assert order[2:] == ["flood", "gold", "gold", "flood"]
     assert dict(adm.tenant_shed.items()) == {"flood": 2, "(other)": 0}
+
+
+# -- a learned limit is a guess: it delays, but never sheds ---------------------------------------
+
+GUESS_POLICY = """
+pools:
+  chat:
+    models: [m]
+    instances: [{name: a, url: "http://127.0.0.1:9"}]
+    health: {enabled: false}
+    admission:
+      vllm_signals: false
+      concurrency: {limit: 64, initial: 1, min: 1}
+      interactive: {queue_timeout: 50ms}
+      batch: {max_queue: 1}
+"""
+
+
+def guess_admission() -> PoolAdmission:
+    policy = parse_policy(GUESS_POLICY)
+    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
+    assert pool.policy.admission is not None
+    adm = PoolAdmission(pool, pool.policy.admission)
+    assert adm.room() == 1 and pool.instances[0].room_guessed
+    return adm
+
+
+async def test_what_a_learned_limit_would_shed_is_sent_on_instead() -> None:
+    adm = guess_admission()
+    await adm.enter("standard")  # the one slot the limit allows
+    queued = asyncio.ensure_future(adm.enter("batch"))
+    await asyncio.sleep(0)
+    assert not queued.done()
+    # The batch queue is full: the next one goes on over the limit, not 429.
+    await asyncio.wait_for(adm.enter("batch"), 5)
+    assert adm.running == 2 and not queued.done()
+    # Out of queue time: sent on too.
+    await asyncio.wait_for(adm.enter("interactive"), 5)
+    assert adm.running == 3
+    assert adm.queues.shed == {"interactive": 0, "standard": 0, "batch": 0}
+    assert adm.queues.overflow == {"interactive": 1, "standard": 0, "batch": 1}
+    assert adm.state(0.0)["overflow"] == adm.queues.overflow
+    # The queued one still waits its turn within its queue time: those sent on hold slots.
+    for running in (2, 1):
+        adm.leave()
+        await asyncio.sleep(0)
+        assert adm.running == running and not queued.done()
+    adm.leave()
+    await asyncio.wait_for(queued, 5)
+    assert adm.running == 1
+
+
+@pytest.mark.parametrize("held_by", ["engine", "saturated"])
+async def test_an_engines_own_account_still_sheds(held_by: str) -> None:
+    adm = guess_admission()
+    inst = adm.pool.instances[0]
+    if held_by == "engine":
+        inst.engine_paced, inst.engine_batch = True, 1  # room: its batch plus 2
+    else:
+        inst.saturated, inst.engine_slots = True, 1
+    assert not inst.room_guessed
+    for _ in range(adm.room()):
+        await adm.enter("standard")
+    queued = asyncio.ensure_future(adm.enter("batch"))
+    await asyncio.sleep(0)
+    with pytest.raises(Shed, match="batch queue is full"):
+        await adm.enter("batch")
+    with pytest.raises(Shed, match="waited"):
+        await asyncio.wait_for(adm.enter("interactive"), 5)
+    assert adm.queues.overflow == {"interactive": 0, "standard": 0, "batch": 0}
+    queued.cancel()
+
+
+async def test_a_fixed_limit_is_not_a_guess() -> None:
+    adm = admission()  # `mode: fixed`
+    assert not adm.pool.instances[0].room_guessed
+    await adm.enter("standard")
+    with pytest.raises(Shed):
+        await asyncio.wait_for(adm.enter("interactive"), 5)

@@ -33,6 +33,8 @@ batch requests never take the room a large interactive one waits for.
    standard), else this one is refused.
 `pop` serves the next request; entries whose queue timeout passed are returned by `expire` (and
 skipped by `pop`): the shell answers them 429, so everything admitted is eventually answered.
+Each refusal, eviction and expiry counts in `shed`; one the shell sends on instead of answering
+429 (`sent_anyway`) moves to `overflow`.
 
 Pure: `now` is an argument.
 """
@@ -133,6 +135,7 @@ class AdmissionQueues(Generic[T]):
         self._pass: dict[Priority, float] = dict.fromkeys(CLASSES, 0.0)
         self._rates = {name: ArrivalRate(window_s, peak_half_life_s) for name in CLASSES}
         self.shed: dict[Priority, int] = dict.fromkeys(CLASSES, 0)
+        self.overflow: dict[Priority, int] = dict.fromkeys(CLASSES, 0)
 
     def set_tenant_weight(self, tenant_weight: Callable[[str], float]) -> None:
         """New tenant weights (a policy reload): they apply from each tenant's next service."""
@@ -223,6 +226,12 @@ class AdmissionQueues(Generic[T]):
             self._pass[priority] = self._lowest_active_pass(default=self._pass[priority])
         queue.append(Entry(item, priority, now, now + timeout, tenant))
         return Offer(True, None, evicted)
+
+    def sent_anyway(self, priority: Priority) -> None:
+        """A request refused, evicted or expired was sent on instead of being answered 429:
+        counted as overflow, not shed."""
+        self.shed[priority] -= 1
+        self.overflow[priority] += 1
 
     def _refuse(self, priority: Priority, reason: str) -> Offer[T]:
         self.shed[priority] += 1

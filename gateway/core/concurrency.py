@@ -30,6 +30,12 @@ class Limiter(Protocol):
         """The most it may ever allow: the policy's bound, whatever it learns."""
         ...
 
+    @property
+    def learned(self) -> bool:
+        """Whether the limit is learned from latency and failures (a guess at the instance's
+        capacity) rather than set by the policy."""
+        ...
+
     def record(
         self,
         now: float,
@@ -212,6 +218,11 @@ class GradientLimiter:
         return self._max_limit
 
     @property
+    def learned(self) -> bool:
+        """True: the limit is learned."""
+        return True
+
+    @property
     def limit(self) -> int:
         """`max(min_limit, ⌊estimate⌋)`."""
         return max(self._min_limit, math.floor(self.estimate + _EPSILON))
@@ -283,6 +294,11 @@ class FixedLimiter:
     def cap(self) -> int:
         """The fixed limit."""
         return self._limit
+
+    @property
+    def learned(self) -> bool:
+        """False: the policy set it."""
+        return False
 
     def admits(self, in_flight: int) -> bool:
         """`in_flight < limit`."""

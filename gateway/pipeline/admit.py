@@ -9,6 +9,15 @@ once with 429 + Retry-After. When a slot frees, the next request by weight is le
 whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
 queued for: the pick layer answers 503 at once, as without admission.
 
+**A guess refuses nothing.** Where an instance's room is only the adaptive limiter's estimate
+(its engine exports no load gauges, the policy fixes no limit, and no token budget or
+saturation holds it), a request that would be answered 429 (refused, evicted, or out of
+queue time) is sent on instead, over that room: the backend's own queue takes it, as it would
+without the gateway. The limiter learns from latency and failures, which also rise when an
+instance is faulty or its host is busy rather than when its queue is long; it may order and
+delay requests (by at most their class's queue timeout), but only the engine's own account, a
+limit the policy sets, or a token budget sheds. Counted as `overflow`, not `shed`.
+
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
 bounded: the queues hold only tenants with requests waiting, and the shed counts keep the
@@ -27,6 +36,7 @@ from gateway.config.models import AdmissionPolicy, TenantsPolicy
 from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
 from gateway.core.breaker import ADMITTING
 from gateway.core.concurrency import estimate_tokens
+from gateway.core.fair_queue import Entry
 from gateway.core.histogram import Histogram
 from gateway.errors import Shed
 from gateway.pipeline.call import Call, Handler
@@ -154,6 +164,7 @@ class PoolAdmission:
             "room": self.room(),
             "queued": {name: queues.length(name) for name in CLASSES},
             "shed": dict(queues.shed),
+            "overflow": dict(queues.overflow),
             "weights": queues.weights(now),
             "tenants": {
                 "queued": {name: self.tenants_queued(name) for name in CLASSES},
@@ -231,6 +242,8 @@ class PoolAdmission:
         whose = tenant()
         offer = queues.offer(waiter, priority, now, self._service_rate(now), whose)
         for entry in offer.evicted:
+            if self._send_anyway(entry):
+                continue
             self.tenant_shed.add(entry.tenant)
             why = (
                 "the queue is full: dropped for a tenant with fewer requests waiting"
@@ -239,6 +252,11 @@ class PoolAdmission:
             )
             _refuse(entry.item.future, why, self._retry_after_s())
         if not offer.queued:
+            if self._guessing(tokens):
+                queues.sent_anyway(priority)
+                self.running += 1
+                self.waits[priority].observe(0.0)
+                return self._reserve(tokens)
             self.tenant_shed.add(whose)
             raise Shed(
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
@@ -286,13 +304,33 @@ class PoolAdmission:
             entry = self.queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
                 break
-            waiter = entry.item
-            if waiter.future.done():
-                continue  # its client left while it waited
-            self.running += 1
-            waiter.reserved = self._reserve(waiter.tokens)
-            waiter.future.set_result(None)
+            self._let_through(entry.item)
         self._arm()
+
+    def _let_through(self, waiter: _Waiter) -> None:
+        if waiter.future.done():
+            return  # its client left while it waited
+        self.running += 1
+        waiter.reserved = self._reserve(waiter.tokens)
+        waiter.future.set_result(None)
+
+    def _guessing(self, tokens: int) -> bool:
+        """Whether an instance that would take the request is held back only by its adaptive
+        limit's guess (see the module docstring)."""
+        return any(
+            inst.breaker.state == ADMITTING
+            and inst.room_guessed
+            and (inst.budget is None or inst.budget.fits(tokens))
+            for inst in self.pool.routable
+        )
+
+    def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
+        """Send a queued request on instead of refusing it, where only a guess holds it."""
+        if not self._guessing(entry.item.tokens):
+            return False
+        self.queues.sent_anyway(entry.priority)
+        self._let_through(entry.item)
+        return True
 
     def _arm(self) -> None:
         """One timer for the oldest waiting request's queue timeout."""
@@ -309,6 +347,8 @@ class PoolAdmission:
         self._timer = None
         now = self._loop.time()
         for entry in self.queues.expire(now):
+            if self._send_anyway(entry):
+                continue
             self.tenant_shed.add(entry.tenant)
             _refuse(
                 entry.item.future,

@@ -20,7 +20,9 @@ class Pick:
     May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
     Retry-After; in pools with admission control also below its concurrency limit, with room
     in its KV-token budget for the request, and, while its engine reports it saturated, below
-    what the engine has room for (and only when no unsaturated one may take it). An isolated
+    what the engine has room for (and only when no unsaturated one may take it); past its
+    limit only where that limit is a learned guess (`room_guessed`: admission sent the request on
+    rather than shed it) and nothing else may take it. An isolated
     instance whose isolation ran out takes the attempt as its one probe (a real request)
     first. An instance that refused this request's connection, dropped it or let it time out
     is not asked again while any other one could take it. When every healthy instance was
@@ -45,6 +47,7 @@ class Pick:
         # One pass: a due probe wins; else the admitting instances this request may use.
         fresh: list[InstanceState] = []
         queueing: list[InstanceState] = []  # saturated, but with room for this one
+        over: list[InstanceState] = []  # past its limit, which is only a learned guess
         admitting: list[InstanceState] = []
         probe = None
         avoid = call.avoid
@@ -58,16 +61,18 @@ class Pick:
                 if (
                     inst.not_before <= now
                     and inst not in tried
-                    and inst.in_flight < inst.room()
                     and (budget is None or inst is reserved or budget.fits(tokens))
                 ):
-                    (queueing if inst.saturated else fresh).append(inst)
+                    if inst.in_flight < inst.room():
+                        (queueing if inst.saturated else fresh).append(inst)
+                    elif inst.room_guessed:
+                        over.append(inst)
             elif probe is None and breaker.try_admit(now):
                 probe = inst
         if probe is not None:
             instance = probe
         elif admitting:
-            instance = _balance(pool, fresh or queueing or admitting, now)
+            instance = _balance(pool, fresh or queueing or over or admitting, now)
         else:
             panic = None
             if pool.policy.breaker.when_none_available == "panic":

@@ -197,6 +197,16 @@ class InstanceState:
         return min(limit, self.engine_slots) if self.saturated else limit
 
     @property
+    def room_guessed(self) -> bool:
+        """Whether its room is only the adaptive limiter's guess: no engine gauges pace it or
+        say it is saturated, and the policy fixes no limit. Admission sends a request on past
+        such a room rather than shed it (`gateway.pipeline.admit`)."""
+        limiter = self.limiter
+        return (
+            limiter is not None and limiter.learned and not self.engine_paced and not self.saturated
+        )
+
+    @property
     def idle_stretch(self) -> float:
         """How far its streams' idle timeouts are backed off after cuts (see LatencyState)."""
         cuts = self.latency.idle_timeouts_in_row
