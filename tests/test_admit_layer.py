@@ -258,8 +258,16 @@ def guess_admission() -> PoolAdmission:
     return adm
 
 
+async def served(adm: PoolAdmission, requests: int) -> None:
+    """`requests` answered one after another: the pool has been seen completing them."""
+    for _ in range(requests):
+        await adm.enter("standard")
+        adm.leave()
+
+
 async def test_what_a_learned_limit_would_shed_is_sent_on_instead() -> None:
     adm = guess_admission()
+    await served(adm, 10)  # at the rate about to arrive: no flood
     await adm.enter("standard")  # the one slot the limit allows
     queued = asyncio.ensure_future(adm.enter("batch"))
     await asyncio.sleep(0)
@@ -283,9 +291,24 @@ async def test_what_a_learned_limit_would_shed_is_sent_on_instead() -> None:
     assert adm.running == 1
 
 
+async def test_a_learned_limit_sheds_a_flood() -> None:
+    adm = guess_admission()
+    await served(adm, 2)
+    await adm.enter("standard")
+    queued = [asyncio.ensure_future(adm.enter("batch")) for _ in range(3)]
+    await asyncio.sleep(0)
+    # Three arrivals more than twice what the pool completed: a flood, shed as ever.
+    assert adm.queues.arrivals_qps(adm.clock()) > 2 * adm.completions.peak(adm.clock())
+    assert not queued[0].done()  # the one place in the batch queue
+    assert all(isinstance(task.exception(), Shed) for task in queued[1:])
+    assert adm.queues.shed["batch"] == 2 and adm.queues.overflow["batch"] == 0
+    queued[0].cancel()
+
+
 @pytest.mark.parametrize("held_by", ["engine", "saturated"])
 async def test_an_engines_own_account_still_sheds(held_by: str) -> None:
     adm = guess_admission()
+    await served(adm, 10)
     inst = adm.pool.instances[0]
     if held_by == "engine":
         inst.engine_paced, inst.engine_batch = True, 1  # room: its batch plus 2
@@ -298,7 +321,7 @@ async def test_an_engines_own_account_still_sheds(held_by: str) -> None:
     await asyncio.sleep(0)
     with pytest.raises(Shed, match="batch queue is full"):
         await adm.enter("batch")
-    with pytest.raises(Shed, match="waited"):
+    with pytest.raises(Shed, match="interactive queue would take"):
         await asyncio.wait_for(adm.enter("interactive"), 5)
     assert adm.queues.overflow == {"interactive": 0, "standard": 0, "batch": 0}
     queued.cancel()

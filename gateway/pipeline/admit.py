@@ -9,14 +9,18 @@ once with 429 + Retry-After. When a slot frees, the next request by weight is le
 whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
 queued for: the pick layer answers 503 at once, as without admission.
 
-**A guess refuses nothing.** Where an instance's room is only the adaptive limiter's estimate
-(its engine exports no load gauges, the policy fixes no limit, and no token budget or
-saturation holds it), a request that would be answered 429 (refused, evicted, or out of
-queue time) is sent on instead, over that room: the backend's own queue takes it, as it would
-without the gateway. The limiter learns from latency and failures, which also rise when an
-instance is faulty or its host is busy rather than when its queue is long; it may order and
-delay requests (by at most their class's queue timeout), but only the engine's own account, a
-limit the policy sets, or a token budget sheds. Counted as `overflow`, not `shed`.
+**A guess sheds only under a flood.** Where an instance's room is only the adaptive limiter's
+estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
+saturation holds it), a request that would be answered 429 (refused, evicted, or out of queue
+time) is sent on instead, over that room, unless requests arrive at more than
+`FLOOD_RATIO` times the fastest the pool has been seen to complete them: the backend's own
+queue takes it, as it would without the gateway. The limiter learns from latency and failures,
+which also rise when an instance is faulty or its host is busy rather than when its queue is
+long; at a rate the pool has served before, a cut limit says the pool got slower, not that
+more is asked of it than it can do, and shedding would fail requests it serves directly. So a
+guess orders and delays requests (by at most their class's queue timeout), and sheds only
+what floods the pool; the engine's own account, a limit the policy sets, or a token budget
+shed as always. Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
@@ -54,6 +58,10 @@ ANONYMOUS: Final = "(anonymous)"
 _LABEL_BYTES: Final = 64  # of a tenant header's value
 # How fast the mean time a request holds its slot follows new ones.
 _HOLD_WEIGHT: Final = 0.05
+# Arrivals over the pool's fastest completions (10 s rates; the peak halves every 5 minutes)
+# beyond which a learned limit may shed. Not 1: completions trail arrivals by what is in
+# flight while traffic ramps up, and a rate a little above the best yet may still be served.
+FLOOD_RATIO: Final = 2.0
 
 QUEUE_WAIT_BUCKETS_S: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -315,8 +323,12 @@ class PoolAdmission:
         waiter.future.set_result(None)
 
     def _guessing(self, tokens: int) -> bool:
-        """Whether an instance that would take the request is held back only by its adaptive
-        limit's guess (see the module docstring)."""
+        """Whether the request is to be sent on rather than shed: an instance that would take
+        it is held back only by its adaptive limit's guess, and requests do not flood the pool
+        (see the module docstring)."""
+        now = self._loop.time()
+        if self.queues.arrivals_qps(now) > FLOOD_RATIO * self.completions.peak(now):
+            return False
         return any(
             inst.breaker.state == ADMITTING
             and inst.room_guessed
