@@ -190,10 +190,6 @@ class AdmissionQueues(Generic[T]):
         """Count an arrival of the class (queued or not: the burst is in the arrivals)."""
         self._rates[priority].arrive(now)
 
-    def arrivals_qps(self, now: float) -> float:
-        """Arrivals a second over the last `window_s` seconds, all classes together."""
-        return sum(rate.qps(now) for rate in self._rates.values())
-
     def offer(
         self,
         item: T,

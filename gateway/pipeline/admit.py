@@ -13,7 +13,7 @@ queued for: the pick layer answers 503 at once, as without admission.
 estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
 saturation holds it), a request that would be answered 429 (refused, evicted, or out of queue
 time) is sent on instead, over that room, unless requests arrive at more than
-`FLOOD_RATIO` times the fastest the pool has been seen to complete them: the backend's own
+`FLOOD_RATIO` times the fastest the pool has been seen to complete them (a flood): the backend's own
 queue takes it, as it would without the gateway. The limiter learns from latency and failures,
 which also rise when an instance is faulty or its host is busy rather than when its queue is
 long; at a rate the pool has served before, a cut limit says the pool got slower, not that
@@ -58,10 +58,12 @@ ANONYMOUS: Final = "(anonymous)"
 _LABEL_BYTES: Final = 64  # of a tenant header's value
 # How fast the mean time a request holds its slot follows new ones.
 _HOLD_WEIGHT: Final = 0.05
-# Arrivals over the pool's fastest completions (10 s rates; the peak halves every 5 minutes)
-# beyond which a learned limit may shed. Not 1: completions trail arrivals by what is in
-# flight while traffic ramps up, and a rate a little above the best yet may still be served.
+# Arrivals over the pool's fastest completions (rates over `FLOOD_WINDOW_S`; the peak halves
+# every 5 minutes) beyond which a learned limit may shed. Not 1: completions trail arrivals by
+# what is in flight while traffic ramps up, and a rate a little above the best yet may still be
+# served. A short window, so a flood is known within seconds of its start.
 FLOOD_RATIO: Final = 2.0
+FLOOD_WINDOW_S: Final = 2
 
 QUEUE_WAIT_BUCKETS_S: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -144,6 +146,9 @@ class PoolAdmission:
         )
         self.running = 0
         self.completions = ArrivalRate(window_s=10)
+        # Arrivals and completions over a short window: whether requests flood the pool.
+        self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
+        self.served = ArrivalRate(window_s=FLOOD_WINDOW_S)
         # The mean time a request holds its slot: with the room, the pool's rate of service
         # while it is full, before 10 s of completions can tell it.
         self.hold_s = 0.0
@@ -238,6 +243,7 @@ class PoolAdmission:
         now = self._loop.time()
         queues = self.queues
         queues.arrived(priority, now)
+        self.arrivals.arrive(now)
         if self.running < self.room() and not len(queues) and self._place(tokens) is not None:
             self.running += 1
             self.waits[priority].observe(0.0)
@@ -288,7 +294,9 @@ class PoolAdmission:
     def leave(self, held_s: float | None = None) -> None:
         """A request gives its slot back, after holding it `held_s` (None: not counted)."""
         self.running -= 1
-        self.completions.arrive(self._loop.time())
+        now = self._loop.time()
+        self.completions.arrive(now)
+        self.served.arrive(now)
         if held_s is not None:
             self.hold_s += (held_s - self.hold_s) * (_HOLD_WEIGHT if self.hold_s else 1.0)
         self.dispatch()
@@ -327,7 +335,7 @@ class PoolAdmission:
         it is held back only by its adaptive limit's guess, and requests do not flood the pool
         (see the module docstring)."""
         now = self._loop.time()
-        if self.queues.arrivals_qps(now) > FLOOD_RATIO * self.completions.peak(now):
+        if self.arrivals.qps(now) > FLOOD_RATIO * self.served.peak(now):
             return False
         return any(
             inst.breaker.state == ADMITTING
