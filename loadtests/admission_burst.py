@@ -225,7 +225,9 @@ CONFIGS = {
     # Whole answers sent as they came (not fetched as streams): the limiter learns from their
     # time per output token alone.
     "per-token": "    resume: {whole_answers: false}\n",
-    # The limiter alone (no engine gauges), whole answers as they came: with and without the
+    # The limiter alone (no engine gauges), as a pool of engines that export none gets it.
+    "limiter": "    admission: {vllm_signals: false}\n",
+    # The limiter alone, whole answers as they came: with and without the
     # time-per-token signal (a tolerance nothing reaches turns it off).
     "limiter-per-token": "    resume: {whole_answers: false}\n"
     "    admission: {vllm_signals: false}\n",

@@ -291,7 +291,7 @@ async def test_what_a_learned_limit_would_shed_is_sent_on_instead() -> None:
     assert adm.running == 1
 
 
-async def test_a_learned_limit_sheds_a_flood() -> None:
+async def test_a_learned_limit_sheds_a_flood_of_standard_and_batch_requests() -> None:
     adm = guess_admission()
     await served(adm, 2)
     await adm.enter("standard")
@@ -303,6 +303,9 @@ async def test_a_learned_limit_sheds_a_flood() -> None:
     assert not queued[0].done()  # the one place in the batch queue
     assert all(isinstance(task.exception(), Shed) for task in queued[1:])
     assert adm.queues.shed["batch"] == 2 and adm.queues.overflow["batch"] == 0
+    # An interactive one is never shed on a guess: out of queue time, it goes on.
+    await asyncio.wait_for(adm.enter("interactive"), 5)
+    assert adm.queues.shed["interactive"] == 0 and adm.queues.overflow["interactive"] == 1
     queued[0].cancel()
 
 

@@ -104,6 +104,24 @@ def test_an_app_limited_instance_keeps_its_limit_but_may_still_shrink() -> None:
     assert limits[-1] < 64
 
 
+def test_a_congested_sample_starts_the_cut_from_twice_what_is_in_flight() -> None:
+    limiter = GradientLimiter(initial_limit=1024, max_limit=1024)
+    limiter.record(0.0, 0.1, in_flight=30)
+    # Recent latency twice the baseline: the gradient, about 0.75, cuts from 2 * 30 = 60,
+    # not from 1024.
+    limiter.record(1.0, 0.6, in_flight=30)
+    assert limiter.recent == pytest.approx(0.2)
+    gradient = 1.5 * limiter.baseline / limiter.recent
+    assert gradient == pytest.approx(0.75, rel=1e-2)
+    target = 60 * gradient + math.sqrt(60)
+    assert limiter.estimate == pytest.approx(60 + 0.2 * (target - 60))
+    # Not congested: a limit above what is in flight stays as it is.
+    calm = GradientLimiter(initial_limit=1024, max_limit=1024)
+    calm.record(0.0, 0.1, in_flight=30)
+    calm.record(1.0, 0.1, in_flight=30)
+    assert calm.estimate == 1024
+
+
 # -- GradientLimiter: a whole answer's time per output token ------------------------------------
 
 

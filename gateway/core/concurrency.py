@@ -126,6 +126,10 @@ class GradientLimiter:
     **Limit** (a float `estimate`, published as `limit = max(min_limit, ⌊estimate⌋)`). After
     each sample:
 
+    - when the gradient is below 1 and the estimate above `2 · in_flight`, the estimate is
+      first brought down to `max(min_limit, 2 · in_flight)`: the part of a limit above twice
+      what is in flight held nothing back, and a cut that has to eat through it one sample at
+      a time (a limit that starts open at 1024) comes seconds after the queue has grown;
     - `target = estimate · gradient + sqrt(estimate)` (the square root is the headroom that
       lets it probe for more);
     - if `target > estimate` and the instance was not busy (`2 · in_flight < limit`), nothing
@@ -260,6 +264,11 @@ class GradientLimiter:
             # does: cuts by overload heal on traffic that never measures latency.
             gradient = 1.0
         estimate = self.estimate
+        if gradient < 1.0 and estimate > 2 * in_flight:
+            # Congested, with a limit above twice what is in flight: that much of it held
+            # nothing back, so the cut starts from there rather than eating through it one
+            # sample at a time while the queue grows.
+            estimate = float(max(self._min_limit, 2 * in_flight))
         target = estimate * gradient + math.sqrt(estimate)
         if target > estimate and 2 * in_flight < self.limit:
             return  # app-limited: no evidence for a higher limit

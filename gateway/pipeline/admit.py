@@ -9,18 +9,19 @@ once with 429 + Retry-After. When a slot frees, the next request by weight is le
 whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
 queued for: the pick layer answers 503 at once, as without admission.
 
-**A guess sheds only under a flood.** Where an instance's room is only the adaptive limiter's
-estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
-saturation holds it), a request that would be answered 429 (refused, evicted, or out of queue
-time) is sent on instead, over that room, unless requests arrive at more than
-`FLOOD_RATIO` times the fastest the pool has been seen to complete them (a flood): the backend's own
-queue takes it, as it would without the gateway. The limiter learns from latency and failures,
-which also rise when an instance is faulty or its host is busy rather than when its queue is
-long; at a rate the pool has served before, a cut limit says the pool got slower, not that
-more is asked of it than it can do, and shedding would fail requests it serves directly. So a
-guess orders and delays requests (by at most their class's queue timeout), and sheds only
-what floods the pool; the engine's own account, a limit the policy sets, or a token budget
-shed as always. Counted as `overflow`, not `shed`.
+**A guess sheds only a flood.** Where an instance's room is only the adaptive limiter's estimate
+(its engine exports no load gauges, the policy fixes no limit, and no token budget or saturation
+holds it), a request that would be answered 429 (refused, evicted, or out of queue time) is sent
+on instead, past that room, to a backend whose own queue takes it as it would without the
+gateway; unless it is a standard or batch request and requests arrive at more than `FLOOD_RATIO`
+times the fastest the pool has been seen to complete them (a flood). The limiter learns from
+latency and failures, which also rise when an instance is faulty or its host is busy rather than
+when its queue is long: at a rate the pool has served before, a cut limit says the pool got
+slower, not that more is asked of it than it can do, and shedding would fail requests it serves
+directly. Interactive requests are never shed on a guess: a limit cut late, while the engines'
+queues grew, leaves more in flight than it allows for seconds, and an interactive request that
+waited out its short queue time then is sent on, not failed. The engine's own account, a limit
+the policy sets, or a token budget shed as always. Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
@@ -266,7 +267,7 @@ class PoolAdmission:
             )
             _refuse(entry.item.future, why, self._retry_after_s())
         if not offer.queued:
-            if self._guessing(tokens):
+            if self._guessing(priority, tokens):
                 queues.sent_anyway(priority)
                 self.running += 1
                 self.waits[priority].observe(0.0)
@@ -330,23 +331,25 @@ class PoolAdmission:
         waiter.reserved = self._reserve(waiter.tokens)
         waiter.future.set_result(None)
 
-    def _guessing(self, tokens: int) -> bool:
+    def _guessing(self, priority: Priority, tokens: int) -> bool:
         """Whether the request is to be sent on rather than shed: an instance that would take
-        it is held back only by its adaptive limit's guess, and requests do not flood the pool
-        (see the module docstring)."""
-        now = self._loop.time()
-        if self.arrivals.qps(now) > FLOOD_RATIO * self.served.peak(now):
-            return False
-        return any(
+        it is held back only by its adaptive limit's guess, and it is interactive or requests
+        do not flood the pool (see the module docstring)."""
+        if not any(
             inst.breaker.state == ADMITTING
             and inst.room_guessed
             and (inst.budget is None or inst.budget.fits(tokens))
             for inst in self.pool.routable
-        )
+        ):
+            return False
+        if priority == CLASSES[0]:
+            return True
+        now = self._loop.time()
+        return self.arrivals.qps(now) <= FLOOD_RATIO * self.served.peak(now)
 
     def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
         """Send a queued request on instead of refusing it, where only a guess holds it."""
-        if not self._guessing(entry.item.tokens):
+        if not self._guessing(entry.priority, entry.item.tokens):
             return False
         self.queues.sent_anyway(entry.priority)
         self._let_through(entry.item)
