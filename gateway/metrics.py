@@ -116,8 +116,8 @@ class GatewayCollector(Collector):
         )
         overflow = CounterMetricFamily(
             "gateway_admission_overflow",
-            "Requests sent on past a learned concurrency limit instead of answered 429 (no "
-            "engine gauges, fixed limit or token budget held them), by class",
+            "Requests sent on past a learned concurrency limit (no engine gauges, fixed limit "
+            "or token budget held them, and they did not flood the pool), by class",
             labels=["pool", "class"],
         )
         running = GaugeMetricFamily(

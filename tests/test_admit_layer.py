@@ -233,7 +233,7 @@ async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() 
     assert dict(adm.tenant_shed.items()) == {"flood": 2, "(other)": 0}
 
 
-# -- a learned limit is a guess: it delays, but never sheds ---------------------------------------
+# -- a learned limit is a guess: it holds back and sheds only a flood ------------------------------
 
 GUESS_POLICY = """
 pools:
@@ -245,6 +245,7 @@ pools:
       vllm_signals: false
       concurrency: {limit: 64, initial: 1, min: 1}
       interactive: {queue_timeout: 50ms}
+      standard: {queue_timeout: 50ms}
       batch: {max_queue: 1}
 """
 
@@ -265,48 +266,54 @@ async def served(adm: PoolAdmission, requests: int) -> None:
         adm.leave()
 
 
-async def test_what_a_learned_limit_would_shed_is_sent_on_instead() -> None:
+async def test_without_a_flood_a_learned_limit_holds_nothing_back() -> None:
     adm = guess_admission()
     await served(adm, 10)  # at the rate about to arrive: no flood
     await adm.enter("standard")  # the one slot the limit allows
-    queued = asyncio.ensure_future(adm.enter("batch"))
-    await asyncio.sleep(0)
-    assert not queued.done()
-    # The batch queue is full: the next one goes on over the limit, not 429.
-    await asyncio.wait_for(adm.enter("batch"), 5)
-    assert adm.running == 2 and not queued.done()
-    # Out of queue time: sent on too.
+    await asyncio.wait_for(adm.enter("batch"), 5)  # past it, at once
     await asyncio.wait_for(adm.enter("interactive"), 5)
-    assert adm.running == 3
-    assert adm.queues.shed == {"interactive": 0, "standard": 0, "batch": 0}
+    assert adm.running == 3 and len(adm.queues) == 0
     assert adm.queues.overflow == {"interactive": 1, "standard": 0, "batch": 1}
     assert adm.state(0.0)["overflow"] == adm.queues.overflow
-    # The queued one still waits its turn within its queue time: those sent on hold slots.
-    for running in (2, 1):
-        adm.leave()
-        await asyncio.sleep(0)
-        assert adm.running == running and not queued.done()
-    adm.leave()
-    await asyncio.wait_for(queued, 5)
-    assert adm.running == 1
+    assert adm.queues.shed == {"interactive": 0, "standard": 0, "batch": 0}
 
 
-async def test_a_learned_limit_sheds_a_flood_of_standard_and_batch_requests() -> None:
+async def test_a_learned_limit_holds_back_a_flood_and_sheds_its_standard_and_batch() -> None:
     adm = guess_admission()
     await served(adm, 2)
     await adm.enter("standard")
     queued = [asyncio.ensure_future(adm.enter("batch")) for _ in range(3)]
     await asyncio.sleep(0)
-    # Three arrivals more than twice what the pool completed: a flood, shed as ever.
+    # Arrivals more than twice what the pool completed: a flood, held back and shed as ever.
     now = adm.clock()
     assert adm.arrivals.qps(now) > 2 * adm.served.peak(now)
     assert not queued[0].done()  # the one place in the batch queue
     assert all(isinstance(task.exception(), Shed) for task in queued[1:])
-    assert adm.queues.shed["batch"] == 2 and adm.queues.overflow["batch"] == 0
+    with pytest.raises(Shed, match="standard queue would take"):
+        await asyncio.wait_for(adm.enter("standard"), 5)
+    assert adm.queues.shed == {"interactive": 0, "standard": 1, "batch": 2}
     # An interactive one is never shed on a guess: out of queue time, it goes on.
     await asyncio.wait_for(adm.enter("interactive"), 5)
     assert adm.queues.shed["interactive"] == 0 and adm.queues.overflow["interactive"] == 1
-    queued[0].cancel()
+    # The queued one waits its turn: slots go in order, those sent on holding theirs.
+    adm.leave()
+    await asyncio.sleep(0)
+    assert not queued[0].done()
+    adm.leave()
+    await asyncio.wait_for(queued[0], 5)
+    assert adm.running == 1
+
+
+async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None:
+    adm = guess_admission()
+    await adm.enter("standard")  # nothing completed yet: any arrival is a flood
+    waiting = [asyncio.ensure_future(adm.enter("standard")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not any(task.done() for task in waiting)  # a flood: they queue
+    for _ in range(100):  # the pool seen completing far more than arrives
+        adm.served.arrive(adm.clock())
+    await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert adm.queues.overflow["standard"] == 3 and adm.queues.shed["standard"] == 0
 
 
 @pytest.mark.parametrize("held_by", ["engine", "saturated"])

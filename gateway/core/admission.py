@@ -34,7 +34,8 @@ batch requests never take the room a large interactive one waits for.
 `pop` serves the next request; entries whose queue timeout passed are returned by `expire` (and
 skipped by `pop`): the shell answers them 429, so everything admitted is eventually answered.
 Each refusal, eviction and expiry counts in `shed`; one the shell sends on instead of answering
-429 (`sent_anyway`) moves to `overflow`.
+429 (`sent_anyway`) moves to `overflow`, where requests it sends past the room without queueing
+them (`sent_over`) count too.
 
 Pure: `now` is an argument.
 """
@@ -231,6 +232,10 @@ class AdmissionQueues(Generic[T]):
         """A request refused, evicted or expired was sent on instead of being answered 429:
         counted as overflow, not shed."""
         self.shed[priority] -= 1
+        self.overflow[priority] += 1
+
+    def sent_over(self, priority: Priority) -> None:
+        """A request was sent on past the pool's room without waiting: counted as overflow."""
         self.overflow[priority] += 1
 
     def _refuse(self, priority: Priority, reason: str) -> Offer[T]:

@@ -9,19 +9,21 @@ once with 429 + Retry-After. When a slot frees, the next request by weight is le
 whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
 queued for: the pick layer answers 503 at once, as without admission.
 
-**A guess sheds only a flood.** Where an instance's room is only the adaptive limiter's estimate
-(its engine exports no load gauges, the policy fixes no limit, and no token budget or saturation
-holds it), a request that would be answered 429 (refused, evicted, or out of queue time) is sent
-on instead, past that room, to a backend whose own queue takes it as it would without the
-gateway; unless it is a standard or batch request and requests arrive at more than `FLOOD_RATIO`
-times the fastest the pool has been seen to complete them (a flood). The limiter learns from
-latency and failures, which also rise when an instance is faulty or its host is busy rather than
-when its queue is long: at a rate the pool has served before, a cut limit says the pool got
-slower, not that more is asked of it than it can do, and shedding would fail requests it serves
-directly. Interactive requests are never shed on a guess: a limit cut late, while the engines'
-queues grew, leaves more in flight than it allows for seconds, and an interactive request that
-waited out its short queue time then is sent on, not failed. The engine's own account, a limit
-the policy sets, or a token budget shed as always. Counted as `overflow`, not `shed`.
+**A guess holds back only a flood.** Where an instance's room is only the adaptive limiter's
+estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
+saturation holds it), the limit holds requests back only while requests arrive at more than
+`FLOOD_RATIO` times the fastest the pool has been seen to complete them (a flood). Otherwise a
+request that finds the queues empty goes on past that room at once, to a backend whose own queue
+takes it as it would without the gateway, and one that would be answered 429 (refused, evicted,
+or out of queue time) is sent on instead. The limiter learns from latency and failures, which
+also rise when an instance is faulty or its host is busy rather than when its queue is long: at
+a rate the pool has served before, a cut limit says the pool got slower, not that more is asked
+of it than it can do, and holding back or shedding would delay or fail requests it serves
+directly. In a flood, standard and batch requests are queued and shed as ever; interactive ones
+are never shed on a guess (a limit cut late, while the engines' queues grew, leaves more in
+flight than it allows for seconds: one that waited out its short queue time then is sent on, not
+failed). The engine's own account, a limit the policy sets, or a token budget hold back and shed
+as always. Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
@@ -245,10 +247,16 @@ class PoolAdmission:
         queues = self.queues
         queues.arrived(priority, now)
         self.arrivals.arrive(now)
-        if self.running < self.room() and not len(queues) and self._place(tokens) is not None:
-            self.running += 1
-            self.waits[priority].observe(0.0)
-            return self._reserve(tokens)
+        if not len(queues):
+            if self.running < self.room() and self._place(tokens) is not None:
+                self.running += 1
+                self.waits[priority].observe(0.0)
+                return self._reserve(tokens)
+            if self._held_by_guess(tokens) and not self._flooded(now):
+                queues.sent_over(priority)
+                self.running += 1
+                self.waits[priority].observe(0.0)
+                return self._reserve(tokens)
         if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
             self.running += 1  # nothing takes traffic: the pick layer answers 503 straight away
             return None
@@ -331,21 +339,27 @@ class PoolAdmission:
         waiter.reserved = self._reserve(waiter.tokens)
         waiter.future.set_result(None)
 
-    def _guessing(self, priority: Priority, tokens: int) -> bool:
-        """Whether the request is to be sent on rather than shed: an instance that would take
-        it is held back only by its adaptive limit's guess, and it is interactive or requests
-        do not flood the pool (see the module docstring)."""
-        if not any(
+    def _held_by_guess(self, tokens: int) -> bool:
+        """Whether an instance that would take the request is held back only by its adaptive
+        limit's guess (see the module docstring)."""
+        return any(
             inst.breaker.state == ADMITTING
             and inst.room_guessed
             and (inst.budget is None or inst.budget.fits(tokens))
             for inst in self.pool.routable
-        ):
+        )
+
+    def _flooded(self, now: float) -> bool:
+        """Whether requests arrive at more than `FLOOD_RATIO` times the fastest the pool was
+        seen to complete them."""
+        return self.arrivals.qps(now) > FLOOD_RATIO * self.served.peak(now)
+
+    def _guessing(self, priority: Priority, tokens: int) -> bool:
+        """Whether a request about to be answered 429 is sent on instead: an instance that would
+        take it is held back only by a guess, and it is interactive or the pool not flooded."""
+        if not self._held_by_guess(tokens):
             return False
-        if priority == CLASSES[0]:
-            return True
-        now = self._loop.time()
-        return self.arrivals.qps(now) <= FLOOD_RATIO * self.served.peak(now)
+        return priority == CLASSES[0] or not self._flooded(self._loop.time())
 
     def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
         """Send a queued request on instead of refusing it, where only a guess holds it."""
