@@ -236,7 +236,7 @@ class Gateway:
                 kept.reconfigure(policy)
         still: list[PoolAdmission] = []
         for retired in self._retired_admissions:
-            if retired.running or len(retired.queues):
+            if retired.running or retired.over or len(retired.queues):
                 still.append(retired)
             elif retired.dispatch in retired.pool.capacity_listeners:
                 retired.pool.capacity_listeners.remove(retired.dispatch)

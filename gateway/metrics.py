@@ -117,11 +117,15 @@ class GatewayCollector(Collector):
         overflow = CounterMetricFamily(
             "gateway_admission_overflow",
             "Requests sent on past a learned concurrency limit (no engine gauges, fixed limit "
-            "or token budget held them, and they did not flood the pool), by class",
+            "or token budget held them): while they did not flood the pool, or interactive ones "
+            "that would have been shed, by class",
             labels=["pool", "class"],
         )
         running = GaugeMetricFamily(
-            "gateway_admission_running", "Requests holding a slot of the pool", labels=["pool"]
+            "gateway_admission_running",
+            "Requests let through admission and not finished (slots of the pool, and requests "
+            "sent on past a learned limit)",
+            labels=["pool"],
         )
         room = GaugeMetricFamily(
             "gateway_admission_room",
@@ -177,7 +181,7 @@ class GatewayCollector(Collector):
                 overflow.add_metric([name, klass], admission.queues.overflow[klass])
                 histogram = admission.waits[klass]
                 wait.add_metric([name, klass], _buckets(histogram), histogram.sum)
-            running.add_metric([name], admission.running)
+            running.add_metric([name], admission.running + admission.over)
             room.add_metric([name], admission.room())
             for inst in admission.pool.instances:
                 labels = [name, inst.name]

@@ -137,11 +137,11 @@ def test_an_unknown_priority_is_a_bad_request(gateway: Gateway) -> None:
     assert response.headers["x-gateway-error"] == "invalid_request"
 
 
-async def test_a_learned_limit_without_engine_gauges_never_sheds(
+async def test_a_learned_limit_without_engine_gauges_holds_back_only_a_flood(
     backends: dict[str, Backend], tmp_path: Path
 ) -> None:
-    """Its limit is a guess from latency and failures: it orders and delays, but what it would
-    shed goes on to the backends, which take it as they would without the gateway."""
+    """Its limit is a guess from latency and failures: at a rate the pool has served, requests
+    past it go on to the backends, which take them as they would without the gateway."""
     for backend in backends.values():
         backend.reset()
     policy = pool_policy(
@@ -162,6 +162,10 @@ async def test_a_learned_limit_without_engine_gauges_never_sheds(
                 pair = [send(client, gw, "standard", 0.0) for _ in range(2)]
                 assert [r[1] for r in await asyncio.gather(*pair)] == [200, 200]
             await asyncio.sleep(FLOOD_WINDOW_S + 0.1)
+            room = (await client.get(f"{gw.admin_url}/admin/state")).json()["pools"]["chat"][
+                "admission"
+            ]["room"]
+            assert room < 8  # learned from the pairs, from a limit of 1 per instance
             burst = [send(client, gw, "batch", 0.0) for _ in range(8)]
             results = await asyncio.wait_for(asyncio.gather(*burst), 30)
             state = (await client.get(f"{gw.admin_url}/admin/state")).json()
@@ -171,7 +175,7 @@ async def test_a_learned_limit_without_engine_gauges_never_sheds(
     assert [s for _, s, _, _ in results] == [200] * 8
     admission = state["pools"]["chat"]["admission"]
     assert admission["shed"] == {"interactive": 0, "standard": 0, "batch": 0}
-    assert admission["overflow"]["batch"] >= 8 - 2 - 2  # past two slots and two places
+    assert admission["overflow"]["batch"] == 8 - room  # none queued: past the limit at once
     overflow = float(admission["overflow"]["batch"])
     assert f'gateway_admission_overflow_total{{class="batch",pool="chat"}} {overflow}' in metrics
     assert 'gateway_shed_requests_total{class="batch",pool="chat"} 0.0' in metrics
@@ -180,4 +184,4 @@ async def test_a_learned_limit_without_engine_gauges_never_sheds(
         max_concurrency([r for r in b.requests() if r["path"] == "/v1/chat/completions"])
         for b in backends.values()
     ]
-    assert sum(peaks) > 2, peaks
+    assert sum(peaks) > room, peaks

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.models import TenantsPolicy
+from gateway.core.admission import ArrivalRate
 from gateway.errors import Shed
 from gateway.pipeline.admit import (
     PoolAdmission,
@@ -115,21 +116,21 @@ def token_admission() -> PoolAdmission:
 async def test_tokens_are_reserved_on_the_roomiest_instance_at_admission() -> None:
     adm = token_admission()
     a, b = adm.pool.instances
-    first = await adm.enter("standard", 600)
-    second = await adm.enter("standard", 600)
+    first = (await adm.enter("standard", 600)).reserved
+    second = (await adm.enter("standard", 600)).reserved
     # Let through back to back, before any attempt: each holds its own instance's tokens.
     assert {first, second} == {a, b}
     assert a.budget is not None and b.budget is not None
     assert a.budget.used == b.budget.used == 600
     # A third large one waits although slots are free; a small one fits beside and goes.
     third = asyncio.ensure_future(adm.enter("standard", 600))
-    small = await asyncio.wait_for(adm.enter("interactive", 300), 5)
+    small = (await asyncio.wait_for(adm.enter("interactive", 300), 5)).reserved
     assert small in (a, b) and not third.done()
     assert adm.running == 3
     # The first finishes: its tokens come back and the third is let through.
     unreserve(first, 600)
     adm.leave()
-    assert await asyncio.wait_for(third, 5) is first
+    assert (await asyncio.wait_for(third, 5)).reserved is first
 
 
 async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears() -> None:
@@ -140,14 +141,14 @@ async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears(
         inst.engine_slots = 1  # what the engine read left room for
     # Never none: a queue that other clients keep full still takes this gateway's requests.
     assert adm.room() == 2
-    assert await adm.enter("standard", 10) is not None
-    assert await adm.enter("standard", 10) is not None
+    assert (await adm.enter("standard", 10)).reserved is not None
+    assert (await adm.enter("standard", 10)).reserved is not None
     waiting = asyncio.ensure_future(adm.enter("standard", 10))
     await asyncio.sleep(0)
     assert not waiting.done() and len(adm.queues) == 1
     b.saturated = False
     adm.pool.capacity_changed()  # what the engine scraper says when it clears
-    assert await asyncio.wait_for(waiting, 5) is b  # its tokens go where the engine has room
+    assert (await asyncio.wait_for(waiting, 5)).reserved is b  # where the engine has room
     assert adm.room() == 1 + 8
 
 
@@ -271,8 +272,11 @@ async def test_without_a_flood_a_learned_limit_holds_nothing_back() -> None:
     await served(adm, 10)  # at the rate about to arrive: no flood
     await adm.enter("standard")  # the one slot the limit allows
     await asyncio.wait_for(adm.enter("batch"), 5)  # past it, at once
-    await asyncio.wait_for(adm.enter("interactive"), 5)
-    assert adm.running == 3 and len(adm.queues) == 0
+    slot = await asyncio.wait_for(adm.enter("interactive"), 5)
+    assert slot.over and slot.reserved is None
+    # They hold none of the room's slots.
+    assert (adm.running, adm.over, len(adm.queues)) == (1, 2, 0)
+    assert adm.state(0.0)["running"] == 3 and adm.state(0.0)["over"] == 2
     assert adm.queues.overflow == {"interactive": 1, "standard": 0, "batch": 1}
     assert adm.state(0.0)["overflow"] == adm.queues.overflow
     assert adm.queues.shed == {"interactive": 0, "standard": 0, "batch": 0}
@@ -280,7 +284,7 @@ async def test_without_a_flood_a_learned_limit_holds_nothing_back() -> None:
 
 async def test_a_learned_limit_holds_back_a_flood_and_sheds_its_standard_and_batch() -> None:
     adm = guess_admission()
-    await served(adm, 2)
+    await served(adm, 1)
     await adm.enter("standard")
     queued = [asyncio.ensure_future(adm.enter("batch")) for _ in range(3)]
     await asyncio.sleep(0)
@@ -293,15 +297,15 @@ async def test_a_learned_limit_holds_back_a_flood_and_sheds_its_standard_and_bat
         await asyncio.wait_for(adm.enter("standard"), 5)
     assert adm.queues.shed == {"interactive": 0, "standard": 1, "batch": 2}
     # An interactive one is never shed on a guess: out of queue time, it goes on.
-    await asyncio.wait_for(adm.enter("interactive"), 5)
+    assert (await asyncio.wait_for(adm.enter("interactive"), 5)).over
     assert adm.queues.shed["interactive"] == 0 and adm.queues.overflow["interactive"] == 1
-    # The queued one waits its turn: slots go in order, those sent on holding theirs.
-    adm.leave()
+    # It holds no slot of the room: the queued one goes as soon as the one slot frees.
+    adm.leave(over=True)
     await asyncio.sleep(0)
     assert not queued[0].done()
     adm.leave()
-    await asyncio.wait_for(queued[0], 5)
-    assert adm.running == 1
+    assert not (await asyncio.wait_for(queued[0], 5)).over
+    assert (adm.running, adm.over) == (1, 0)
 
 
 async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None:
@@ -312,8 +316,42 @@ async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None
     assert not any(task.done() for task in waiting)  # a flood: they queue
     for _ in range(100):  # the pool seen completing far more than arrives
         adm.served.arrive(adm.clock())
-    await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    adm.dispatch()  # as the next completion does: no waiting out their queue time
+    await asyncio.sleep(0)
+    assert all(task.done() for task in waiting)
+    assert all(task.result().over for task in waiting)
     assert adm.queues.overflow["standard"] == 3 and adm.queues.shed["standard"] == 0
+    assert (adm.running, adm.over) == (1, 3)
+
+
+MIXED_POLICY = """
+pools:
+  chat:
+    models: [m]
+    instances: [{name: a, url: "http://127.0.0.1:9"}, {name: b, url: "http://127.0.0.1:10"}]
+    health: {enabled: false}
+    admission:
+      concurrency: {limit: 64, initial: 1, min: 1}
+"""
+
+
+async def test_requests_sent_past_a_guess_hold_no_slot_an_engine_has_room_for() -> None:
+    policy = parse_policy(MIXED_POLICY)
+    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
+    assert pool.policy.admission is not None
+    adm = PoolAdmission(pool, pool.policy.admission)
+    a, b = pool.instances
+    a.engine_paced, a.engine_batch = True, 8  # its engine's gauges: room for 10
+    assert adm.room() == 10 + 1 and b.room_guessed and not a.room_guessed
+    await served(adm, 40)
+    for _ in range(11):
+        assert not (await adm.enter("standard")).over
+    assert (await adm.enter("standard")).over  # no flood: past b's guess
+    adm.served = ArrivalRate(window_s=2)  # the pool's history gone: any arrival is a flood
+    adm.leave()  # a slot at a frees
+    # Its slot goes to the next request: the one sent past b does not hold it.
+    assert not (await asyncio.wait_for(adm.enter("standard"), 5)).over
+    assert (adm.running, adm.over) == (11, 1)
 
 
 @pytest.mark.parametrize("held_by", ["engine", "saturated"])

@@ -15,6 +15,9 @@ from gateway.config.models import ConcurrencyPolicy
 _EPSILON = 1e-9
 # The gradient's floor: one sample can at most halve the (unsmoothed) target.
 MIN_GRADIENT = 0.5
+# Slow samples in a row (each beyond its tolerance, the gradient below 1) after which a cut
+# starts from twice the load.
+SNAP_AFTER = 4
 
 
 class Limiter(Protocol):
@@ -68,6 +71,10 @@ class Signal:
         self.samples = 0
         self.last_sample = 0.0
 
+    def slow(self, value: float) -> bool:
+        """Whether one sample, on its own, is beyond the tolerance of the baseline."""
+        return self.samples > 0 and value > self.tolerance * self.baseline
+
     def observe(self, now: float, value: float, recent_weight: float, half_life: float) -> float:
         """Take one sample (finite, > 0); the gradient after it."""
         if self.samples == 0:
@@ -92,8 +99,9 @@ class GradientLimiter:
     adaptive concurrency). The rules, exactly:
 
     **Signals.** `record(now, latency_s, in_flight, per_token_s=...)` takes one successful
-    request's latency figures and the number of requests in flight on the instance when it was
-    taken (this one included). Two signals, each a `Signal` with its own tolerance:
+    request's latency figures and the load it saw: the requests in flight on the instance
+    (this one included; the shell gives the more of when it was sent and when it finished).
+    Two signals, each a `Signal` with its own tolerance:
 
     - **first token** (`latency_s`): a stream's time to first token. It grows once the engine
       starts queueing;
@@ -126,10 +134,13 @@ class GradientLimiter:
     **Limit** (a float `estimate`, published as `limit = max(min_limit, ⌊estimate⌋)`). After
     each sample:
 
-    - when the gradient is below 1 and the estimate above `2 · in_flight`, the estimate is
-      first brought down to `max(min_limit, 2 · in_flight)`: the part of a limit above twice
-      what is in flight held nothing back, and a cut that has to eat through it one sample at
-      a time (a limit that starts open at 1024) comes seconds after the queue has grown;
+    - when this is the `SNAP_AFTER`th sample in a row that is slow on its own (beyond its
+      signal's `tolerance · baseline`) with a gradient below 1 (or a later one of that run) and
+      the estimate is above `2 · in_flight`, the estimate is first brought
+      down to `max(min_limit, 2 · in_flight)`: the part of a limit above twice the load held
+      nothing back while the queue grew, and a cut that has to eat through it one sample at a
+      time (a limit that starts open at 1024) comes seconds too late. One slow sample (a long
+      prompt) never does this;
     - `target = estimate · gradient + sqrt(estimate)` (the square root is the headroom that
       lets it probe for more);
     - if `target > estimate` and the instance was not busy (`2 · in_flight < limit`), nothing
@@ -137,10 +148,10 @@ class GradientLimiter:
       (it may still shrink);
     - else `estimate += smoothing · (target - estimate)`, clamped to `[min_limit, max_limit]`.
 
-    So the estimate shrinks only when `gradient < 1 - 1/sqrt(estimate)` (recent latency above
-    `tolerance · baseline / (1 - 1/sqrt(estimate))`) and settles, under sustained load, where
-    `estimate · (1 - gradient) = sqrt(estimate)`. With the gradient's floor at 0.5, an estimate
-    of 4 or less never shrinks by the gradient, only by overload.
+    So, past any such snap, the estimate shrinks only when `gradient < 1 - 1/sqrt(estimate)`
+    (recent latency above `tolerance · baseline / (1 - 1/sqrt(estimate))`) and settles, under
+    sustained load, where `estimate · (1 - gradient) = sqrt(estimate)`. With the gradient's
+    floor at 0.5, an estimate of 4 or less never shrinks by the gradient, only by overload.
 
     **Overload.** `record(..., overloaded=True)` (a 503, 429, out-of-memory, timeout: the
     instance is past its capacity) learns no latency; it cuts `estimate ← max(min_limit,
@@ -152,6 +163,7 @@ class GradientLimiter:
         "_backoff_interval",
         "_backoff_ratio",
         "_baseline_half_life",
+        "_congested_run",
         "_last_cut",
         "_max_limit",
         "_min_limit",
@@ -202,6 +214,7 @@ class GradientLimiter:
         self._backoff_interval = backoff_interval
         self.cuts = 0
         self._last_cut = -math.inf
+        self._congested_run = 0  # slow samples in a row with a gradient below 1
 
     # The first-token signal's figures, as they were before there were two.
     @property
@@ -251,12 +264,15 @@ class GradientLimiter:
                 self.estimate = max(float(self._min_limit), self.estimate * self._backoff_ratio)
             return
         gradient = math.inf
+        slow = False  # this sample on its own beyond a tolerance
         weight, half_life = self._recent_weight, self._baseline_half_life
         if _usable(latency_s):
             assert latency_s is not None
+            slow = self.first_token.slow(latency_s)
             gradient = self.first_token.observe(now, latency_s, weight, half_life)
         if _usable(per_token_s):
             assert per_token_s is not None
+            slow = slow or self.per_token.slow(per_token_s)
             gradient = min(gradient, self.per_token.observe(now, per_token_s, weight, half_life))
         if gradient == math.inf:
             # A success without latency figures (an embedding, an answer without usage): no
@@ -264,11 +280,16 @@ class GradientLimiter:
             # does: cuts by overload heal on traffic that never measures latency.
             gradient = 1.0
         estimate = self.estimate
-        if gradient < 1.0 and estimate > 2 * in_flight:
-            # Congested, with a limit above twice what is in flight: that much of it held
-            # nothing back, so the cut starts from there rather than eating through it one
-            # sample at a time while the queue grows.
-            estimate = float(max(self._min_limit, 2 * in_flight))
+        if gradient < 1.0 and slow:
+            self._congested_run += 1
+            if self._congested_run >= SNAP_AFTER and estimate > 2 * in_flight:
+                # Congested for a while, with a limit above twice the load: that much of it
+                # held nothing back, so the cut starts from there rather than eating through it
+                # one sample at a time while the queue grows. (Not on one slow sample: a long
+                # prompt's first token is no congestion.)
+                estimate = float(max(self._min_limit, 2 * in_flight))
+        else:
+            self._congested_run = 0
         target = estimate * gradient + math.sqrt(estimate)
         if target > estimate and 2 * in_flight < self.limit:
             return  # app-limited: no evidence for a higher limit

@@ -113,6 +113,7 @@ def _record(
     per_token_s: float | None = None,  # of a whole answer: its latency over its output tokens
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
+    sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
@@ -125,10 +126,14 @@ def _record(
         # answer's time per output token grows with it too (and with a fuller batch: the
         # limiter gives that signal more room). Timeouts, OOMs, 429, 503 and 529 say it is
         # overloaded, streamed or not.
+        # The load it saw: as many as were in flight when it was sent or are now (its own
+        # attempt has left `in_flight` already), whichever is more; a stream's first token
+        # tells of the load it was sent into, long before the stream ends.
+        load = max(sent_with, instance.in_flight + 1)
         if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
-            limiter.record(now, elapsed_s, instance.in_flight, overloaded=True)
+            limiter.record(now, elapsed_s, load, overloaded=True)
         elif outcome.kind == "ok":
-            limiter.record(now, first_byte_s, instance.in_flight, per_token_s=per_token_s)
+            limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
         _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff)
@@ -231,6 +236,7 @@ class Account:
             probe,
             self._on_transition,
             response.first_at - response.started_at,
+            sent_with=response.sent_with,
         )
         if outcome.kind == "ok" and error is None:
             instance.latency.observe_stream(
@@ -266,6 +272,7 @@ class Account:
         assert instance is not None, "the pick layer runs first"
         tokens = call.tokens
         instance.in_flight += 1
+        sent_with = instance.in_flight
         reserved = call.reserved
         if reserved is not None:  # admission held the tokens; this attempt takes them over
             call.reserved = None
@@ -306,6 +313,7 @@ class Account:
                 self._on_transition,
                 queueing=queueing,
                 backoff=call.timeouts.backoff if call.timeouts is not None else 0,
+                sent_with=sent_with,
             )
             raise
         except asyncio.CancelledError:
@@ -322,6 +330,7 @@ class Account:
             response.probe = call.probe
             response.tokens = tokens
             response.queued = queued
+            response.sent_with = sent_with
             response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
             streaming = instance.streaming + 1
             instance.streaming = streaming
@@ -346,6 +355,7 @@ class Account:
             call.probe,
             self._on_transition,
             per_token_s=(now - started) / generated if generated else None,
+            sent_with=sent_with,
         )
         if outcome.kind == "ok":
             instance.latency.observe_whole(response.first_at - response.started_at, output_tokens)

@@ -2,28 +2,31 @@
 
 Outermost layer, for pools with an `admission` section. The pool's room is the sum of the
 concurrency limits of its instances that take traffic (healthy, ADMITTING); a request holds one
-slot from admission to the end of its answer (a stream's last byte), retries included. A request
-arriving while there is room and nobody waits goes straight on; otherwise it waits in its
-class's queue (`gateway.core.admission`: burst-aware weights, FIFO within a class) or is shed at
-once with 429 + Retry-After. When a slot frees, the next request by weight is let through; one
-whose queue timeout passes is answered 429. A pool with no instance taking traffic is not
-queued for: the pick layer answers 503 at once, as without admission.
+slot from admission to the end of its answer (a stream's last byte), retries included (one sent
+past a learned limit holds none; below). A request arriving while there is room and nobody waits
+goes straight on; otherwise it waits in its class's queue (`gateway.core.admission`: burst-aware
+weights, FIFO within a class) or is shed at once with 429 + Retry-After. When a slot frees, the
+next request by weight is let through; one whose queue timeout passes is answered 429. A pool
+with no instance taking traffic is not queued for: the pick layer answers 503 at once, as
+without admission.
 
 **A guess holds back only a flood.** Where an instance's room is only the adaptive limiter's
 estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
 saturation holds it), the limit holds requests back only while requests arrive at more than
 `FLOOD_RATIO` times the fastest the pool has been seen to complete them (a flood). Otherwise a
-request that finds the queues empty goes on past that room at once, to a backend whose own queue
-takes it as it would without the gateway, and one that would be answered 429 (refused, evicted,
-or out of queue time) is sent on instead. The limiter learns from latency and failures, which
-also rise when an instance is faulty or its host is busy rather than when its queue is long: at
-a rate the pool has served before, a cut limit says the pool got slower, not that more is asked
-of it than it can do, and holding back or shedding would delay or fail requests it serves
-directly. In a flood, standard and batch requests are queued and shed as ever; interactive ones
-are never shed on a guess (a limit cut late, while the engines' queues grew, leaves more in
-flight than it allows for seconds: one that waited out its short queue time then is sent on, not
-failed). The engine's own account, a limit the policy sets, or a token budget hold back and shed
-as always. Counted as `overflow`, not `shed`.
+request that finds the queues empty goes on past that room at once, one that would be answered
+429 (refused, evicted, or out of queue time) is sent on instead, and `dispatch` lets those still
+queued go once the flood is over: each to a backend whose own queue takes it as it would without
+the gateway. Such requests hold none of the room's slots (`Slot.over`, counted in `over`), so an
+instance whose engine has room is not kept idle for them. The limiter learns from latency and
+failures, which also rise when an instance is faulty or its host is busy rather than when its
+queue is long: at a rate the pool has served before, a cut limit says the pool got slower, not
+that more is asked of it than it can do, and holding back or shedding would delay or fail
+requests it serves directly. In a flood, standard and batch requests are queued and shed as
+ever; interactive ones are never shed on a guess (a limit cut late, while the engines' queues
+grew, leaves more in flight than it allows for seconds: one that waited out its short queue time
+then is sent on, not failed). The engine's own account, a limit the policy sets, or a token
+budget hold back and shed as always. Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
@@ -73,16 +76,28 @@ QUEUE_WAIT_BUCKETS_S: Final = (
 )  # fmt: skip
 
 
-class _Waiter:
-    """A queued request: what lets it through, the KV-cache tokens it will need, and the
-    instance those tokens were reserved on when it was let through."""
+class Slot:
+    """What `enter` gives a request: the instance its KV-cache tokens are reserved on (None:
+    no reservation), and whether it was sent on past the pool's room (`over`: it holds none of
+    the room's slots, and gives it back as such to `leave`)."""
 
-    __slots__ = ("future", "reserved", "tokens")
+    __slots__ = ("over", "reserved")
+
+    def __init__(self, reserved: InstanceState | None = None, over: bool = False) -> None:
+        self.reserved = reserved
+        self.over = over
+
+
+class _Waiter:
+    """A queued request: what lets it through, the KV-cache tokens it will need, and the slot
+    it got when it was let through."""
+
+    __slots__ = ("future", "slot", "tokens")
 
     def __init__(self, future: asyncio.Future[None], tokens: int) -> None:
         self.future = future
         self.tokens = tokens
-        self.reserved: InstanceState | None = None
+        self.slot = Slot()
 
 
 def tenant_of(headers: Sequence[tuple[str, str]], policy: TenantsPolicy) -> str:
@@ -147,7 +162,8 @@ class PoolAdmission:
         self.queues: AdmissionQueues[_Waiter] = AdmissionQueues(
             *_queue_settings(policy), tenant_weight=_weights(policy.tenants)
         )
-        self.running = 0
+        self.running = 0  # requests holding a slot of the room
+        self.over = 0  # requests sent on past the room (a learned limit's, without a flood)
         self.completions = ArrivalRate(window_s=10)
         # Arrivals and completions over a short window: whether requests flood the pool.
         self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
@@ -176,7 +192,8 @@ class PoolAdmission:
         """The operator's view, in /admin/state."""
         queues = self.queues
         return {
-            "running": self.running,
+            "running": self.running + self.over,
+            "over": self.over,
             "room": self.room(),
             "queued": {name: queues.length(name) for name in CLASSES},
             "shed": dict(queues.shed),
@@ -239,10 +256,9 @@ class PoolAdmission:
 
     async def enter(
         self, priority: Priority, tokens: int = 0, tenant: Callable[[], str] = str
-    ) -> InstanceState | None:
-        """Return once the request holds a slot, with the instance its tokens are reserved on
-        (None: no reservation); raises Shed when it is refused. `tenant` says whose request
-        it is, asked only when it has to wait."""
+    ) -> Slot:
+        """Return once the request may go on, with its `Slot`; raises Shed when it is refused.
+        `tenant` says whose request it is, asked only when it has to wait."""
         now = self._loop.time()
         queues = self.queues
         queues.arrived(priority, now)
@@ -251,15 +267,13 @@ class PoolAdmission:
             if self.running < self.room() and self._place(tokens) is not None:
                 self.running += 1
                 self.waits[priority].observe(0.0)
-                return self._reserve(tokens)
+                return Slot(self._reserve(tokens))
             if self._held_by_guess(tokens) and not self._flooded(now):
                 queues.sent_over(priority)
-                self.running += 1
-                self.waits[priority].observe(0.0)
-                return self._reserve(tokens)
+                return self._go_over(priority, tokens)
         if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
             self.running += 1  # nothing takes traffic: the pick layer answers 503 straight away
-            return None
+            return Slot()
         self.pool.engines_wanted.set()  # full: what do the engines say now?
         waiter = _Waiter(self._loop.create_future(), tokens)
         whose = tenant()
@@ -277,9 +291,7 @@ class PoolAdmission:
         if not offer.queued:
             if self._guessing(priority, tokens):
                 queues.sent_anyway(priority)
-                self.running += 1
-                self.waits[priority].observe(0.0)
-                return self._reserve(tokens)
+                return self._go_over(priority, tokens)
             self.tenant_shed.add(whose)
             raise Shed(
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
@@ -291,18 +303,29 @@ class PoolAdmission:
             self._arm()
         future = waiter.future
         try:
-            await future  # resolved by `dispatch`, which took the slot for us
+            await future  # resolved by `dispatch` (or `_send_anyway`), which took its slot
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
-                unreserve(waiter.reserved, tokens)  # let through just as the client left
-                self.leave()
+                unreserve(waiter.slot.reserved, tokens)  # let through just as the client left
+                self.leave(over=waiter.slot.over)
             raise
         self.waits[priority].observe(self._loop.time() - now)
-        return waiter.reserved
+        return waiter.slot
 
-    def leave(self, held_s: float | None = None) -> None:
-        """A request gives its slot back, after holding it `held_s` (None: not counted)."""
-        self.running -= 1
+    def _go_over(self, priority: Priority, tokens: int) -> Slot:
+        """Send the request on past the room, now."""
+        self.over += 1
+        self.waits[priority].observe(0.0)
+        self.pool.engines_wanted.set()  # an engine whose gauges were not read yet may have some
+        return Slot(self._reserve(tokens), over=True)
+
+    def leave(self, held_s: float | None = None, over: bool = False) -> None:
+        """A request gives its slot back (`over`: it was sent on past the room), after holding
+        it `held_s` (None: not counted)."""
+        if over:
+            self.over -= 1
+        else:
+            self.running -= 1
         now = self._loop.time()
         self.completions.arrive(now)
         self.served.arrive(now)
@@ -325,18 +348,28 @@ class PoolAdmission:
             return
         now = self._loop.time()
         room = self.room()
+        queues = self.queues
         while self.running < room:
-            entry = self.queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
+            entry = queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
                 break
             self._let_through(entry.item)
+        if len(queues) and not self._flooded(now):
+            # The flood is over: what only a learned limit holds back goes on.
+            while (entry := queues.pop(now, lambda w: self._held_by_guess(w.tokens))) is not None:
+                if not entry.item.future.done():
+                    queues.sent_over(entry.priority)
+                    self._let_through(entry.item, over=True)
         self._arm()
 
-    def _let_through(self, waiter: _Waiter) -> None:
+    def _let_through(self, waiter: _Waiter, over: bool = False) -> None:
         if waiter.future.done():
             return  # its client left while it waited
-        self.running += 1
-        waiter.reserved = self._reserve(waiter.tokens)
+        if over:
+            self.over += 1
+        else:
+            self.running += 1
+        waiter.slot = Slot(self._reserve(waiter.tokens), over)
         waiter.future.set_result(None)
 
     def _held_by_guess(self, tokens: int) -> bool:
@@ -362,11 +395,13 @@ class PoolAdmission:
         return priority == CLASSES[0] or not self._flooded(self._loop.time())
 
     def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
-        """Send a queued request on instead of refusing it, where only a guess holds it."""
-        if not self._guessing(entry.priority, entry.item.tokens):
+        """Send a queued request on, past the room, instead of refusing it, where only a guess
+        holds it (one whose client left is refused: nothing to send)."""
+        waiter = entry.item
+        if waiter.future.done() or not self._guessing(entry.priority, waiter.tokens):
             return False
         self.queues.sent_anyway(entry.priority)
-        self._let_through(entry.item)
+        self._let_through(waiter, over=True)
         return True
 
     def _arm(self) -> None:
@@ -446,21 +481,23 @@ class Admit:
                 len(call.body), call.facts.max_tokens, call.pool.policy.timeouts.assumed_max_tokens
             )
         tenants = admission.policy.tenants
-        call.reserved = await admission.enter(
+        slot = await admission.enter(
             priority, call.tokens, lambda: tenant_of(call.headers, tenants)
         )
+        call.reserved = slot.reserved
+        over = slot.over
         clock = admission.clock
         admitted = clock()
         try:
             response = await next_handler(call)
         except BaseException:
             unreserve(call.reserved, call.tokens)  # when no attempt was made to take it over
-            admission.leave()
+            admission.leave(over=over)
             raise
         if response.body is not None:
-            admission.leave(clock() - admitted)
+            admission.leave(clock() - admitted, over)
             return response
-        response.after(lambda r, error: admission.leave(clock() - admitted), request=True)
+        response.after(lambda r, error: admission.leave(clock() - admitted, over), request=True)
         return response
 
 

@@ -18,21 +18,20 @@ class Pick:
     trips (as tower, Finagle and Linkerd balance).
 
     May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
-    Retry-After; in pools with admission control also below its concurrency limit, with room
-    in its KV-token budget for the request, and, while its engine reports it saturated, below
-    what the engine has room for (and only when no unsaturated one may take it); past its
-    limit only where that limit is a learned guess (`room_guessed`: admission sent the request on
-    rather than shed it) and nothing else may take it. An isolated
-    instance whose isolation ran out takes the attempt as its one probe (a real request)
-    first. An instance that refused this request's connection, dropped it or let it time out
-    is not asked again while any other one could take it. When every healthy instance was
-    tried, is paused or is full, one of those is used rather than failing. When none is
-    healthy and admitting, the pool panics (the default, `breaker.when_none_available:
-    panic`, as Envoy's panic threshold): the attempt goes to the least bad instance that
-    still answers (healthy but isolated first, then unhealthy ones whose health check got an
-    answer, then any: `gateway.core.panic`), untried ones first; once every instance refused
-    the request's connection or let it time out, the client is told at once (503 +
-    Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
+    Retry-After; in pools with admission control also below its concurrency limit, with room in
+    its KV-token budget for the request, and, while its engine reports it saturated, below what
+    the engine has room for (and only when no unsaturated one may take it); past its limit only
+    where that limit is a learned guess (`room_guessed`: admission sends requests past it unless
+    they flood the pool) and nothing else may take it. An isolated instance whose isolation ran
+    out takes the attempt as its one probe (a real request) first. An instance that refused this
+    request's connection, dropped it or let it time out is not asked again while any other one
+    could take it. When every healthy instance was tried, is paused or is full, one of those is
+    used rather than failing. When none is healthy and admitting, the pool panics (the default,
+    `breaker.when_none_available: panic`, as Envoy's panic threshold): the attempt goes to the
+    least bad instance that still answers (healthy but isolated first, then unhealthy ones whose
+    health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
+    instance refused the request's connection or let it time out, the client is told at once
+    (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
     def __init__(self, clock: Clock) -> None:

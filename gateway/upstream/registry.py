@@ -199,8 +199,8 @@ class InstanceState:
     @property
     def room_guessed(self) -> bool:
         """Whether its room is only the adaptive limiter's guess: no engine gauges pace it or
-        say it is saturated, and the policy fixes no limit. Admission sends a request on past
-        such a room rather than shed it (`gateway.pipeline.admit`)."""
+        say it is saturated, and the policy fixes no limit. Such a room holds requests back
+        only while they flood the pool (`gateway.pipeline.admit`)."""
         limiter = self.limiter
         return (
             limiter is not None and limiter.learned and not self.engine_paced and not self.saturated

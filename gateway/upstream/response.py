@@ -98,6 +98,7 @@ class UpstreamResponse:
         "probe",
         "prompt_tokens",
         "queued",
+        "sent_with",
         "started_at",
         "status",
         "tail",
@@ -146,6 +147,7 @@ class UpstreamResponse:
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
         self.queued = False  # it was sent to an instance already full (waited for a slot)
+        self.sent_with = 0  # attempts in flight on its instance when it was sent (itself too)
 
     def header(self, name: str) -> str | None:
         return self._raw.headers.get(name)
