@@ -248,3 +248,36 @@ pools:
             assert inst.saturated and inst.engine_slots == 1
     finally:
         server.stop()
+
+
+async def test_a_budget_sized_by_the_engines_first_read_counts_what_is_already_in_flight() -> None:
+    pages = Pages()
+    server = ThreadedServer(Recorder(pages))
+    try:
+        policy = parse_policy(
+            f"""
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: a, url: "http://127.0.0.1:{server.port}"}}]
+    admission: {{tokens: {{overcommit: 1.0}}}}
+"""
+        )
+        registry = Registry(policy, now=asyncio.get_running_loop().time())
+        pool = registry.pools["chat"]
+        admission = pool.policy.admission
+        assert admission is not None
+        inst = pool.instances[0]
+        assert inst.budget is None  # no capacity in the policy: the engine will say
+        inst.tokens_held = 700  # attempts sent before its engine was read hold these
+        pages.page = (
+            b"vllm:num_requests_running 2\nvllm:num_requests_waiting 0\n"
+            b'vllm:cache_config_info{block_size="16",num_gpu_blocks="250"} 1\n'
+        )
+        async with aiohttp.ClientSession() as session:
+            scraper = VllmLoadScraper(registry, session)
+            await scraper.scrape_pool(pool, admission, aiohttp.ClientTimeout(total=5))
+        assert inst.budget is not None
+        assert (inst.budget.budget, inst.budget.used) == (4000, 700)
+    finally:
+        server.stop()

@@ -197,6 +197,7 @@ def _learning(pool: PoolState, instance: InstanceState) -> None:
 def _end(instance: InstanceState, tokens: int) -> None:
     """The attempt no longer occupies the instance."""
     instance.in_flight -= 1
+    instance.tokens_held -= tokens
     if instance.budget is not None:
         instance.budget.release(tokens)
 
@@ -272,6 +273,7 @@ class Account:
         assert instance is not None, "the pick layer runs first"
         tokens = call.tokens
         instance.in_flight += 1
+        instance.tokens_held += tokens
         sent_with = instance.in_flight
         reserved = call.reserved
         if reserved is not None:  # admission held the tokens; this attempt takes them over

@@ -81,6 +81,7 @@ class InstanceState:
         "saturated",
         "stats",
         "streaming",
+        "tokens_held",
         "urls",
         "vllm_cache_usage",
         "vllm_waiting",
@@ -145,6 +146,9 @@ class InstanceState:
         self.limiter = limiter
         # The KV-cache tokens of the requests it has in flight, when its pool counts them.
         self.budget = budget
+        # Those tokens, counted whether or not it has a budget yet: what a budget made later
+        # (its engine's first read, a reload) starts with.
+        self.tokens_held = 0
         # vLLM's own gauges (None: not scraped, or the last scrape failed) and their verdict.
         self.vllm_waiting: float | None = None
         self.vllm_cache_usage: float | None = None
@@ -369,7 +373,7 @@ class PoolState:
                 inst.limiter = limiter_for(concurrency) if concurrency else None
             tokens = admission.tokens if admission else None
             if tokens != (was.tokens if was else None):
-                used = inst.budget.used if inst.budget is not None else 0
+                used = inst.budget.used if inst.budget is not None else inst.tokens_held
                 inst.budget = _budget(tokens)  # sized again by its engine's next read
                 if inst.budget is not None:
                     inst.budget.used = used  # tokens of requests in flight stay counted

@@ -220,6 +220,6 @@ def _size_budget(instance: InstanceState, kv_tokens: int, overcommit: float) -> 
     if budget is not None and budget.capacity_tokens == kv_tokens:
         return
     resized = TokenBudget(kv_tokens, overcommit)
-    if budget is not None:
-        resized.used = budget.used
+    # Tokens in use stay counted: those its attempts hold even before it had a budget.
+    resized.used = budget.used if budget is not None else instance.tokens_held
     instance.budget = resized
