@@ -20,27 +20,40 @@ from gateway.pipeline.admit import (
 )
 from gateway.upstream.registry import Registry
 
-POLICY = """
-pools:
-  chat:
-    models: [m]
-    instances: [{name: a, url: "http://127.0.0.1:9"}]
-    health: {enabled: false}
-    admission:
-      concurrency: {mode: fixed, limit: 1}
-      interactive: {queue_timeout: 50ms}
-      batch: {max_queue: 1}
+
+def one_pool(admission: str, instances: int = 1) -> str:
+    """A policy of one pool, `chat`, of `instances` instances (a, b) that nothing health-checks,
+    with the given `admission` section (YAML, its lines unindented)."""
+    names = "ab"[:instances]
+    listed = ", ".join(
+        f'{{name: {n}, url: "http://127.0.0.1:{9 + i}"}}' for i, n in enumerate(names)
+    )
+    section = "".join(f"      {line}\n" for line in admission.strip().splitlines())
+    return (
+        "pools:\n  chat:\n    models: [m]\n"
+        f"    instances: [{listed}]\n    health: {{enabled: false}}\n    admission:\n{section}"
+    )
+
+
+def pool_admission(policy_text: str) -> PoolAdmission:
+    """The admission of the policy's pool `chat`, its instances built with it."""
+    pool = Registry(parse_policy(policy_text), now=asyncio.get_running_loop().time()).pools["chat"]
+    assert pool.policy.admission is not None
+    assert all(inst.limiter is not None for inst in pool.instances)  # built with the pool
+    return PoolAdmission(pool, pool.policy.admission)
+
+
+POLICY = one_pool(
+    """
+concurrency: {mode: fixed, limit: 1}
+interactive: {queue_timeout: 50ms}
+batch: {max_queue: 1}
 """
+)
 
 
 def admission() -> PoolAdmission:
-    policy = parse_policy(POLICY)
-    registry = Registry(policy, now=asyncio.get_running_loop().time())
-    pool = registry.pools["chat"]
-    admission_policy = pool.policy.admission
-    assert admission_policy is not None
-    assert all(inst.limiter is not None for inst in pool.instances)  # built with the pool
-    return PoolAdmission(pool, admission_policy)
+    return pool_admission(POLICY)
 
 
 async def test_a_freed_slot_goes_to_the_waiting_request() -> None:
@@ -94,23 +107,17 @@ async def test_no_room_at_all_goes_straight_on() -> None:
     assert adm.running == 1
 
 
-TOKENS_POLICY = """
-pools:
-  chat:
-    models: [m]
-    instances: [{name: a, url: "http://127.0.0.1:9"}, {name: b, url: "http://127.0.0.1:10"}]
-    health: {enabled: false}
-    admission:
-      concurrency: {mode: fixed, limit: 8}
-      tokens: {capacity: 1000, overcommit: 1.0}
-"""
+TOKENS_POLICY = one_pool(
+    """
+concurrency: {mode: fixed, limit: 8}
+tokens: {capacity: 1000, overcommit: 1.0}
+""",
+    instances=2,
+)
 
 
 def token_admission() -> PoolAdmission:
-    policy = parse_policy(TOKENS_POLICY)
-    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
-    assert pool.policy.admission is not None
-    return PoolAdmission(pool, pool.policy.admission)
+    return pool_admission(TOKENS_POLICY)
 
 
 async def test_tokens_are_reserved_on_the_roomiest_instance_at_admission() -> None:
@@ -189,24 +196,17 @@ def test_tenant_counts_stay_bounded() -> None:
     assert counts.items() == [("(anonymous)", 1), ("c", 1), ("(other)", 3)]
 
 
-TENANTS_POLICY = """
-pools:
-  chat:
-    models: [m]
-    instances: [{name: a, url: "http://127.0.0.1:9"}]
-    health: {enabled: false}
-    admission:
-      concurrency: {mode: fixed, limit: 1}
-      batch: {max_queue: 4}
-      tenants: {header: x-team, weights: {gold: 3}}
+TENANTS_POLICY = one_pool(
+    """
+concurrency: {mode: fixed, limit: 1}
+batch: {max_queue: 4}
+tenants: {header: x-team, weights: {gold: 3}}
 """
+)
 
 
 async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() -> None:
-    policy = parse_policy(TENANTS_POLICY)
-    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
-    assert pool.policy.admission is not None
-    adm = PoolAdmission(pool, pool.policy.admission)
+    adm = pool_admission(TENANTS_POLICY)
     await adm.enter("batch")  # the one slot
     order: list[str] = []
 
@@ -236,27 +236,20 @@ async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() 
 
 # -- a learned limit is a guess: it holds back and sheds only a flood ------------------------------
 
-GUESS_POLICY = """
-pools:
-  chat:
-    models: [m]
-    instances: [{name: a, url: "http://127.0.0.1:9"}]
-    health: {enabled: false}
-    admission:
-      vllm_signals: false
-      concurrency: {limit: 64, initial: 1, min: 1}
-      interactive: {queue_timeout: 50ms}
-      standard: {queue_timeout: 50ms}
-      batch: {max_queue: 1}
+GUESS_POLICY = one_pool(
+    """
+vllm_signals: false
+concurrency: {limit: 64, initial: 1, min: 1}
+interactive: {queue_timeout: 50ms}
+standard: {queue_timeout: 50ms}
+batch: {max_queue: 1}
 """
+)
 
 
 def guess_admission() -> PoolAdmission:
-    policy = parse_policy(GUESS_POLICY)
-    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
-    assert pool.policy.admission is not None
-    adm = PoolAdmission(pool, pool.policy.admission)
-    assert adm.room() == 1 and pool.instances[0].room_guessed
+    adm = pool_admission(GUESS_POLICY)
+    assert adm.room() == 1 and adm.pool.instances[0].room_guessed
     return adm
 
 
@@ -324,23 +317,12 @@ async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None
     assert (adm.running, adm.over) == (1, 3)
 
 
-MIXED_POLICY = """
-pools:
-  chat:
-    models: [m]
-    instances: [{name: a, url: "http://127.0.0.1:9"}, {name: b, url: "http://127.0.0.1:10"}]
-    health: {enabled: false}
-    admission:
-      concurrency: {limit: 64, initial: 1, min: 1}
-"""
+MIXED_POLICY = one_pool("concurrency: {limit: 64, initial: 1, min: 1}", instances=2)
 
 
 async def test_requests_sent_past_a_guess_hold_no_slot_an_engine_has_room_for() -> None:
-    policy = parse_policy(MIXED_POLICY)
-    pool = Registry(policy, now=asyncio.get_running_loop().time()).pools["chat"]
-    assert pool.policy.admission is not None
-    adm = PoolAdmission(pool, pool.policy.admission)
-    a, b = pool.instances
+    adm = pool_admission(MIXED_POLICY)
+    a, b = adm.pool.instances
     a.engine_paced, a.engine_batch = True, 8  # its engine's gauges: room for 10
     assert adm.room() == 10 + 1 and b.room_guessed and not a.room_guessed
     await served(adm, 40)

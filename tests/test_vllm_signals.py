@@ -147,6 +147,18 @@ async def test_while_every_instance_is_saturated_one_request_each_goes_and_the_r
 # -- the scraper against engines with and without gauges ------------------------------------
 
 
+def one_instance(port: int, admission: str) -> Registry:
+    """A registry of one pool, `chat`, of one instance on `port`, with that `admission`."""
+    policy = f"""
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: a, url: "http://127.0.0.1:{port}"}}]
+    admission: {admission}
+"""
+    return Registry(parse_policy(policy), now=asyncio.get_running_loop().time())
+
+
 class Pages:
     """An ASGI app whose /metrics answer is set by the test: a status and a page."""
 
@@ -164,16 +176,7 @@ async def test_an_engine_without_gauges_is_left_to_the_limiter_and_asked_again_l
     recorder = Recorder(pages)
     server = ThreadedServer(recorder)
     try:
-        policy = parse_policy(
-            f"""
-pools:
-  chat:
-    models: [m]
-    instances: [{{name: a, url: "http://127.0.0.1:{server.port}"}}]
-    admission: {{vllm_signals: {{recheck: 30s}}}}
-"""
-        )
-        registry = Registry(policy, now=asyncio.get_running_loop().time())
+        registry = one_instance(server.port, "{vllm_signals: {recheck: 30s}}")
         pool = registry.pools["chat"]
         admission = pool.policy.admission
         assert admission is not None
@@ -254,16 +257,7 @@ async def test_a_budget_sized_by_the_engines_first_read_counts_what_is_already_i
     pages = Pages()
     server = ThreadedServer(Recorder(pages))
     try:
-        policy = parse_policy(
-            f"""
-pools:
-  chat:
-    models: [m]
-    instances: [{{name: a, url: "http://127.0.0.1:{server.port}"}}]
-    admission: {{tokens: {{overcommit: 1.0}}}}
-"""
-        )
-        registry = Registry(policy, now=asyncio.get_running_loop().time())
+        registry = one_instance(server.port, "{tokens: {overcommit: 1.0}}")
         pool = registry.pools["chat"]
         admission = pool.policy.admission
         assert admission is not None
