@@ -301,7 +301,7 @@ async def test_a_learned_limit_holds_back_a_flood_and_sheds_its_standard_and_bat
     assert (adm.running, adm.over) == (1, 0)
 
 
-async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None:
+async def test_once_the_flood_is_over_what_waits_keeps_its_place_then_goes_on() -> None:
     adm = guess_admission()
     await adm.enter("standard")  # nothing completed yet: any arrival is a flood
     waiting = [asyncio.ensure_future(adm.enter("standard")) for _ in range(3)]
@@ -309,12 +309,29 @@ async def test_once_the_flood_is_over_what_waited_out_its_time_goes_on() -> None
     assert not any(task.done() for task in waiting)  # a flood: they queue
     for _ in range(100):  # the pool seen completing far more than arrives
         adm.served.arrive(adm.clock())
-    adm.dispatch()  # as the next completion does: no waiting out their queue time
+    adm.dispatch()  # a completion: they keep their places in the queue
     await asyncio.sleep(0)
-    assert all(task.done() for task in waiting)
+    assert not any(task.done() for task in waiting)
+    # Out of queue time: sent on, not shed.
+    await asyncio.wait_for(asyncio.gather(*waiting), 5)
     assert all(task.result().over for task in waiting)
     assert adm.queues.overflow["standard"] == 3 and adm.queues.shed["standard"] == 0
     assert (adm.running, adm.over) == (1, 3)
+
+
+async def test_a_flood_starts_at_twice_the_peak_and_lasts_until_arrivals_are_back_to_it() -> None:
+    adm = guess_admission()
+    now = adm.clock()
+    for _ in range(10):
+        adm.served.arrive(now)  # completed at 5 a second (over 2 s): the peak
+    # (seconds later, arrivals then, flood): arrival rates over the last 2 s of 10, 10.5,
+    # 5.5, 4.5, 7 and 10 a second (the peak, 5, decays a hair in those seconds).
+    steps = ((0, 20, False), (0, 1, True), (2, 11, True), (4, 9, False), (4, 5, False))
+    for later, arrivals, flood in (*steps, (4, 6, True)):
+        for _ in range(arrivals):
+            adm.arrivals.arrive(now + later)
+        assert adm.flooded(now + later) is flood, (later, adm.arrivals.qps(now + later))
+    assert adm.state(now + 4)["flood"] is True
 
 
 MIXED_POLICY = one_pool("concurrency: {limit: 64, initial: 1, min: 1}", instances=2)

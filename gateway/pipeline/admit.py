@@ -12,21 +12,24 @@ without admission.
 
 **A guess holds back only a flood.** Where an instance's room is only the adaptive limiter's
 estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
-saturation holds it), the limit holds requests back only while requests arrive at more than
-`FLOOD_RATIO` times the fastest the pool has been seen to complete them (a flood). Otherwise a
-request that finds the queues empty goes on past that room at once, one that would be answered
-429 (refused, evicted, or out of queue time) is sent on instead, and `dispatch` lets those still
-queued go once the flood is over: each to a backend whose own queue takes it as it would without
-the gateway. Such requests hold none of the room's slots (`Slot.over`, counted in `over`), so an
-instance whose engine has room is not kept idle for them. The limiter learns from latency and
-failures, which also rise when an instance is faulty or its host is busy rather than when its
-queue is long: at a rate the pool has served before, a cut limit says the pool got slower, not
-that more is asked of it than it can do, and holding back or shedding would delay or fail
-requests it serves directly. In a flood, standard and batch requests are queued and shed as
-ever; interactive ones are never shed on a guess (a limit cut late, while the engines' queues
-grew, leaves more in flight than it allows for seconds: one that waited out its short queue time
-then is sent on, not failed). The engine's own account, a limit the policy sets, or a token
-budget hold back and shed as always. Counted as `overflow`, not `shed`.
+saturation holds it), the limit holds requests back only while requests flood the pool: from
+when they arrive at more than `FLOOD_RATIO` times the fastest the pool has been seen to complete
+them until they arrive at no more than `FLOOD_END_RATIO` times that. Otherwise a request that
+finds the queues empty goes on past that room at once, and one that would be answered 429
+(refused, evicted, or out of queue time) is sent on instead: each to a backend whose own queue
+takes it as it would without the gateway. Those still queued when a flood ends keep their places
+and go as slots free or at their queue time (a backlog sent on at once would only wait in the
+engines' queues instead, where later interactive requests would wait behind it). Requests sent
+on hold none of the room's slots (`Slot.over`, counted in `over`), so an instance whose engine
+has room is not kept idle for them. The limiter learns from latency and failures, which also
+rise when an instance is faulty or its host is busy rather than when its queue is long: at a
+rate the pool has served before, a cut limit says the pool got slower, not that more is asked of
+it than it can do, and holding back or shedding would delay or fail requests it serves directly.
+In a flood, standard and batch requests are queued and shed as ever; interactive ones are never
+shed on a guess (a limit cut late, while the engines' queues grew, leaves more in flight than it
+allows for seconds: one that waited out its short queue time then is sent on, not failed). The
+engine's own account, a limit the policy sets, or a token budget hold back and shed as always.
+Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
 names) share the service by weight (`gateway.core.fair_queue`). What is kept per tenant is
@@ -65,10 +68,14 @@ _LABEL_BYTES: Final = 64  # of a tenant header's value
 # How fast the mean time a request holds its slot follows new ones.
 _HOLD_WEIGHT: Final = 0.05
 # Arrivals over the pool's fastest completions (rates over `FLOOD_WINDOW_S`; the peak halves
-# every 5 minutes) beyond which a learned limit may shed. Not 1: completions trail arrivals by
-# what is in flight while traffic ramps up, and a rate a little above the best yet may still be
-# served. A short window, so a flood is known within seconds of its start.
+# every 5 minutes) beyond which a learned limit holds requests back: a flood. Not 1:
+# completions trail arrivals by what is in flight while traffic ramps up, and a rate a little
+# above the best yet may still be served. A short window, so a flood is known within seconds of
+# its start. It lasts until arrivals are back to `FLOOD_END_RATIO` times that peak (the peak of
+# noisy two-second counts rises as a flood goes on: without the margin, one quiet count would
+# end it and the next begin it again).
 FLOOD_RATIO: Final = 2.0
+FLOOD_END_RATIO: Final = 1.0
 FLOOD_WINDOW_S: Final = 2
 
 QUEUE_WAIT_BUCKETS_S: Final = (
@@ -168,6 +175,7 @@ class PoolAdmission:
         # Arrivals and completions over a short window: whether requests flood the pool.
         self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
         self.served = ArrivalRate(window_s=FLOOD_WINDOW_S)
+        self.flood = False
         # The mean time a request holds its slot: with the room, the pool's rate of service
         # while it is full, before 10 s of completions can tell it.
         self.hold_s = 0.0
@@ -198,6 +206,7 @@ class PoolAdmission:
             "queued": {name: queues.length(name) for name in CLASSES},
             "shed": dict(queues.shed),
             "overflow": dict(queues.overflow),
+            "flood": self.flood,
             "weights": queues.weights(now),
             "tenants": {
                 "queued": {name: self.tenants_queued(name) for name in CLASSES},
@@ -268,7 +277,7 @@ class PoolAdmission:
                 self.running += 1
                 self.waits[priority].observe(0.0)
                 return Slot(self._reserve(tokens))
-            if self._held_by_guess(tokens) and not self._flooded(now):
+            if self._held_by_guess(tokens) and not self.flooded(now):
                 queues.sent_over(priority)
                 return self._go_over(priority, tokens)
         if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
@@ -354,12 +363,6 @@ class PoolAdmission:
             if entry is None:
                 break
             self._let_through(entry.item)
-        if len(queues) and not self._flooded(now):
-            # The flood is over: what only a learned limit holds back goes on.
-            while (entry := queues.pop(now, lambda w: self._held_by_guess(w.tokens))) is not None:
-                if not entry.item.future.done():
-                    queues.sent_over(entry.priority)
-                    self._let_through(entry.item, over=True)
         self._arm()
 
     def _let_through(self, waiter: _Waiter, over: bool = False) -> None:
@@ -382,17 +385,20 @@ class PoolAdmission:
             for inst in self.pool.routable
         )
 
-    def _flooded(self, now: float) -> bool:
-        """Whether requests arrive at more than `FLOOD_RATIO` times the fastest the pool was
-        seen to complete them."""
-        return self.arrivals.qps(now) > FLOOD_RATIO * self.served.peak(now)
+    def flooded(self, now: float) -> bool:
+        """Whether requests flood the pool: a flood starts when they arrive at more than
+        `FLOOD_RATIO` times the fastest the pool was seen to complete them, and lasts until
+        they arrive at no more than `FLOOD_END_RATIO` times that."""
+        ratio = FLOOD_END_RATIO if self.flood else FLOOD_RATIO
+        self.flood = self.arrivals.qps(now) > ratio * self.served.peak(now)
+        return self.flood
 
     def _guessing(self, priority: Priority, tokens: int) -> bool:
         """Whether a request about to be answered 429 is sent on instead: an instance that would
         take it is held back only by a guess, and it is interactive or the pool not flooded."""
         if not self._held_by_guess(tokens):
             return False
-        return priority == CLASSES[0] or not self._flooded(self._loop.time())
+        return priority == CLASSES[0] or not self.flooded(self._loop.time())
 
     def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
         """Send a queued request on, past the room, instead of refusing it, where only a guess
