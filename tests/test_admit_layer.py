@@ -332,6 +332,10 @@ async def test_a_flood_starts_at_twice_the_peak_and_lasts_until_arrivals_are_bac
             adm.arrivals.arrive(now + later)
         assert adm.flooded(now + later) is flood, (later, adm.arrivals.qps(now + later))
     assert adm.state(now + 4)["flood"] is True
+    # Not asked about for longer than two windows: a new rate is judged as a start.
+    for _ in range(12):
+        adm.arrivals.arrive(now + 10)
+    assert not adm.flooded(now + 10)  # 6 a second: over the peak, under twice it
 
 
 MIXED_POLICY = one_pool("concurrency: {limit: 64, initial: 1, min: 1}", instances=2)

@@ -176,6 +176,7 @@ class PoolAdmission:
         self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
         self.served = ArrivalRate(window_s=FLOOD_WINDOW_S)
         self.flood = False
+        self._flood_seen_at = 0.0  # when `flooded` last found a flood
         # The mean time a request holds its slot: with the room, the pool's rate of service
         # while it is full, before 10 s of completions can tell it.
         self.hold_s = 0.0
@@ -389,8 +390,12 @@ class PoolAdmission:
         """Whether requests flood the pool: a flood starts when they arrive at more than
         `FLOOD_RATIO` times the fastest the pool was seen to complete them, and lasts until
         they arrive at no more than `FLOOD_END_RATIO` times that."""
+        if self.flood and now - self._flood_seen_at > 2 * FLOOD_WINDOW_S:
+            self.flood = False  # not asked about for a while: judged afresh, as a start
         ratio = FLOOD_END_RATIO if self.flood else FLOOD_RATIO
         self.flood = self.arrivals.qps(now) > ratio * self.served.peak(now)
+        if self.flood:
+            self._flood_seen_at = now
         return self.flood
 
     def _guessing(self, priority: Priority, tokens: int) -> bool:
