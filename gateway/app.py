@@ -25,6 +25,7 @@ from gateway.request_path import build_pipeline
 from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
+from gateway.upstream.discovery import Discovery
 from gateway.upstream.health import HealthChecker
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.vllm_load import VllmLoadScraper
@@ -53,6 +54,9 @@ class Gateway:
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         clock = self._clock = asyncio.get_running_loop().time  # the one clock, for every layer
         self.registry = Registry(policy, now=clock())
+        # Pools that discover their instances: sources started with the gateway (`start`).
+        self.discovery = Discovery(self.registry, clock, self._rediscovered)
+        self._serving = False  # health checks running: new instances are checked as they come
         self.session: aiohttp.ClientSession = new_session()  # health checks, vLLM scrapes
         self.upstream = new_client()  # the requests themselves
         self.health = HealthChecker(self.registry, self.session, self._clock)
@@ -134,14 +138,40 @@ class Gateway:
                 self.data_app.streams.migrate(instance)
 
     async def start(self) -> None:
-        """Know which instances are healthy, and what other replicas decided (bounded: Redis
-        being down must not keep us from serving), before serving; then keep checking."""
-        await asyncio.gather(self.health.first_round(), self.decisions.start())
-        self.health.start()
-        self.vllm_load.start()
+        """Know which instances there are (discovery, bounded), which are healthy, and what
+        other replicas decided (bounded: Redis being down must not keep us from serving),
+        before serving; then keep checking."""
+        self.discovery.follow(self.registry)
+        await asyncio.gather(self.discovery.first_answers(), self.decisions.start())
+        async with self.reloader.lock:  # discovery's changes meanwhile wait, then follow
+            await self.health.first_round()
+            self.health.start()
+            self.vllm_load.start()
+            self._serving = True
         self.reloader.watch()
 
+    async def _rediscovered(self, pool: PoolState) -> None:
+        """Discovery changed a pool's instances: swap them in (one synchronous step, as a
+        reload does), then check the new ones; the ones that stay keep their state."""
+        async with self.reloader.lock:
+            if self.registry.pools.get(pool.name) is not pool:
+                return  # dropped or replaced by a reload meanwhile
+            before = {inst.name for inst in pool.instances}
+            added = pool.rediscovered(self._clock())
+            after = {inst.name for inst in pool.instances}
+            self.decisions.follow(self.registry)
+            fields = {
+                "pool": pool.name,
+                "added": ",".join(sorted(after - before)),
+                "removed": ",".join(sorted(before - after)),
+                "instances": len(after),
+            }
+            log.warning("discovery changed the instances", extra={"fields": fields})
+            if self._serving:
+                await self.follow(added)
+
     async def close(self) -> None:
+        await self.discovery.close()
         await self.reloader.close()
         await self.health.close()
         await self.vllm_load.close()
@@ -171,6 +201,7 @@ class Gateway:
             self._sync_account_pools(dropped)
             self._sync_admissions()
             self.decisions.follow(self.registry)
+            self.discovery.follow(self.registry)  # sources of new or changed discovery
             self.data_app.refresh_models()  # /v1/models lists the reloaded pools' models
         self.policy = policy  # the drain reads its settings here when SIGTERM comes
         return added

@@ -69,6 +69,7 @@ class GatewayCollector(Collector):
         yield from self._admission()
         yield from self._shared()
         yield from self._policy()
+        yield from self._discovery()
         yield from self._ingress()
 
     def _ingress(self) -> Iterator[Metric]:
@@ -102,6 +103,36 @@ class GatewayCollector(Collector):
             "Unix time the policy served was loaded",
             value=stats.loaded_at,
         )
+
+    def _discovery(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily(
+            "gateway_discovery_errors",
+            "Discovery refreshes that failed (resolver or API error: the last known instances "
+            "stayed), by pool and source",
+            labels=["pool", "source"],
+        )
+        changes = CounterMetricFamily(
+            "gateway_discovery_changes",
+            "Discovery answers that changed a pool's instances",
+            labels=["pool", "source"],
+        )
+        found = GaugeMetricFamily(
+            "gateway_discovery_instances",
+            "Instances a pool's discovery source last gave (those it uses, besides its listed "
+            "ones)",
+            labels=["pool", "source"],
+        )
+        for name, pool in self._observed.pools.items():
+            policy, record = pool.declared.discovery, pool.found
+            if policy is None or record is None:
+                continue
+            labels = [name, policy.source]
+            errors.add_metric(labels, record.errors)
+            changes.add_metric(labels, record.changes)
+            found.add_metric(labels, len(record.endpoints))
+        yield errors
+        yield changes
+        yield found
 
     def _admission(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily(

@@ -112,6 +112,7 @@ class Operations:
                 "admission": self._admissions[name].state(now)
                 if name in self._admissions
                 else None,
+                "discovery": _discovery_state(pool, now, wall),
                 "instances": [
                     _instance_state(pool, inst, tier.k, now, wall, self._decisions.decided_by)
                     for inst in pool.instances
@@ -124,6 +125,36 @@ class Operations:
             "draining": self._draining(),
             "ingress": {"refusals": dict(self._refusals.counts)},
         }
+
+
+def _discovery_state(pool: PoolState, now: float, wall: float) -> dict[str, Any] | None:
+    """Where the pool's instances come from, what was last found and when, the last error."""
+    policy, found = pool.declared.discovery, pool.found
+    if policy is None or found is None:
+        return None
+    if policy.dns is not None:
+        target = f"{policy.dns.type} {policy.dns.name}"
+    else:
+        assert policy.kubernetes is not None
+        k8s = policy.kubernetes
+        target = f"{k8s.namespace or '(own namespace)'}/{k8s.service or k8s.selector}"
+
+    def at(moment: float | None) -> float | None:
+        return None if moment is None else wall - (now - moment)
+
+    return {
+        "source": policy.source,
+        "target": target,
+        "instances": [e.name for e in found.endpoints],
+        "refreshed_at": at(found.refreshed_at),  # wall clock of the last answer
+        "last_error": found.last_error,  # since the last answer (null: none)
+        "failed_at": at(found.failed_at),
+        "errors": found.errors,
+        "changes": found.changes,
+        # An empty answer not believed yet: since when answers have been empty.
+        "empty_since": at(found.empty_since),
+        "shadowed": list(found.shadowed),  # found names a listed instance has already
+    }
 
 
 def _finite(value: float) -> float | None:

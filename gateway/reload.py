@@ -283,7 +283,8 @@ class Reloader:
         self._target = target
         self._path = path
         self.stats = stats
-        self._lock = asyncio.Lock()
+        # Serialises reloads, and the instance changes discovery makes (`gateway.app`).
+        self.lock = asyncio.Lock()
         self._watcher: PolicyWatcher | None = None
         self._background: set[asyncio.Task[ReloadResult]] = set()
 
@@ -306,7 +307,7 @@ class Reloader:
 
     async def reload_from_file(self, source: str = "api") -> ReloadResult:
         """Read, validate and apply the policy file; the old policy stays when it fails."""
-        async with self._lock:
+        async with self.lock:
             if self._path is None:
                 return self._refused("no policy file to reload from", source)
             try:
@@ -320,7 +321,7 @@ class Reloader:
 
     async def reload(self, policy: Policy, source: str = "api") -> ReloadResult:
         """Apply an already validated policy (reloads are serialised)."""
-        async with self._lock:
+        async with self.lock:
             return await self._apply(policy, source)
 
     def _refused(self, message: str, source: str) -> ReloadResult:

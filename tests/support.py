@@ -24,10 +24,11 @@ class Backend:
     # The port held for it (see loadtests/ports.py) from its start to `stop()`, so that a test
     # can kill it and start it again on the same port without anything taking the port between.
     hold: PortHold | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.proc.port()}"
+        return f"http://{self.host}:{self.proc.port()}"
 
     def set_faults(self, **faults: Any) -> None:
         httpx.post(f"{self.url}/_fake/faults", json=faults, timeout=5).raise_for_status()
@@ -67,9 +68,12 @@ class Backend:
 _holders: dict[int, Backend] = {}
 
 
-def start_backend(name: str, models: list[str], *extra: str, port: int | None = None) -> Backend:
+def start_backend(
+    name: str, models: list[str], *extra: str, port: int | None = None, host: str = "127.0.0.1"
+) -> Backend:
     """A fake backend on a port held for it (restartable there), or on `port` (0: one the
-    process picks itself)."""
+    process picks itself), listening on `host` (another loopback address: several backends
+    on one port, as pods behind one DNS name)."""
     hold: PortHold | None = None
     if port is None:
         hold = hold_port()
@@ -80,11 +84,11 @@ def start_backend(name: str, models: list[str], *extra: str, port: int | None = 
             hold, previous.hold = previous.hold, None
     argv = python_module(
         "loadtests.fake_vllm",
-        *("--port", str(port), "--name", name, "--models", ",".join(models)),
+        *("--host", host, "--port", str(port), "--name", name, "--models", ",".join(models)),
         *extra,
     )
     try:
-        backend = Backend(name, ManagedProcess(argv), hold)
+        backend = Backend(name, ManagedProcess(argv), hold, host)
     except BaseException:
         if hold is not None:
             hold.close()

@@ -9,8 +9,11 @@ from gateway.core.discovery import (
     MIN_REFRESH_S,
     DiscoveredSet,
     Endpoint,
+    Slice,
+    SliceEndpoint,
     address_name,
     from_addresses,
+    from_slices,
     from_srv,
     next_refresh,
 )
@@ -25,7 +28,7 @@ def test_addresses_are_named_by_address_and_port() -> None:
     endpoints = from_addresses(["10.0.0.9", "fd00::1", "10.0.0.10", "10.0.0.9", "::1"], 8000)
     names = [e.name for e in endpoints]
     assert names == ["10.0.0.9-8000", "10.0.0.10-8000", "0--1-8000", "fd00--1-8000"]
-    assert endpoints[3].url == "http://[fd00::1]:8000"
+    assert endpoints[3].url() == "http://[fd00::1]:8000"
     assert all(NAME_RE.match(e.name) for e in endpoints)
 
 
@@ -108,3 +111,55 @@ def test_a_first_empty_answer_is_taken_and_a_grace_must_not_be_negative() -> Non
     assert not DiscoveredSet(grace_s=30.0).answered(0.0, [])  # nothing to keep
     with pytest.raises(ValueError):
         DiscoveredSet(grace_s=-1.0)
+
+
+# -- EndpointSlices ------------------------------------------------------------------------------
+
+
+def _ep(address: str, pod: str | None, **conditions: bool | None) -> SliceEndpoint:
+    return SliceEndpoint(address, pod=pod, **conditions)
+
+
+def test_slices_give_ready_endpoints_named_by_pod_on_the_named_port() -> None:
+    slices = [
+        Slice(
+            "IPv4",
+            (("http", 8000), ("metrics", 9000)),
+            (
+                _ep("10.0.0.2", "vllm-b"),
+                _ep("10.0.0.1", "vllm-a", ready=None),  # not set: ready
+                _ep("10.0.0.3", "vllm-c", ready=False),  # starting
+                _ep("10.0.0.4", "vllm-d", ready=False, serving=True, terminating=True),
+            ),
+        ),
+        Slice("IPv6", (("http", 8000),), (_ep("fd00::1", "vllm-a"),)),  # dual stack: once
+        Slice("FQDN", (("http", 8000),), (_ep("vllm.example", "x"),)),
+    ]
+    assert [(e.name, e.host, e.port) for e in from_slices(slices, "http")] == [
+        ("vllm-a", "10.0.0.1", 8000),
+        ("vllm-b", "10.0.0.2", 8000),
+    ]
+    assert [e.port for e in from_slices(slices, 9000)] == [9000, 9000]
+    with pytest.raises(ValueError, match="several ports"):
+        from_slices(slices[:1], None)
+    assert from_slices(slices, "grpc") == []
+
+
+def test_when_none_is_ready_the_terminating_ones_that_still_serve_do() -> None:
+    slices = [
+        Slice(
+            "IPv4",
+            (("http", 8000),),
+            (
+                _ep("10.0.0.1", "a", ready=False, serving=True, terminating=True),
+                _ep("10.0.0.2", "b", ready=False, serving=False, terminating=True),
+            ),
+        )
+    ]
+    assert [e.name for e in from_slices(slices, None)] == ["a"]
+
+
+def test_an_endpoint_without_a_usable_pod_name_is_named_by_its_address() -> None:
+    long_pod = "p" * 80  # valid in Kubernetes, too long for an instance name
+    slices = [Slice("IPv4", ((None, 8000),), (_ep("10.0.0.1", long_pod),))]
+    assert [e.name for e in from_slices(slices, None)] == ["10.0.0.1-8000"]

@@ -250,6 +250,75 @@ def test_probes_and_services_use_the_policys_data_port() -> None:
                     assert _port_number(container, port["targetPort"]) == data_port
 
 
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_kubectl_kustomize_renders_the_manifests_and_they_match_the_schemas(name: str) -> None:
+    """kustomize itself (kubectl's, offline) renders what `render()` reads, hash suffixes
+    aside, and its output validates too."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed (scripts/install-system-deps)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
+
+    def names(items: list[Manifest]) -> set[tuple[str, str]]:
+        return {(d["kind"], re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])) for d in items}
+
+    assert names(docs) == names(render(name))
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_central_gateways_discover_the_sidecar_pods_with_least_privilege() -> None:
+    """The central policy watches the EndpointSlices of a Service the sidecar manifests create,
+    on a port it has, selecting the vLLM pods; its service account may only read slices; and
+    the instance names agree: the pod name, which is what each sidecar calls its vLLM."""
+    central = render("central")
+    ((_, workload, container),) = [g for g in _gateway_workloads() if g[0] == "central"]
+    (pool,) = _policy_of("central", workload, container).pools.values()
+    assert pool.instances == ()
+    assert pool.discovery is not None and pool.discovery.kubernetes is not None
+    watched = pool.discovery.kubernetes
+    assert watched.namespace is None  # the gateway's own: where the manifests are applied
+    sidecar = render("sidecar")
+    service = next(
+        s for s in _of_kind(sidecar, "Service") if s["metadata"]["name"] == watched.service
+    )
+    assert service["spec"]["clusterIP"] == "None"
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == watched.port]
+    (vllm_pods,) = _workloads(sidecar)
+    assert vllm_pods["kind"] == "Deployment"
+    labels = vllm_pods["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    vllm = next(
+        c for c in vllm_pods["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"
+    )
+    assert _port_number(vllm, port["targetPort"]) == 8000
+    sidecar_policy = yaml.safe_load((K8S / "sidecar" / "policy.yaml").read_text())
+    (sidecar_pool,) = sidecar_policy["pools"].values()
+    assert [i["name"] for i in sidecar_pool["instances"]] == ["${POD_NAME}"]
+
+    account = workload["spec"]["template"]["spec"]["serviceAccountName"]
+    assert [a["metadata"]["name"] for a in _of_kind(central, "ServiceAccount")] == [account]
+    (binding,) = _of_kind(central, "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert not _of_kind(central, "ClusterRole") and not _of_kind(central, "ClusterRoleBinding")
+    (role,) = _of_kind(central, "Role")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+
 def test_central_service_exposes_8080_only() -> None:
     (service,) = _of_kind(render("central"), "Service")
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(8080, "http")]

@@ -45,6 +45,8 @@ def _same_socket(first: str, second: str) -> bool:
 
 def _pool_errors(where: Loc, pool: PoolPolicy) -> list[tuple[Loc, str]]:
     errors: list[tuple[Loc, str]] = []
+    if not pool.instances and pool.discovery is None:
+        errors.append(((*where, "instances"), "a pool needs instances, discovery or both"))
     seen: set[str] = set()
     for index, instance in enumerate(pool.instances):
         if instance.name in seen:

@@ -6,6 +6,7 @@ Checks that relate several fields (duplicate names, tier order, floor vs ceiling
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from typing import Annotated, Final, Literal
@@ -194,6 +195,103 @@ class DrainPolicy(Strict):
 class InstancePolicy(Strict):
     name: Name
     url: UpstreamUrl
+
+
+def split_nameserver(value: str) -> tuple[str, int]:
+    """`IP`, `IP:PORT` or `[v6]:PORT` (a bare IPv6 address too) into address and port (53 when
+    absent); raises ValueError otherwise: a resolver is reached by address, never by name."""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else ("" if not rest else "x")
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+    else:
+        host, port = value, ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"invalid nameserver {value!r}: expected IP or IP:PORT") from None
+    if port and (not port.isdigit() or not 0 < int(port) <= 65535):
+        raise ValueError(f"invalid nameserver {value!r}: bad port")
+    return host, int(port) if port else 53
+
+
+def _check_nameserver(value: str) -> str:
+    split_nameserver(value)
+    return value
+
+
+def _check_dns_name(value: str) -> str:
+    labels = value.rstrip(".").split(".")
+    if not value or len(value) > 253 or any(not _DNS_LABEL.match(label) for label in labels):
+        raise ValueError(f"invalid DNS name {value!r}")
+    return value
+
+
+_DNS_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
+Nameserver = Annotated[str, AfterValidator(_check_nameserver)]
+DnsName = Annotated[str, AfterValidator(_check_dns_name)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class DnsDiscoveryPolicy(Strict):
+    """Instances from DNS: A and AAAA records of `name` (a Kubernetes headless Service lists
+    its ready pods so) on `port`, or SRV records (target and port each)."""
+
+    name: DnsName
+    port: Port | None = None  # A: required; SRV: the records give it
+    type: Literal["A", "SRV"] = "A"
+    # Asked again after this, or the records' TTL when that is sooner (not sooner than 1 s).
+    interval: Duration = Field(default=5.0, gt=0)
+    # Absent: the system's resolvers (/etc/resolv.conf, with its search domains).
+    nameservers: tuple[Nameserver, ...] = ()
+    timeout: Duration = Field(default=2.0, gt=0)  # one resolution, every nameserver tried
+
+    @model_validator(mode="after")
+    def _port_by_type(self) -> DnsDiscoveryPolicy:
+        if self.type == "A" and self.port is None:
+            raise ValueError("type A needs a port (SRV records carry their own)")
+        if self.type == "SRV" and self.port is not None:
+            raise ValueError("type SRV takes its ports from the records: remove port")
+        return self
+
+
+class KubernetesDiscoveryPolicy(Strict):
+    """Instances from the EndpointSlices of a Service (or of every Service whose labels match
+    `selector`: a Service's labels are copied to its slices), watched through the API."""
+
+    namespace: Name | None = None  # absent: the gateway's own (its service account's)
+    service: Name | None = None
+    selector: Annotated[str, Field(min_length=1)] | None = None
+    # The port's name in the Service (or its number); absent: the slices' only port.
+    port: Annotated[str, Field(min_length=1)] | Port | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self) -> KubernetesDiscoveryPolicy:
+        if (self.service is None) == (self.selector is None):
+            raise ValueError("give exactly one of service or selector")
+        return self
+
+
+class DiscoveryPolicy(Strict):
+    """Where a pool learns its instances from, beside or instead of `instances`."""
+
+    dns: DnsDiscoveryPolicy | None = None
+    kubernetes: KubernetesDiscoveryPolicy | None = None
+    scheme: Literal["http", "https"] = "http"  # how discovered instances are reached
+    # An empty answer over a non-empty set is believed only after answers stayed empty this
+    # long (a resolver restarting, a Service being edited must not empty the pool).
+    grace: Duration = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryPolicy:
+        if (self.dns is None) == (self.kubernetes is None):
+            raise ValueError("give exactly one source: dns or kubernetes")
+        return self
+
+    @property
+    def source(self) -> str:
+        return "dns" if self.dns is not None else "kubernetes"
 
 
 class HealthPolicy(Strict):
@@ -565,7 +663,8 @@ Hedging = Annotated[HedgingPolicy, BeforeValidator(_switch)]
 
 class PoolPolicy(Strict):
     models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(min_length=1)
-    instances: tuple[InstancePolicy, ...] = Field(min_length=1)
+    instances: tuple[InstancePolicy, ...] = ()
+    discovery: DiscoveryPolicy | None = None
     health: HealthPolicy = HealthPolicy()
     timeouts: TimeoutsPolicy = TimeoutsPolicy()
     connections: ConnectionsPolicy = ConnectionsPolicy()

@@ -45,10 +45,9 @@ class Endpoint:
     host: str
     port: int
 
-    @property
-    def url(self) -> str:
+    def url(self, scheme: str = "http") -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{scheme}://{host}:{self.port}"
 
 
 def address_name(address: str, port: int) -> str:
@@ -102,6 +101,7 @@ class DiscoveredSet:
     module docstring)."""
 
     __slots__ = (
+        "changes",
         "empty_since",
         "endpoints",
         "errors",
@@ -109,6 +109,7 @@ class DiscoveredSet:
         "grace_s",
         "last_error",
         "refreshed_at",
+        "shadowed",
     )
 
     def __init__(self, grace_s: float) -> None:
@@ -121,6 +122,8 @@ class DiscoveredSet:
         self.last_error: str | None = None  # since the last answer
         self.failed_at: float | None = None
         self.errors = 0
+        self.changes = 0  # answers that changed the set
+        self.shadowed: tuple[str, ...] = ()  # found names a listed instance already has
 
     def answered(self, now: float, endpoints: Sequence[Endpoint]) -> bool:
         """Take an answer; whether the set changed."""
@@ -136,6 +139,7 @@ class DiscoveredSet:
         if new == self.endpoints:
             return False
         self.endpoints = new
+        self.changes += 1
         return True
 
     def failed(self, now: float, error: str) -> None:
@@ -143,3 +147,92 @@ class DiscoveredSet:
         self.errors += 1
         self.last_error = error
         self.failed_at = now
+
+
+# -- Kubernetes EndpointSlices ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SliceEndpoint:
+    """One endpoint of an EndpointSlice: its address, conditions (None: not set) and pod."""
+
+    address: str
+    ready: bool | None = None
+    serving: bool | None = None
+    terminating: bool | None = None
+    pod: str | None = None  # targetRef.name when the target is a Pod
+    hostname: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """What discovery reads of an EndpointSlice."""
+
+    address_type: str  # IPv4, IPv6 or FQDN
+    ports: tuple[tuple[str | None, int], ...]  # (name, port)
+    endpoints: tuple[SliceEndpoint, ...]
+
+
+def _slice_port(piece: Slice, port: str | int | None) -> int | None:
+    """The port to use in this slice: a number as given, a name looked up (None: the slice
+    has no such port), or the slice's only port. Raises ValueError when it has several."""
+    if isinstance(port, int):
+        return port
+    if port is not None:
+        return next((number for name, number in piece.ports if name == port), None)
+    numbers = {number for _, number in piece.ports}
+    if len(numbers) > 1:
+        raise ValueError(f"the Service has several ports {sorted(numbers)}: name one (port)")
+    return next(iter(numbers), None)
+
+
+def _ready(endpoint: SliceEndpoint) -> bool:
+    # The API: a ready condition not set means ready; a terminating endpoint is never ready.
+    return endpoint.ready is not False and endpoint.terminating is not True
+
+
+def _serving(endpoint: SliceEndpoint) -> bool:
+    return endpoint.serving if endpoint.serving is not None else endpoint.ready is not False
+
+
+def _endpoint_name(endpoint: SliceEndpoint, port: int) -> str:
+    for name in (endpoint.pod, endpoint.hostname):
+        if name and NAME_RE.match(name):
+            return name
+    return address_name(endpoint.address, port)
+
+
+def from_slices(slices: Iterable[Slice], port: str | int | None) -> list[Endpoint]:
+    """Endpoints for a Service's EndpointSlices, named by their pod.
+
+    Ready endpoints only: one not ready, or terminating, gets no new requests (what it runs
+    finishes, as for any instance that leaves). When none is ready but some still serve (every
+    pod terminating, as in a rollout that replaces them all at once), those serve, as
+    kube-proxy does: refusing every request would be worse. FQDN slices and endpoints without
+    the port are skipped; an endpoint in both an IPv4 and an IPv6 slice counts once (IPv4).
+    Raises ValueError when `port` is None and a slice has several ports."""
+    ready: list[Endpoint] = []
+    serving: list[Endpoint] = []
+    pieces = sorted(slices, key=lambda s: s.address_type)  # IPv4 before IPv6
+    for piece in pieces:
+        if piece.address_type not in ("IPv4", "IPv6"):
+            continue
+        number = _slice_port(piece, port)
+        if number is None:
+            continue
+        for item in piece.endpoints:
+            try:
+                found = Endpoint(
+                    _endpoint_name(item, number), str(ipaddress.ip_address(item.address)), number
+                )
+            except ValueError:
+                continue  # not an address: nothing to connect to
+            if _ready(item):
+                ready.append(found)
+            elif _serving(item):
+                serving.append(found)
+    chosen = ready or serving
+    by_name: dict[str, Endpoint] = {}
+    for endpoint in chosen:
+        by_name.setdefault(endpoint.name, endpoint)
+    return sorted(by_name.values(), key=lambda e: e.name)

@@ -17,6 +17,7 @@ from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
+from gateway.core.discovery import DiscoveredSet
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.histogram import Histogram
@@ -249,8 +250,10 @@ class PoolState:
         "budget",
         "capacity_listeners",
         "credential_headers",
+        "declared",
         "engines_wanted",
         "failure",
+        "found",
         "instances",
         "name",
         "next_index",
@@ -276,7 +279,11 @@ class PoolState:
         client_auth: bool = False,
     ) -> None:
         self.name = name
-        self.policy = policy
+        # The policy file's pool (`declared`), what its discovery source last told
+        # (`found`), and the two together: the policy the pool runs on (`policy`).
+        self.declared = policy
+        self.found = _found_for(policy, None)
+        policy = self.policy = with_discovered(policy, self.found)
         # Upstream TLS and credentials, computed once (again on reload), used per attempt, by
         # the health checks and by the vLLM scrapes alike.
         self.ssl: ssl.SSLContext | bool = client_ssl(policy.tls, name)
@@ -335,7 +342,21 @@ class PoolState:
         others are new (and returned: they take no traffic before a passing health check,
         unless health checks are off). Dropped instances just leave the list: requests in
         flight on them hold their own reference and finish normally.
+
+        A pool that keeps its discovery keeps what it found (a changed source replaces it with
+        its first answer: until then the pool keeps serving on the last known set).
         """
+        self.declared = policy
+        self.found = _found_for(policy, self.found)
+        return self._take(with_discovered(policy, self.found), now)
+
+    def rediscovered(self, now: float) -> list[InstanceState]:
+        """Follow what discovery found (`found` has changed): the instances that stay keep
+        their state, new ones are returned (to health-check), gone ones finish what they run."""
+        policy = with_discovered(self.declared, self.found)
+        return [] if policy == self.policy else self._take(policy, now)
+
+    def _take(self, policy: PoolPolicy, now: float) -> list[InstanceState]:
         old = {(inst.name, inst.base_url): inst for inst in self.instances}
         kept = {
             inst.name: old[(inst.name, inst.url)]
@@ -533,6 +554,34 @@ class PoolState:
             listener()
 
 
+def _found_for(policy: PoolPolicy, found: DiscoveredSet | None) -> DiscoveredSet | None:
+    """A pool's record of what discovery found: kept across reloads while it has discovery."""
+    discovery = policy.discovery
+    if discovery is None:
+        return None
+    if found is None:
+        return DiscoveredSet(discovery.grace)
+    found.grace_s = discovery.grace
+    return found
+
+
+def with_discovered(policy: PoolPolicy, found: DiscoveredSet | None) -> PoolPolicy:
+    """The pool's listed instances, then those discovery found. A found name that a listed
+    instance has is left out (`DiscoveredSet.shadowed`): the list is the operator's word."""
+    if found is None or policy.discovery is None or not found.endpoints:
+        return policy
+    scheme = policy.discovery.scheme
+    listed = {inst.name for inst in policy.instances}
+    shadowed = [e.name for e in found.endpoints if e.name in listed]
+    found.shadowed = tuple(shadowed)
+    extra = tuple(
+        InstancePolicy(name=e.name, url=e.url(scheme))
+        for e in found.endpoints
+        if e.name not in listed
+    )
+    return policy.model_copy(update={"instances": policy.instances + extra})
+
+
 def _otherwise_available(inst: InstanceState, now: float) -> bool:
     return inst.health.healthy is True and inst.not_before <= now and not inst.saturated
 
@@ -599,7 +648,7 @@ class Registry:
             if pool is None:
                 pool = PoolState(name, pool_policy, self.rng, now, client_auth)
                 added.extend(pool.instances)
-            elif pool.policy != pool_policy:
+            elif pool.declared != pool_policy:
                 added.extend(pool.reconfigure(pool_policy, now))
             pool.set_upstream_headers(client_auth)  # a rotated credential, auth turned on/off
             pools[name] = pool
