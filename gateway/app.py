@@ -151,28 +151,38 @@ class Gateway:
         self.reloader.watch()
 
     async def _rediscovered(self, pool: PoolState) -> None:
-        """Discovery changed a pool's instances: swap them in (one synchronous step, as a
-        reload does), then check the new ones; the ones that stay keep their state."""
+        """Discovery changed what a pool found: the instances that stay keep their state and
+        their checks; new ones join and are checked at once; then gone ones leave (they
+        finish what they run). Until the new ones are checked the gone ones stay, so a set
+        replaced whole never leaves the pool with nothing known healthy. Serialised with
+        reloads; only this pool's health checks change."""
         async with self.reloader.lock:
             if self.registry.pools.get(pool.name) is not pool:
                 return  # dropped or replaced by a reload meanwhile
-            before = {inst.name for inst in pool.instances}
-            added = pool.rediscovered(self._clock())
-            after = {inst.name for inst in pool.instances}
+            before = {(inst.name, inst.base_url) for inst in pool.instances}
+            added = pool.rediscovered(self._clock(), keep_gone=True)
+            if added:
+                self.decisions.follow(self.registry)
+                if self._serving:
+                    await self.health.check_instances(added)
+            pool.rediscovered(self._clock())
+            after = {(inst.name, inst.base_url) for inst in pool.instances}
+            if after == before and not added:
+                return  # already applied (a reload took it meanwhile)
             self.decisions.follow(self.registry)
+            if self._serving:
+                self.health.follow_pool(pool)
             fields = {
                 "pool": pool.name,
-                "added": ",".join(sorted(after - before)),
-                "removed": ",".join(sorted(before - after)),
+                "added": ",".join(sorted(name for name, _ in after - before)),
+                "removed": ",".join(sorted(name for name, _ in before - after)),
                 "instances": len(after),
             }
             log.warning("discovery changed the instances", extra={"fields": fields})
-            if self._serving:
-                await self.follow(added)
 
     async def close(self) -> None:
+        await self.reloader.close()  # first: a reload waiting would start sources again
         await self.discovery.close()
-        await self.reloader.close()
         await self.health.close()
         await self.vllm_load.close()
         await self.decisions.close()
@@ -279,12 +289,21 @@ class Gateway:
 
         A breaker's isolation does not count: it answers a partial error rate, and a sidecar
         turning not-ready for one would let a bad model version everywhere take every pod out
-        of its Service. A sidecar's pod leaves only while its vLLM is really down."""
+        of its Service. A sidecar's pod leaves only while its vLLM is really down.
+
+        A pool whose discovery answered that it has no instance (a Deployment scaled to zero)
+        does not count either: every replica sees the same, and turning them all not-ready
+        would take the other pools' models away too."""
         if self.draining:
             return False, {"ready": False, "draining": True}
         pools = {
-            name: any(not i.breaker.forced for i in pool.routable)
+            name: any(not i.breaker.forced for i in pool.routable) or _known_empty(pool)
             for name, pool in self.registry.pools.items()
         }
         ready = all(pools.values())
         return ready, {"ready": ready, "pools": pools}
+
+
+def _known_empty(pool: PoolState) -> bool:
+    found = pool.found
+    return not pool.instances and found is not None and found.refreshed_at is not None

@@ -118,21 +118,23 @@ class GatewayCollector(Collector):
         )
         found = GaugeMetricFamily(
             "gateway_discovery_instances",
-            "Instances a pool's discovery source last gave (those it uses, besides its listed "
-            "ones)",
+            "Instances a pool's discovery source last gave",
             labels=["pool", "source"],
         )
+        discovering = False
         for name, pool in self._observed.pools.items():
             policy, record = pool.declared.discovery, pool.found
             if policy is None or record is None:
                 continue
+            discovering = True
             labels = [name, policy.source]
             errors.add_metric(labels, record.errors)
             changes.add_metric(labels, record.changes)
             found.add_metric(labels, len(record.endpoints))
-        yield errors
-        yield changes
-        yield found
+        if discovering:  # no empty families where no pool discovers
+            yield errors
+            yield changes
+            yield found
 
     def _admission(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily(

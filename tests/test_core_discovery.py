@@ -140,6 +140,7 @@ def test_slices_give_ready_endpoints_named_by_pod_on_the_named_port() -> None:
         ("vllm-b", "10.0.0.2", 8000),
     ]
     assert [e.port for e in from_slices(slices, 9000)] == [9000, 9000]
+    assert from_slices(slices, 80) == []  # a Service's port is not the pods': no such port
     with pytest.raises(ValueError, match="several ports"):
         from_slices(slices[:1], None)
     assert from_slices(slices, "grpc") == []
@@ -157,6 +158,15 @@ def test_when_none_is_ready_the_terminating_ones_that_still_serve_do() -> None:
         )
     ]
     assert [e.name for e in from_slices(slices, None)] == ["a"]
+
+
+def test_a_change_the_pool_could_not_take_is_tried_again_by_the_same_answer() -> None:
+    found = DiscoveredSet(grace_s=0)
+    endpoints = from_addresses(["10.0.0.1"], 8000)
+    assert found.answered(1.0, endpoints)
+    found.not_applied()
+    assert found.answered(2.0, endpoints)  # the same answer, yet a change to apply
+    assert not found.answered(3.0, endpoints)
 
 
 def test_an_endpoint_without_a_usable_pod_name_is_named_by_its_address() -> None:

@@ -17,8 +17,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.config import PolicyError, parse_policy
 from gateway.ingress.auth import ClientAuth, presented_key
 from gateway.reload import diff_policies
+from loadtests.asgi_server import Recorder, ThreadedServer
 from loadtests.procs import gateway_process, wait_until
-from tests.asgi_server import Recorder, ThreadedServer
 from tests.otlp_receiver import OtlpReceiver
 from tests.support import LOOPBACK_LISTENERS, Gateway
 

@@ -175,6 +175,10 @@ pools:
     instances: [{instances_yaml({"c": backends["c"]})}]
     timeouts: {{initial: 200ms, initial_per_token: 10ms, floor: 100ms}}
     retries: {{on: [connect_failure]}}
+    # Discovery beside the listed instance, from a nameserver that refuses: its families are
+    # exported (an error counted, nothing found) and the listed instance serves.
+    discovery:
+      dns: {{name: vllm.test, port: 9, timeout: 200ms, nameservers: ["127.0.0.1:{closed_port()}"]}}
     admission:
       concurrency: {{mode: fixed, limit: 4}}
       tokens: {{capacity: 100000}}

@@ -7,6 +7,8 @@ headless Service share their container port, and the records say which of them s
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,14 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
+from gateway.config import parse_policy
 from gateway.config.models import DnsDiscoveryPolicy
+from gateway.core.discovery import from_addresses
 from gateway.upstream.dns_records import DnsError, DnsSource
+from gateway.upstream.health import HealthChecker
+from gateway.upstream.registry import Registry
+from loadtests.asgi_server import Recorder, ThreadedServer
+from loadtests.dnsmasq import DnsServer
 from loadtests.ports import hold_port
 from loadtests.procs import wait_until
-from tests.dns_server import DnsServer
 from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
 
 NAME = "vllm.test"
@@ -297,24 +305,29 @@ def test_a_dns_outage_changes_nothing_and_an_empty_answer_waits_for_its_grace(
         dns_server.resume()
     wait_until(lambda: _state(gateway)["discovery"]["last_error"] is None, timeout_s=20)
 
-    # The name disappears: not believed at first (the set stays while answers are empty)...
+    # The name disappears: not believed at first, the set stays while answers are empty (read
+    # in the same state that shows the empty answers pending)...
     dns_server.set_hosts({})
-    wait_until(lambda: _state(gateway)["discovery"]["empty_since"] is not None, timeout_s=20)
-    # ...read in one state: an empty answer not yet believed leaves every instance in place.
-    seen: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
 
-    def pending() -> bool:
+    def empty_pending() -> bool:
         state = _state(gateway)
-        seen.append(state)
-        return state["discovery"]["empty_since"] is not None
+        if state["discovery"]["empty_since"] is None:
+            return False
+        pending.append(state)
+        return True
 
-    assert pending()
-    assert {i["name"] for i in seen[-1]["instances"]} == both
+    wait_until(empty_pending, timeout_s=20)
+    assert {i["name"] for i in pending[0]["instances"]} == both
     # ...then believed once it lasted the grace: the pool is empty and says so.
     wait_until(lambda: _state(gateway)["instances"] == [], timeout_s=30)
     response = _ask(gateway)
     assert response.status_code == 503
-    assert response.json()["error"]["type"]
+    assert response.json()["error"]["code"] == "no_instance_available"
+    # Known empty (a Deployment scaled to zero): every replica sees the same, so it does not
+    # turn this one not-ready (with other pools, their models would go too).
+    ready = httpx.get(f"{gateway.url}/readyz", timeout=5)
+    assert ready.status_code == 200 and ready.json()["pools"] == {"chat": True}
     # Records back: the pool serves again.
     dns_server.set_hosts({NAME: ["127.0.0.2"]})
     wait_until(lambda: _healthy(gateway) == {fleet.name(2)}, timeout_s=20)
@@ -348,3 +361,146 @@ def test_no_request_fails_while_the_pool_scales_from_2_to_6_and_back(
         wait_until(lambda: len(results) >= count + 20, timeout_s=60)
     assert len(results) >= 60
     assert [r for r in results if r != (200, True)] == []
+
+
+def test_reloads_add_change_and_remove_discovery_beside_listed_instances(
+    dns_server: DnsServer, fleet: Fleet, gateway_of: Any, tmp_path: Path
+) -> None:
+    """A listed instance stays through every reload; discovery added finds its instances, a
+    changed name keeps the old ones until the new name answers, removed drops what it found."""
+    fleet.start(2, 3, 4)
+    listed = fleet.backends[fleet.host(2)]
+    head = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: listed, url: "{listed.url}"}}]
+    health: {{interval: 1s, timeout: 500ms}}
+"""
+    gateway = gateway_of(head)
+    wait_until(lambda: _healthy(gateway) == {"listed"}, timeout_s=20)
+
+    def reload(text: str) -> None:
+        (tmp_path / "policy.yaml").write_text(text)
+        response = httpx.post(f"{gateway.admin_url}/admin/reload", timeout=10)
+        assert response.status_code == 200, response.text
+
+    def discovery(name: str) -> str:
+        return f"""    discovery:
+      dns: {{name: {name}, port: {fleet.port}, interval: 1s, timeout: 500ms,
+            nameservers: ["{dns_server.address}"]}}
+"""
+
+    dns_server.set_hosts({NAME: ["127.0.0.3"], "other.test": ["127.0.0.4"]})
+    reload(head + discovery(NAME))
+    wait_until(lambda: _healthy(gateway) == {"listed", fleet.name(3)}, timeout_s=20)
+    requests_before = {i["name"]: i["requests"] for i in _state(gateway)["instances"]}
+
+    dns_server.pause()  # the new name cannot answer yet: what was found stays meanwhile
+    try:
+        reload(head + discovery("other.test"))
+        wait_until(lambda: _state(gateway)["discovery"]["errors"] >= 1, timeout_s=20)
+        state = _state(gateway)
+        assert {i["name"] for i in state["instances"]} == {"listed", fleet.name(3)}
+        assert state["discovery"]["target"] == "A other.test"
+    finally:
+        dns_server.resume()
+    wait_until(lambda: _healthy(gateway) == {"listed", fleet.name(4)}, timeout_s=20)
+    kept = {i["name"]: i["requests"] for i in _state(gateway)["instances"]}
+    assert kept["listed"] >= requests_before["listed"]  # the listed instance kept its state
+
+    reload(head)
+    wait_until(lambda: {i["name"] for i in _state(gateway)["instances"]} == {"listed"}, 20)
+    assert _state(gateway)["discovery"] is None
+    assert all(_ask(gateway).status_code == 200 for _ in range(5))
+
+
+def test_a_gateway_started_while_dns_is_down_serves_once_it_answers(
+    dns_server: DnsServer, fleet: Fleet, gateway_of: Any
+) -> None:
+    fleet.start(2)
+    dns_server.set_hosts({NAME: ["127.0.0.2"]})
+    dns_server.pause()
+    try:
+        gateway = gateway_of(_policy(dns_server, fleet))  # starts: its wait is bounded
+        state = _state(gateway)
+        assert state["instances"] == [] and state["discovery"]["errors"] >= 1
+        assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 503
+        response = _ask(gateway)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"]
+    finally:
+        dns_server.resume()
+    wait_until(lambda: _healthy(gateway) == {fleet.name(2)}, timeout_s=20)
+    assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 200
+    assert _ask(gateway).status_code == 200
+
+
+# -- what a change leaves alone ------------------------------------------------------------------
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def test_discovery_changes_leave_the_checks_of_the_instances_that_stay_running() -> None:
+    """Changes coming faster than the health interval (a DNS server answering random subsets,
+    a rollout) must not restart the checks of instances that stay: each is checked on."""
+    recorder = Recorder(_ok)
+    server = ThreadedServer(recorder)
+    try:
+        policy = parse_policy(
+            f"""
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: stays, url: "http://127.0.0.1:{server.port}/stays"}}]
+    discovery: {{dns: {{name: {NAME}, port: 9, nameservers: ["127.0.0.1:9"]}}}}
+    health: {{interval: 300ms, timeout: 200ms, fast_interval: 300ms}}
+"""
+        )
+        loop = asyncio.get_running_loop()
+        registry = Registry(policy, loop.time())
+        (pool,) = registry.pools.values()
+        assert pool.found is not None
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker(registry, session, loop.time)
+            await checker.first_round()
+            checker.start()
+            try:
+
+                def checks() -> int:
+                    return sum(r["path"] == "/stays/health" for r in recorder.requests)
+
+                seen = checks()
+                for turn in range(400):  # bounded; each turn changes the pool
+                    if checks() >= seen + 3:
+                        break
+                    address = f"127.0.0.{2 + turn % 2}"
+                    pool.found.answered(loop.time(), from_addresses([address], 9))
+                    added = pool.rediscovered(loop.time(), keep_gone=True)
+                    pool.rediscovered(loop.time())
+                    assert len(added) == 1
+                    checker.follow_pool(pool)
+                    await asyncio.sleep(0.05)
+                assert checks() >= seen + 3
+            finally:
+                await checker.close()
+    finally:
+        server.stop()
+
+
+async def test_a_second_nameserver_answers_when_the_first_does_not(dns_server: DnsServer) -> None:
+    dns_server.set_hosts({NAME: ["127.0.0.2"]})
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers
+    silent.bind(("127.0.0.1", 0))
+    try:
+        dead = f"127.0.0.1:{silent.getsockname()[1]}"
+        servers = [dead, dns_server.address]
+        source = _source(None, name=NAME, port=8000, timeout=2.0, nameservers=servers)
+        endpoints, _ = await source.resolve()
+        assert [e.name for e in endpoints] == ["127.0.0.2-8000"]
+    finally:
+        silent.close()

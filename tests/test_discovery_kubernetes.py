@@ -1,5 +1,5 @@
 """Instances discovered from Kubernetes EndpointSlices, against a local API server speaking the
-real list-and-watch protocol (`tests.fake_kube_api`): the source alone (conditions, bookmarks,
+real list-and-watch protocol (`loadtests.fake_kube_api`): the source alone (conditions, bookmarks,
 410 Gone and relist, dropped watches, refusals), then a real gateway following a Service while
 it scales, its endpoints terminate and its API goes away."""
 
@@ -15,8 +15,8 @@ import pytest
 from gateway.config.models import KubernetesDiscoveryPolicy
 from gateway.core.discovery import Endpoint
 from gateway.upstream.endpoint_slices import EndpointSliceSource
+from loadtests.fake_kube_api import FakeKubeApi, endpoint
 from loadtests.procs import wait_until
-from tests.fake_kube_api import FakeKubeApi, endpoint
 from tests.support import LOOPBACK_LISTENERS, Gateway, start_gateway
 from tests.test_discovery_dns import Fleet, Load, _ask, _healthy, _state
 
@@ -168,17 +168,21 @@ async def test_bookmarks_keep_a_quiet_watch_current_and_410_relists(
     api.put_slice("x", "elsewhere", "vllm", [endpoint("10.9.9.9", "x-0")], PORTS)
     target = api.current_rv
     await w.until(lambda: w.source.resource_version == str(target))
-    # The version is compacted and the watch dropped: resuming from it is 410 Gone; the
-    # source lists again, and so learns of a change made meanwhile.
+    # The API goes away for a while; meanwhile a change is made and the history compacted:
+    # resuming from the version the source had is 410 Gone, so it lists again, and so learns
+    # of the change.
     old = w.source.resource_version
+    lists = w.source.lists
+    api.set_unavailable(True)
+    api.drop_watches()
+    await w.until(lambda: len(w.errors) >= 1)
     api.put_slice("a", NS, "vllm", [endpoint("10.0.2.2", "p-1")], PORTS)
     api.compact()
-    api.drop_watches()
+    api.set_unavailable(False)
     await w.until(lambda: w.last() == ["p-1=10.0.2.2:8000"])
-    assert w.source.lists >= 2  # the relist
-    assert w.errors == []  # a 410 is the protocol, not an error
-    # Had the change come by the watch instead, no relist would be needed; either way the
-    # next watch starts from a version newer than the compacted one.
+    assert w.source.lists == lists + 1  # the relist
+    assert any(r.error_code == 410 for r in api.watch_requests)
+    assert all("503" in e for e in w.errors)  # the outage is an error; a 410 is the protocol
     assert int(w.source.resource_version or 0) > int(old or 0)
 
 
@@ -349,3 +353,19 @@ def test_no_request_fails_while_the_deployment_scales_from_2_to_6_and_back(
         wait_until(lambda: len(results) >= count + 20, timeout_s=60)
     assert len(results) >= 60
     assert [r for r in results if r != (200, True)] == []
+
+
+def test_the_scale_benchmark_runs_and_records_every_figure(tmp_path: Path) -> None:
+    """`loadtests.discovery_scale` end to end, one short cycle per source: behaviour only (every
+    request accounted for, each figure measured), no assertion on how fast."""
+    from loadtests.discovery_scale import main
+
+    runs = main(
+        ["--cycles", "1", "--clients", "2", "--settle", "1", "--ttl", "1"],
+        out=lambda line: None,
+    )
+    assert [run.source for run in runs] == ["dns", "kubernetes"]
+    for run in runs:
+        assert run.requests > 0 and run.failed == 0, run
+        assert len(run.up_first_s) == len(run.up_all_s) == len(run.down_last_s) == 1
+        assert run.up_first_s[0] <= run.up_all_s[0]

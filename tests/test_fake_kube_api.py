@@ -1,5 +1,5 @@
-"""The fake Kubernetes API (`tests.fake_kube_api`) as `kubernetes_asyncio` sees it: lists, watches
-from a version, bookmarks, 410 after compaction, authentication, dropped connections."""
+"""The fake Kubernetes API (`loadtests.fake_kube_api`) as `kubernetes_asyncio` sees it: lists,
+watches from a version, bookmarks, 410 after compaction, authentication, dropped connections."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.fake_kube_api import SERVICE_NAME_LABEL, FakeKubeApi, endpoint
+from loadtests.fake_kube_api import SERVICE_NAME_LABEL, FakeKubeApi, endpoint
 
 NS = "default"
 SELECTOR = f"{SERVICE_NAME_LABEL}=vllm"

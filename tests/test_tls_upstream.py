@@ -13,9 +13,9 @@ import pytest
 import trustme
 
 from gateway.config import PolicyError, parse_policy
+from loadtests.asgi_server import Recorder, ThreadedServer
 from loadtests.fake_vllm.app import build_app
 from loadtests.fake_vllm.config import FakeConfig
-from tests.asgi_server import Recorder, ThreadedServer
 from tests.support import LOOPBACK_LISTENERS, Gateway, start_gateway
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

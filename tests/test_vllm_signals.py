@@ -22,8 +22,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.config import parse_policy
 from gateway.upstream.registry import Registry
 from gateway.upstream.vllm_load import VllmLoadScraper
+from loadtests.asgi_server import Recorder, ThreadedServer
 from loadtests.procs import wait_until
-from tests.asgi_server import Recorder, ThreadedServer
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 
 SHORT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

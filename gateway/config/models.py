@@ -263,7 +263,8 @@ class KubernetesDiscoveryPolicy(Strict):
     namespace: Name | None = None  # absent: the gateway's own (its service account's)
     service: Name | None = None
     selector: Annotated[str, Field(min_length=1)] | None = None
-    # The port's name in the Service (or its number); absent: the slices' only port.
+    # The port's name in the Service, or its number in the slices (the pods' port, its
+    # targetPort, not the Service's port); absent: the slices' only port.
     port: Annotated[str, Field(min_length=1)] | Port | None = None
 
     @model_validator(mode="after")

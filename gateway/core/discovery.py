@@ -108,6 +108,7 @@ class DiscoveredSet:
         "failed_at",
         "grace_s",
         "last_error",
+        "pending",
         "refreshed_at",
         "shadowed",
     )
@@ -123,6 +124,7 @@ class DiscoveredSet:
         self.failed_at: float | None = None
         self.errors = 0
         self.changes = 0  # answers that changed the set
+        self.pending = False  # a change the pool could not take: the next answer tries again
         self.shadowed: tuple[str, ...] = ()  # found names a listed instance already has
 
     def answered(self, now: float, endpoints: Sequence[Endpoint]) -> bool:
@@ -136,11 +138,16 @@ class DiscoveredSet:
             if now - self.empty_since < self.grace_s:
                 return False  # not believed yet
         self.empty_since = None
-        if new == self.endpoints:
+        if new == self.endpoints and not self.pending:
             return False
         self.endpoints = new
         self.changes += 1
+        self.pending = False
         return True
+
+    def not_applied(self) -> None:
+        """The pool could not take the last change: the next answer is one, even if the same."""
+        self.pending = True
 
     def failed(self, now: float, error: str) -> None:
         """A source that could not answer: nothing changes but the error count."""
@@ -174,10 +181,11 @@ class Slice:
 
 
 def _slice_port(piece: Slice, port: str | int | None) -> int | None:
-    """The port to use in this slice: a number as given, a name looked up (None: the slice
-    has no such port), or the slice's only port. Raises ValueError when it has several."""
+    """The port to use in this slice: a number or a name the slice has (None: it has no such
+    port; a slice's ports are the pods' ports, not the Service's), or the slice's only port.
+    Raises ValueError when it has several."""
     if isinstance(port, int):
-        return port
+        return port if any(number == port for _, number in piece.ports) else None
     if port is not None:
         return next((number for name, number in piece.ports if name == port), None)
     numbers = {number for _, number in piece.ports}

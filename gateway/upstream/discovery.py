@@ -34,6 +34,9 @@ ERROR_LOG_INTERVAL_S = 30.0
 # How long the gateway waits at startup for every pool's first answer before it serves (a
 # source that cannot answer leaves its pool with its listed instances, if any).
 FIRST_ANSWER_WAIT_S = 10.0
+# A source that failed for good is started again after this, doubling to the max.
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
 
 Apply = Callable[[PoolState], Awaitable[None]]
 
@@ -72,13 +75,19 @@ class _Runner:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        try:
-            await self.source.run(self._answered, self._failed, self._discovery.clock)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a source that ends for good is an error, not a crash
-            log.exception("discovery source stopped", extra={"fields": {"pool": self.pool.name}})
-            self._failed(f"source stopped: {type(exc).__name__}: {exc}")
+        """Run the source; one that fails for good is an error, and is started again."""
+        delay = RESTART_FIRST_S
+        while True:
+            try:
+                await self.source.run(self._answered, self._failed, self._discovery.clock)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("discovery source failed", extra={"fields": {"pool": self.pool.name}})
+                self._failed(f"source failed: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(delay)
+            delay = min(RESTART_MAX_S, delay * 2)
+            self.source = source_for(self.policy)
 
     async def _answered(self, endpoints: Sequence[Endpoint]) -> None:
         found = self.pool.found
@@ -87,7 +96,16 @@ class _Runner:
         changed = found.answered(self._discovery.clock(), endpoints)
         self.first.set()
         if changed:
-            await self._discovery.apply(self.pool)
+            try:
+                await self._discovery.apply(self.pool)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next answer tries again: never stop the source
+                found.not_applied()
+                log.exception(
+                    "discovery change not applied", extra={"fields": {"pool": self.pool.name}}
+                )
+                self._failed(f"change not applied: {type(exc).__name__}: {exc}")
 
     def _failed(self, error: str) -> None:
         found = self.pool.found
@@ -118,10 +136,13 @@ class Discovery:
         self.errors_logged = LogThrottle(ERROR_LOG_INTERVAL_S, time.monotonic)
         self._runners: dict[str, _Runner] = {}
         self._stopped: list[asyncio.Task[None]] = []
+        self._closed = False
 
     def follow(self, registry: Registry) -> None:
         """Start, restart or stop sources to match the pools (synchronous: a reload's swap).
         A stopped source's task is cancelled here and awaited at `close`."""
+        if self._closed:
+            return
         self.registry = registry
         for name, runner in list(self._runners.items()):
             pool = registry.pools.get(name)
@@ -153,6 +174,7 @@ class Discovery:
         return None if runner is None else runner.source.target
 
     async def close(self) -> None:
+        self._closed = True
         tasks = [runner.task for runner in self._runners.values()] + self._stopped
         self._runners.clear()
         self._stopped = []

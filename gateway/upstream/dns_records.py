@@ -75,16 +75,24 @@ class DnsSource:
                     dns.nameserver.Do53Nameserver(*split_nameserver(server))
                     for server in policy.nameservers
                 ]
+            # `timeout` bounds a whole resolution; each nameserver gets its share, so one that
+            # is down leaves time to ask the next.
             resolver.lifetime = policy.timeout
-            resolver.timeout = policy.timeout
+            resolver.timeout = policy.timeout / max(1, len(resolver.nameservers))
             self._resolver = resolver
         return self._resolver
 
-    async def _query(self, name: str, rdtype: str) -> dns.resolver.Answer | None:
-        """The answer (its rrset None when the name has no such records); None: NXDOMAIN."""
+    async def _query(
+        self, name: str, rdtype: str, search: bool = True
+    ) -> dns.resolver.Answer | None:
+        """The answer (its rrset None when the name has no such records); None: NXDOMAIN.
+        `search`: the system resolver's search domains apply (not to absolute names)."""
         try:
             return await self._get_resolver().resolve(
-                name, rdtype, raise_on_no_answer=False, search=not self.policy.nameservers
+                name,
+                rdtype,
+                raise_on_no_answer=False,
+                search=search and not self.policy.nameservers,
             )
         except dns.resolver.NXDOMAIN:
             return None
@@ -117,7 +125,9 @@ class DnsSource:
         endpoints = from_srv(records)
         missing = sorted({e.host for e in endpoints if e.host not in given})
         if missing:
-            found = await asyncio.gather(*(self._addresses(target) for target in missing))
+            found = await asyncio.gather(
+                *(self._addresses(target + ".", search=False) for target in missing)
+            )
             for target, (addresses, ttl) in zip(missing, found, strict=True):
                 given[target] = addresses
                 if ttl is not None:
@@ -129,9 +139,11 @@ class DnsSource:
         ]
         return resolved, min(ttls)
 
-    async def _addresses(self, target: str) -> tuple[list[str], float | None]:
+    async def _addresses(self, target: str, search: bool = True) -> tuple[list[str], float | None]:
         """A and AAAA records of `target`, and their smallest TTL (None: no records)."""
-        answers = await asyncio.gather(self._query(target, "A"), self._query(target, "AAAA"))
+        answers = await asyncio.gather(
+            self._query(target, "A", search), self._query(target, "AAAA", search)
+        )
         addresses: list[str] = []
         ttls: list[float] = []
         for answer in answers:

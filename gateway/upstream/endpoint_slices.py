@@ -45,10 +45,13 @@ Failed = Callable[[str], None]
 
 SERVICE_LABEL: Final = "kubernetes.io/service-name"
 NAMESPACE_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-# The server ends each watch after this (a little randomised by the server itself); the
-# client's own read deadline is longer, so a silent, half-open connection is noticed too.
+# The server ends each watch after this (a little randomised by the server itself).
 WATCH_TIMEOUT_S: Final = 290
-READ_TIMEOUT_S: Final = WATCH_TIMEOUT_S + 30
+# A watch's limits: the whole of it a little longer than the server's timeout, and a silence
+# longer than the API server's bookmarks leave (about one a minute) a dead connection.
+WATCH_LIMITS: Final = aiohttp.ClientTimeout(
+    total=WATCH_TIMEOUT_S + 30, sock_connect=10, sock_read=150
+)
 LIST_TIMEOUT_S: Final = 30
 SETTLE_S: Final = 0.05
 BACKOFF_FIRST_S: Final = 0.5
@@ -161,6 +164,7 @@ class EndpointSliceSource:
 
     async def _follow(self, failed: Failed, clock: Clock) -> None:
         backoff = BACKOFF_FIRST_S
+        gone = 0  # 410s in a row: one is the protocol, more are a server to go easy on
         api_client: client.ApiClient | None = None
         try:
             while True:
@@ -172,19 +176,27 @@ class EndpointSliceSource:
                         await self._list(api)
                     await self._watch(api, clock)
                     backoff = BACKOFF_FIRST_S  # ended by the server's timeout: watch again
+                    gone = 0
+                    continue
                 except ApiException as exc:
                     if exc.status == 410:
-                        self.resource_version = None  # compacted: list again, at once
-                        continue
-                    failed(f"{self.target}: {_describe(exc)}")
+                        self.resource_version = None  # compacted: list again
+                        gone += 1
+                        if gone == 1:
+                            continue  # at once
+                    else:
+                        failed(f"{self.target}: {_describe(exc)}")
+                    if exc.status in (401, 403) and api_client is not None:
+                        # The credentials may have expired (a kubeconfig's exec or OIDC
+                        # token): read the configuration again for the next try.
+                        await api_client.close()
+                        api_client = None
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                     failed(f"{self.target}: {_describe(exc)}")
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # a malformed answer, no configuration: try again
                     failed(f"{self.target}: {_describe(exc)}")
-                else:
-                    continue
                 await asyncio.sleep(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
         finally:
@@ -215,6 +227,9 @@ class EndpointSliceSource:
             opened_at = clock()
             return response
 
+        def worked() -> bool:
+            return opened_at is not None and (heard or clock() - opened_at >= WORKING_WATCH_S)
+
         # The client reads the result type and parameters from the function's docstring.
         functools.update_wrapper(listing, api.list_namespaced_endpoint_slice)
         watch = Watch()
@@ -227,7 +242,7 @@ class EndpointSliceSource:
                     resource_version=self.resource_version,
                     allow_watch_bookmarks=True,
                     timeout_seconds=WATCH_TIMEOUT_S,
-                    _request_timeout=READ_TIMEOUT_S,
+                    _request_timeout=WATCH_LIMITS,
                 )
                 async for event in stream:
                     if not isinstance(event, dict):  # a body that is not an event (a proxy's)
@@ -245,9 +260,11 @@ class EndpointSliceSource:
                     if watch.resource_version:
                         self.resource_version = watch.resource_version
         except (aiohttp.ClientError, TimeoutError, OSError):
-            worked = opened_at is not None and (heard or clock() - opened_at >= WORKING_WATCH_S)
-            if not worked:
+            if not worked():
                 raise
+            return
+        if not worked():  # an answer that ends at once, empty: not a watch (a proxy's page?)
+            raise KubernetesError("the watch ended at once without an event")
 
 
 def _own_namespace(in_cluster: bool) -> str:

@@ -33,7 +33,8 @@ class HealthChecker:
         self._timeouts = {
             p.name: aiohttp.ClientTimeout(total=p.policy.health.timeout) for p in self._pools
         }
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[InstanceState, asyncio.Task[None]] = {}
+        self._stopped: list[asyncio.Task[None]] = []  # of instances gone: awaited at close
         self._clock = clock
 
     async def first_round(self) -> None:
@@ -49,14 +50,32 @@ class HealthChecker:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._watch(pool, instance))
+        self._tasks = {
+            instance: loop.create_task(self._watch(pool, instance))
             for pool in self._pools
             for instance in pool.instances
-        ]
+        }
+
+    def follow_pool(self, pool: PoolState) -> None:
+        """The pool's instances changed in place (discovery): instances that stay keep their
+        checks and timers, gone ones are no longer checked, new ones (checked once already:
+        `check_instances`) are checked from now on. Other pools are not touched."""
+        if pool not in self._pools:
+            return
+        current = set(pool.instances)
+        for instance in [i for i in self._tasks if i.pool_name == pool.name]:
+            if instance not in current:
+                task = self._tasks.pop(instance)
+                task.cancel()
+                self._stopped.append(task)
+        self._stopped = [task for task in self._stopped if not task.done()]
+        loop = asyncio.get_running_loop()
+        for instance in pool.instances:
+            if instance not in self._tasks:
+                self._tasks[instance] = loop.create_task(self._watch(pool, instance))
 
     async def close(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks.values(), *self._stopped])
 
     async def _watch(self, pool: PoolState, instance: InstanceState) -> None:
         """Check `instance` every interval, sooner in doubt or when a request asks for it."""

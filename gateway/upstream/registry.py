@@ -17,7 +17,7 @@ from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
-from gateway.core.discovery import DiscoveredSet
+from gateway.core.discovery import DiscoveredSet, Endpoint
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthState
 from gateway.core.histogram import Histogram
@@ -254,6 +254,7 @@ class PoolState:
         "engines_wanted",
         "failure",
         "found",
+        "in_use",
         "instances",
         "name",
         "next_index",
@@ -283,7 +284,8 @@ class PoolState:
         # (`found`), and the two together: the policy the pool runs on (`policy`).
         self.declared = policy
         self.found = _found_for(policy, None)
-        policy = self.policy = with_discovered(policy, self.found)
+        self.in_use: tuple[Endpoint, ...] = ()  # the found endpoints among the instances
+        policy = self.policy = self._with_found(())
         # Upstream TLS and credentials, computed once (again on reload), used per attempt, by
         # the health checks and by the vLLM scrapes alike.
         self.ssl: ssl.SSLContext | bool = client_ssl(policy.tls, name)
@@ -348,13 +350,28 @@ class PoolState:
         """
         self.declared = policy
         self.found = _found_for(policy, self.found)
-        return self._take(with_discovered(policy, self.found), now)
+        return self._take(self._with_found(()), now)
 
-    def rediscovered(self, now: float) -> list[InstanceState]:
+    def rediscovered(self, now: float, keep_gone: bool = False) -> list[InstanceState]:
         """Follow what discovery found (`found` has changed): the instances that stay keep
-        their state, new ones are returned (to health-check), gone ones finish what they run."""
-        policy = with_discovered(self.declared, self.found)
+        their state, new ones are returned (to health-check), gone ones finish what they run.
+        `keep_gone`: those no longer found stay for now, so that a set replaced whole (a
+        rollout, new addresses) is not left with nothing checked to route to; a second call
+        without it lets them go once the new ones are checked."""
+        kept = self.in_use if keep_gone else ()
+        policy = self._with_found(kept)
         return [] if policy == self.policy else self._take(policy, now)
+
+    def _with_found(self, kept: Sequence[Endpoint]) -> PoolPolicy:
+        """The declared policy with the found instances (and `kept` ones besides); notes the
+        found endpoints in use."""
+        found = self.found
+        endpoints: tuple[Endpoint, ...] = found.endpoints if found is not None else ()
+        if kept:
+            names = {e.name for e in endpoints}
+            endpoints += tuple(e for e in kept if e.name not in names)
+        policy, self.in_use = with_discovered(self.declared, found, endpoints)
+        return policy
 
     def _take(self, policy: PoolPolicy, now: float) -> list[InstanceState]:
         old = {(inst.name, inst.base_url): inst for inst in self.instances}
@@ -565,21 +582,22 @@ def _found_for(policy: PoolPolicy, found: DiscoveredSet | None) -> DiscoveredSet
     return found
 
 
-def with_discovered(policy: PoolPolicy, found: DiscoveredSet | None) -> PoolPolicy:
-    """The pool's listed instances, then those discovery found. A found name that a listed
-    instance has is left out (`DiscoveredSet.shadowed`): the list is the operator's word."""
-    if found is None or policy.discovery is None or not found.endpoints:
-        return policy
+def with_discovered(
+    policy: PoolPolicy, found: DiscoveredSet | None, endpoints: Sequence[Endpoint]
+) -> tuple[PoolPolicy, tuple[Endpoint, ...]]:
+    """The pool's listed instances, then the found `endpoints`, and those of them in use. A
+    found name that a listed instance has is left out (`DiscoveredSet.shadowed`): the list is
+    the operator's word."""
+    if found is None or policy.discovery is None:
+        return policy, ()
     scheme = policy.discovery.scheme
     listed = {inst.name for inst in policy.instances}
-    shadowed = [e.name for e in found.endpoints if e.name in listed]
-    found.shadowed = tuple(shadowed)
-    extra = tuple(
-        InstancePolicy(name=e.name, url=e.url(scheme))
-        for e in found.endpoints
-        if e.name not in listed
-    )
-    return policy.model_copy(update={"instances": policy.instances + extra})
+    found.shadowed = tuple(e.name for e in found.endpoints if e.name in listed)
+    used = tuple(e for e in endpoints if e.name not in listed)
+    if not used:
+        return policy, ()
+    extra = tuple(InstancePolicy(name=e.name, url=e.url(scheme)) for e in used)
+    return policy.model_copy(update={"instances": policy.instances + extra}), used
 
 
 def _otherwise_available(inst: InstanceState, now: float) -> bool:

@@ -92,6 +92,11 @@ class VllmLoadScraper:
         self, pool: PoolState, admission: AdmissionPolicy, limit: aiohttp.ClientTimeout
     ) -> None:
         now = asyncio.get_running_loop().time()
+        if self._recheck_at:  # instances that left the pool (discovery, reload) are forgotten
+            current = set(pool.instances)
+            for gone in [i for i in self._recheck_at if i.pool_name == pool.name]:
+                if gone not in current:
+                    del self._recheck_at[gone]
         due = [i for i in pool.instances if self._recheck_at.get(i, now) <= now]
         freed = await asyncio.gather(*(self._scrape(pool, inst, admission, limit) for inst in due))
         if any(freed):

@@ -2,7 +2,7 @@
 
 It serves `GET /apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices` (and the
 all-namespaces `GET /apis/discovery.k8s.io/v1/endpointslices`) on a loopback port with
-`tests.asgi_server.ThreadedServer`, for a client such as `kubernetes_asyncio` configured by a
+`loadtests.asgi_server.ThreadedServer`, for a client such as `kubernetes_asyncio` configured by a
 kubeconfig with a bearer token. The test thread changes the slices and injects failures through
 thread-safe methods; each change bumps one global resource version, as etcd's revision does.
 
@@ -69,7 +69,7 @@ from urllib.parse import parse_qs
 import yaml
 from starlette.types import Receive, Scope, Send
 
-from tests.asgi_server import ThreadedServer
+from loadtests.asgi_server import ThreadedServer
 
 GROUP: Final = "discovery.k8s.io"
 API_VERSION: Final = "discovery.k8s.io/v1"

@@ -1,4 +1,5 @@
-"""A real DNS server for the tests: Debian's dnsmasq on a loopback port, its records in files.
+"""A real DNS server for the tests and benchmarks: Debian's dnsmasq on a loopback port, its
+records in files.
 
 Names under `.test` are answered from the server's own records only (`--local`): a name it
 does not know is NXDOMAIN, a known name without AAAA records gets an empty answer. A records

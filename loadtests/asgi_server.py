@@ -67,7 +67,7 @@ class ThreadedServer:
             def note_sni(_sock: ssl.SSLObject, name: str | None, _ctx: ssl.SSLContext) -> None:
                 self.sni.append(name)
 
-            config.ssl.sni_callback = note_sni  # type: ignore[assignment]
+            config.ssl.sni_callback = note_sni
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
