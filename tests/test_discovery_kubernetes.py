@@ -17,6 +17,7 @@ from gateway.core.discovery import Endpoint
 from gateway.upstream.endpoint_slices import EndpointSliceSource
 from loadtests.fake_kube_api import FakeKubeApi, endpoint
 from loadtests.procs import wait_until
+from loadtests.redis_server import RedisServer
 from tests.support import LOOPBACK_LISTENERS, Gateway, start_gateway
 from tests.test_discovery_dns import Fleet, Load, _ask, _healthy, _state
 
@@ -229,9 +230,10 @@ async def test_an_api_outage_or_refusal_is_an_error_and_changes_nothing(
 # -- a gateway following a Service ---------------------------------------------------------------
 
 
-def _policy(extra: str = "") -> str:
+def _policy(top: str = "") -> str:
     return f"""
 {LOOPBACK_LISTENERS}
+{top}
 pools:
   chat:
     models: [m]
@@ -239,7 +241,6 @@ pools:
       kubernetes: {{namespace: {NS}, service: vllm, port: http}}
       grace: 4s
     health: {{interval: 1s, timeout: 500ms}}
-{extra}
 """
 
 
@@ -369,3 +370,45 @@ def test_the_scale_benchmark_runs_and_records_every_figure(tmp_path: Path) -> No
         assert run.requests > 0 and run.failed == 0, run
         assert len(run.up_first_s) == len(run.up_all_s) == len(run.down_last_s) == 1
         assert run.up_first_s[0] <= run.up_all_s[0]
+
+
+def test_a_sidecar_and_a_discovering_central_gateway_agree_on_who_is_who(
+    api: FakeKubeApi, fleet: Fleet, gateway_on: Any, tmp_path: Path
+) -> None:
+    """The sidecar of pod vllm-2 names its vLLM after its pod, as the central gateway's
+    discovery does: the sidecar's verdict, shared through Redis, isolates the discovered
+    instance, and the isolation stays through a later change of the Service's endpoints."""
+    fleet.start(2, 3, 4)
+    sidecar_backend = fleet.backends[fleet.host(2)]
+    with RedisServer() as redis:
+        shared = f'shared: {{redis_url: "{redis.url}", key_prefix: gw, decision_ttl: 1s}}'
+        _slice(api, fleet, [2, 3])
+        central = gateway_on(_policy(shared))
+        sidecar = start_gateway(
+            tmp_path / "sidecar.yaml",
+            f"""
+{LOOPBACK_LISTENERS}
+{shared}
+pools:
+  chat:
+    models: [m]
+    instances: [{{name: vllm-2, url: "{sidecar_backend.url}"}}]
+""",
+            {"GATEWAY_REPLICA_ID": "vllm-2"},
+        )
+        try:
+            wait_until(lambda: _healthy(central) == {"vllm-2", "vllm-3"}, timeout_s=20)
+            sidecar_backend.set_faults(error_rate=1.0, error_status=503)
+
+            def isolated() -> bool:
+                _ask(sidecar)  # still failing there: the verdict is shared again
+                (found,) = [i for i in _state(central)["instances"] if i["name"] == "vllm-2"]
+                return bool(found["state"] == "ISOLATED" and found["decided_by"] == "vllm-2")
+
+            wait_until(isolated, timeout_s=20)
+            _slice(api, fleet, [2, 3, 4])
+            wait_until(lambda: "vllm-4" in _healthy(central), timeout_s=20)
+            wait_until(isolated, timeout_s=10)
+            assert all(_ask(central).status_code == 200 for _ in range(10))
+        finally:
+            sidecar.stop()
