@@ -169,10 +169,6 @@ class Discovery:
                     extra={"fields": {"pools": ",".join(slow)}},
                 )
 
-    def target(self, pool: str) -> str | None:
-        runner = self._runners.get(pool)
-        return None if runner is None else runner.source.target
-
     async def close(self) -> None:
         self._closed = True
         tasks = [runner.task for runner in self._runners.values()] + self._stopped
