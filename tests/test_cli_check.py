@@ -101,3 +101,80 @@ def test_no_file_is_a_usage_error() -> None:
     result = _check()
     assert result.returncode == 2
     assert "usage:" in result.stderr
+
+
+def _check_env(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gateway ARGS...` with only this environment (and PATH): nothing the policies name."""
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *map(str, args)],
+        cwd=REPO,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_shipped_policies_check_clean_as_shipped_without_their_environment() -> None:
+    result = _check_env("check", *POLICIES)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{path}: ok" for path in POLICIES]
+
+
+def test_resolve_checks_with_the_environment_as_run_does() -> None:
+    sidecar = REPO / "policies" / "sidecar.yaml"
+    missing = _check_env("check", "--resolve", sidecar)
+    assert missing.returncode == 1
+    assert "environment variable POD_NAME is not set" in missing.stderr
+    assert _check_env("check", "--resolve", sidecar, env={"POD_NAME": "vllm-0"}).returncode == 0
+
+
+def test_secrets_are_read_only_when_resolving(tmp_path: Path) -> None:
+    policy = tmp_path / "secrets.yaml"
+    policy.write_text(
+        """\
+auth: {api_keys_file: /run/secrets/no-such-keys}
+pools:
+  chat:
+    models: [m]
+    instances: [{name: a, url: "https://10.0.0.1:8000"}]
+    credentials: {from_env: UPSTREAM_KEY}
+    tls: {ca_file: no-such-ca.pem}
+"""
+    )
+    assert _check_env("check", policy).returncode == 0
+    resolved = _check_env("check", "--resolve", policy)
+    assert resolved.returncode == 1
+    for problem in ("no-such-keys", "UPSTREAM_KEY", "no-such-ca.pem"):
+        assert problem in resolved.stderr
+    assert "Traceback" not in resolved.stderr
+
+
+def test_a_reference_that_cannot_stand_for_its_value_says_so(tmp_path: Path) -> None:
+    policy = tmp_path / "redis.yaml"
+    policy.write_text(
+        """\
+shared: {redis_url: "${REDIS_URL}"}
+pools:
+  chat:
+    models: [m]
+    instances: [{name: "${POD_NAME}", url: "http://${VLLM_HOST:-127.0.0.1}:8000"}]
+"""
+    )
+    alone = _check_env("check", policy)
+    assert alone.returncode == 1
+    (line,) = alone.stderr.splitlines()
+    assert line.startswith(f"{policy}:1: shared.redis_url: ")
+    assert "${REDIS_URL}, not resolved: check with --resolve" in line
+    env = {"REDIS_URL": "redis://redis:6379/0", "POD_NAME": "p-0"}
+    assert _check_env("check", "--resolve", policy, env=env).returncode == 0
+
+
+def test_version() -> None:
+    result = _check_env("--version")
+    assert result.returncode == 0
+    assert re.fullmatch(r"gateway \d+\.\d+\.\d+\S*\n", result.stdout)

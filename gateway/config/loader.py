@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gateway.config.checks import Loc, cross_field_errors
-from gateway.config.models import BASE_DIR, Policy
+from gateway.config.models import BASE_DIR, RESOLVE, Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +40,9 @@ class PolicyError(Exception):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read and validate one policy file; raises PolicyError."""
+def load_policy(path: str | Path, resolve: bool = True) -> Policy:
+    """Read and validate one policy file; raises PolicyError. `resolve=False`: checked without
+    the environment or the secrets it names (see `parse_policy`)."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -49,28 +50,50 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyError([Problem(name, 0, "(file)", f"cannot read: {exc.strerror}")]) from None
     except UnicodeDecodeError:
         raise PolicyError([Problem(name, 0, "(file)", "cannot read: not UTF-8 text")]) from None
-    return parse_policy(text, name, Path(path).absolute().parent)
+    return parse_policy(text, name, Path(path).absolute().parent, resolve)
 
 
-def parse_policy(text: str, filename: str = "<policy>", base_dir: Path | None = None) -> Policy:
+def parse_policy(
+    text: str, filename: str = "<policy>", base_dir: Path | None = None, resolve: bool = True
+) -> Policy:
     """Validate policy text; raises PolicyError listing every problem. Relative file paths in
     it (CA bundles, secrets) are taken from `base_dir`, the policy file's folder when it was
-    read from one."""
-    data, lines, problems = _compose(text, filename)
+    read from one.
+
+    `resolve=False` checks the file alone, as a CI pipeline can: a `${NAME}` reference stands
+    for the name itself (its default when it has one), and the secrets and CA files it names
+    are not read. The policy it returns is for checking only: it holds no secret."""
+    data, lines, problems, unresolved = _compose(text, filename, resolve)
     if problems:
         raise PolicyError(problems)
-    context = {BASE_DIR: str(base_dir)} if base_dir is not None else None
+    context: dict[str, object] = {RESOLVE: resolve}
+    if base_dir is not None:
+        context[BASE_DIR] = str(base_dir)
     try:
         policy = Policy.model_validate(data, context=context)
     except ValidationError as exc:
         errors = _without_consequences(exc.errors())
         raise PolicyError(
-            [_problem_from_pydantic(err, lines, filename) for err in errors]
+            [
+                _unresolved_hint(_problem_from_pydantic(err, lines, filename), err, unresolved)
+                for err in errors
+            ]
         ) from None
     cross = cross_field_errors(policy)
     if cross:
         raise PolicyError([_problem(loc, msg, lines, filename) for loc, msg in cross])
     return policy
+
+
+def _unresolved_hint(problem: Problem, err: Any, unresolved: dict[Loc, list[str]]) -> Problem:
+    """A problem in a value written with `${NAME}` not resolved says so."""
+    loc: Loc = tuple(part for part in err["loc"] if part != "[key]")
+    names = unresolved.get(loc)
+    if not names:
+        return problem
+    refs = ", ".join(f"${{{name}}}" for name in names)
+    hint = f" (the value holds {refs}, not resolved: check with --resolve to use the environment)"
+    return Problem(problem.file, problem.line, problem.path, problem.message + hint)
 
 
 # --- YAML with line numbers ---------------------------------------------------------------
@@ -80,10 +103,12 @@ _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 class _Builder:
-    def __init__(self, filename: str) -> None:
+    def __init__(self, filename: str, resolve: bool = True) -> None:
         self.filename = filename
+        self.resolve = resolve
         self.lines: dict[Loc, int] = {}
         self.problems: list[Problem] = []
+        self.unresolved: dict[Loc, list[str]] = {}  # values that hold a reference not resolved
         self._scalars = yaml.SafeLoader("")
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
@@ -154,6 +179,12 @@ class _Builder:
 
         def substitute(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
+            if not self.resolve:
+                # Checked alone: the reference stands for its default, else for its name.
+                if default is None:
+                    self.unresolved.setdefault(loc, []).append(name)
+                    return name
+                return default
             found = os.environ.get(name)
             if found is None or (found == "" and default is not None):
                 if default is None:
@@ -182,7 +213,9 @@ class _Builder:
         )
 
 
-def _compose(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Problem]]:
+def _compose(
+    text: str, filename: str, resolve: bool = True
+) -> tuple[Any, dict[Loc, int], list[Problem], dict[Loc, list[str]]]:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
@@ -191,21 +224,21 @@ def _compose(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Proble
         message = str(exc.problem or exc)
         if exc.context and exc.context_mark and exc.context_mark is not mark:
             message += f" ({exc.context} at line {exc.context_mark.line + 1})"
-        return None, {}, [Problem(filename, line, "(yaml)", message)]
+        return None, {}, [Problem(filename, line, "(yaml)", message)], {}
     except yaml.YAMLError as exc:
-        return None, {}, [Problem(filename, 0, "(yaml)", str(exc))]
+        return None, {}, [Problem(filename, 0, "(yaml)", str(exc))], {}
     if root is None:
-        return None, {}, [Problem(filename, 1, "(root)", "the policy is empty")]
+        return None, {}, [Problem(filename, 1, "(root)", "the policy is empty")], {}
     if not isinstance(root, yaml.MappingNode):
         line = root.start_mark.line + 1
-        return None, {}, [Problem(filename, line, "(root)", "the policy must be a mapping")]
-    builder = _Builder(filename)
+        return None, {}, [Problem(filename, line, "(root)", "the policy must be a mapping")], {}
+    builder = _Builder(filename, resolve)
     try:
         data = builder.build(root, ())
     except yaml.YAMLError as exc:
-        return None, {}, [Problem(filename, 0, "(yaml)", str(exc))]
+        return None, {}, [Problem(filename, 0, "(yaml)", str(exc))], {}
     builder.lines[()] = root.start_mark.line + 1
-    return data, builder.lines, builder.problems
+    return data, builder.lines, builder.problems, builder.unresolved
 
 
 # --- mapping validation errors back to lines ------------------------------------------------

@@ -532,8 +532,15 @@ def _check_header_name(value: str) -> str:
 
 
 HeaderName = Annotated[str, AfterValidator(_check_header_name)]
-# The policy loader passes the policy file's folder as `base_dir` in the validation context.
+# The policy loader passes the policy file's folder as `base_dir` in the validation context,
+# and `resolve: False` when secrets are not to be read (`gateway check` without `--resolve`:
+# a CI pipeline checks the file, not the Secrets of the cluster it will run in).
 BASE_DIR: Final = "base_dir"
+RESOLVE: Final = "resolve"
+
+
+def _resolving(info: ValidationInfo) -> bool:
+    return not (isinstance(info.context, dict) and info.context.get(RESOLVE) is False)
 
 
 def _resolve_path(value: str, info: ValidationInfo) -> str:
@@ -557,8 +564,8 @@ class TlsPolicy(Strict):
     _ca_pem: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _read_ca(self) -> TlsPolicy:
-        if self.ca_file is not None:
+    def _read_ca(self, info: ValidationInfo) -> TlsPolicy:
+        if self.ca_file is not None and _resolving(info):
             self._ca_pem = secrets.ca_bundle(self.ca_file)
         return self
 
@@ -577,10 +584,11 @@ class CredentialsPolicy(Strict):
     _value: str = PrivateAttr(default="")
 
     @model_validator(mode="after")
-    def _read_value(self) -> CredentialsPolicy:
+    def _read_value(self, info: ValidationInfo) -> CredentialsPolicy:
         if (self.from_env is None) == (self.from_file is None):
             raise ValueError("give exactly one of from_env or from_file")
-        self._value = secrets.secret_value(self.from_env, self.from_file)
+        if _resolving(info):
+            self._value = secrets.secret_value(self.from_env, self.from_file)
         return self
 
     @property
@@ -600,10 +608,11 @@ class AuthPolicy(Strict):
     _keys: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _read_keys(self) -> AuthPolicy:
+    def _read_keys(self, info: ValidationInfo) -> AuthPolicy:
         if (self.api_keys_env is None) == (self.api_keys_file is None):
             raise ValueError("give exactly one of api_keys_env or api_keys_file")
-        self._keys = secrets.api_keys(self.api_keys_env, self.api_keys_file)
+        if _resolving(info):
+            self._keys = secrets.api_keys(self.api_keys_env, self.api_keys_file)
         return self
 
     @property
