@@ -4,9 +4,7 @@ processes: output, exit codes, the token from the environment, and what each cal
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,8 @@ from tests.support import (
     running_backends,
     start_gateway,
 )
+from tests.test_cli_check import gateway_cli
 
-REPO = Path(__file__).resolve().parent.parent
 TOKEN = "cli-admin-token-7f3a"
 
 
@@ -44,18 +42,9 @@ def gateway(
 
 
 def cli(*args: str, token: str | None = TOKEN, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), **env}
     if token is not None:
-        full["GATEWAY_ADMIN_TOKEN"] = token
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args],
-        cwd=REPO,
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+        env["GATEWAY_ADMIN_TOKEN"] = token
+    return gateway_cli(*args, env=env)
 
 
 def state_of(gateway: Gateway, *args: str) -> Any:

@@ -27,18 +27,26 @@ pools:
 """
 
 
-def _check(*files: str | Path) -> subprocess.CompletedProcess[str]:
-    # policies/sidecar.yaml names its instance after its pod.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "POD_NAME": "vllm-llama-8b-0"}
+def gateway_cli(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gateway ARGS...` as a process, with only `env` (and PATH): nothing else the policies
+    might name."""
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "gateway", "check", *map(str, files)],
+        [sys.executable, "-m", "gateway", *map(str, args)],
         cwd=REPO,
-        env=env,
+        env=base,
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
     )
+
+
+def _check(*files: str | Path) -> subprocess.CompletedProcess[str]:
+    # policies/sidecar.yaml names its instance after its pod.
+    return gateway_cli("check", "--resolve", *files, env={"POD_NAME": "vllm-llama-8b-0"})
 
 
 def _problem_re(path: Path) -> re.Pattern[str]:
@@ -103,34 +111,18 @@ def test_no_file_is_a_usage_error() -> None:
     assert "usage:" in result.stderr
 
 
-def _check_env(
-    *args: str | Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """`gateway ARGS...` with only this environment (and PATH): nothing the policies name."""
-    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *map(str, args)],
-        cwd=REPO,
-        env=base,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-
-
 def test_shipped_policies_check_clean_as_shipped_without_their_environment() -> None:
-    result = _check_env("check", *POLICIES)
+    result = gateway_cli("check", *POLICIES)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"{path}: ok" for path in POLICIES]
 
 
 def test_resolve_checks_with_the_environment_as_run_does() -> None:
     sidecar = REPO / "policies" / "sidecar.yaml"
-    missing = _check_env("check", "--resolve", sidecar)
+    missing = gateway_cli("check", "--resolve", sidecar)
     assert missing.returncode == 1
     assert "environment variable POD_NAME is not set" in missing.stderr
-    assert _check_env("check", "--resolve", sidecar, env={"POD_NAME": "vllm-0"}).returncode == 0
+    assert gateway_cli("check", "--resolve", sidecar, env={"POD_NAME": "vllm-0"}).returncode == 0
 
 
 def test_secrets_are_read_only_when_resolving(tmp_path: Path) -> None:
@@ -146,8 +138,8 @@ pools:
     tls: {ca_file: no-such-ca.pem}
 """
     )
-    assert _check_env("check", policy).returncode == 0
-    resolved = _check_env("check", "--resolve", policy)
+    assert gateway_cli("check", policy).returncode == 0
+    resolved = gateway_cli("check", "--resolve", policy)
     assert resolved.returncode == 1
     for problem in ("no-such-keys", "UPSTREAM_KEY", "no-such-ca.pem"):
         assert problem in resolved.stderr
@@ -165,16 +157,16 @@ pools:
     instances: [{name: "${POD_NAME}", url: "http://${VLLM_HOST:-127.0.0.1}:8000"}]
 """
     )
-    alone = _check_env("check", policy)
+    alone = gateway_cli("check", policy)
     assert alone.returncode == 1
     (line,) = alone.stderr.splitlines()
     assert line.startswith(f"{policy}:1: shared.redis_url: ")
     assert "${REDIS_URL}, not resolved: check with --resolve" in line
     env = {"REDIS_URL": "redis://redis:6379/0", "POD_NAME": "p-0"}
-    assert _check_env("check", "--resolve", policy, env=env).returncode == 0
+    assert gateway_cli("check", "--resolve", policy, env=env).returncode == 0
 
 
 def test_version() -> None:
-    result = _check_env("--version")
+    result = gateway_cli("--version")
     assert result.returncode == 0
     assert re.fullmatch(r"gateway \d+\.\d+\.\d+\S*\n", result.stdout)
