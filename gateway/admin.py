@@ -56,6 +56,17 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+def build_metrics_app(observed: Observed) -> ASGIApp:
+    """The metrics listener (`metrics.listen`): `GET /metrics` only, no token (what Prometheus
+    scrapes from the pod; the admin plane's actions and state stay behind theirs)."""
+    registry = build_registry(observed)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+
+
 def build_admin_app(
     operations: Operations, reloads: Reloads, observed: Observed, token: str | None
 ) -> ASGIApp:

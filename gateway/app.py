@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from starlette.types import ASGIApp
 
-from gateway.admin import admin_token, build_admin_app
+from gateway.admin import admin_token, build_admin_app, build_metrics_app
 from gateway.cluster import build_store
 from gateway.config import Policy
 from gateway.core.breaker import ADMITTING, ISOLATED, Transition
@@ -121,6 +121,7 @@ class Gateway:
         self.admin_app: ASGIApp = build_admin_app(
             self.operations, self.reloader, observed, admin_token(policy.admin.token_env)
         )
+        self.metrics_app: ASGIApp = build_metrics_app(observed)  # served when metrics.listen
 
     def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
         """Share a breaker's transition; one back to ADMITTING makes room for waiting requests;

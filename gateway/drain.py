@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -87,7 +87,7 @@ class Drain:
         policy: Callable[[], DrainPolicy],
         data: uvicorn.Server,
         data_task: asyncio.Task[None],
-        admin: uvicorn.Server,
+        admin: Sequence[uvicorn.Server],
         set_draining: Callable[[bool], None],
         streams: OpenStreams,
     ) -> None:
@@ -158,7 +158,8 @@ class Drain:
                 await asyncio.wait([self._data_task], timeout=END_GRACE_S)
                 self._data.force_exit = True
         finally:
-            self._admin.should_exit = True
+            for server in self._admin:  # the admin plane (and the metrics listener)
+                server.should_exit = True
             fields = {
                 # answered during the drain (in flight at its start, or new during the delay)
                 "completed": max(0, state.total_requests - answered - ended - cut),

@@ -10,11 +10,12 @@ backend instance is the `backend` label: Prometheus keeps `instance` for the scr
 from __future__ import annotations
 
 import asyncio
+import platform
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -24,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from yarl import URL
 
+from gateway import __version__
 from gateway.core.admission import CLASSES
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
 from gateway.core.histogram import Histogram
@@ -176,19 +178,29 @@ class GatewayCollector(Collector):
             labels=["pool", "class"],
         )
         tokens = GaugeMetricFamily(
-            "gateway_instance_kv_tokens",
-            "Estimated KV-cache tokens of the attempts in flight, and the instance's budget",
-            labels=["pool", "backend", "kind"],
+            "gateway_instance_kv_tokens_in_use",
+            "Estimated KV-cache tokens of the attempts in flight on the instance",
+            labels=["pool", "backend"],
+        )
+        budget = GaugeMetricFamily(
+            "gateway_instance_kv_tokens_budget",
+            "The KV-cache tokens the instance may hold (its engine's size, or the policy's)",
+            labels=["pool", "backend"],
         )
         saturated = GaugeMetricFamily(
             "gateway_instance_saturated",
             "1 while vLLM's own gauges say the instance should get no new work",
             labels=["pool", "backend"],
         )
-        vllm = GaugeMetricFamily(
-            "gateway_instance_vllm_load",
-            "vLLM's gauges as last scraped: requests waiting, KV-cache usage (0..1)",
-            labels=["pool", "backend", "signal"],
+        waiting = GaugeMetricFamily(
+            "gateway_instance_vllm_waiting_requests",
+            "Requests waiting in the instance's engine, as its gauges last said",
+            labels=["pool", "backend"],
+        )
+        cache = GaugeMetricFamily(
+            "gateway_instance_vllm_cache_usage_ratio",
+            "The instance's KV-cache usage (0..1), as its engine's gauges last said",
+            labels=["pool", "backend"],
         )
         tenant_queued = GaugeMetricFamily(
             "gateway_admission_tenant_queued",
@@ -221,17 +233,16 @@ class GatewayCollector(Collector):
                 if inst.limiter is not None:
                     limit.add_metric(labels, inst.limiter.limit)
                 if inst.budget is not None:
-                    tokens.add_metric([*labels, "in_use"], inst.budget.used)
-                    tokens.add_metric([*labels, "budget"], inst.budget.budget)
+                    tokens.add_metric(labels, inst.budget.used)
+                    budget.add_metric(labels, inst.budget.budget)
                 if signals:
                     saturated.add_metric(labels, 1.0 if inst.saturated else 0.0)
-                    for signal, value in (
-                        ("waiting", inst.vllm_waiting),
-                        ("cache_usage", inst.vllm_cache_usage),
-                    ):
-                        if value is not None:
-                            vllm.add_metric([*labels, signal], value)
-        yield from (queued, shed, overflow, running, room, limit, wait, tokens, saturated, vllm)
+                    if inst.vllm_waiting is not None:
+                        waiting.add_metric(labels, inst.vllm_waiting)
+                    if inst.vllm_cache_usage is not None:
+                        cache.add_metric(labels, inst.vllm_cache_usage)
+        yield from (queued, shed, overflow, running, room, limit, wait, tokens, budget)
+        yield from (saturated, waiting, cache)
         yield from (tenant_queued, tenant_shed)
 
     def _requests(self) -> Iterator[Metric]:
@@ -498,7 +509,23 @@ class GatewayCollector(Collector):
         yield events
 
 
+class BuildInfo(Collector):
+    """`gateway_build_info{version, python}`: 1, for dashboards and alerts to tell releases."""
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "gateway_build_info",
+            "The gateway's version and Python's (always 1)",
+            labels=["version", "python"],
+        )
+        info.add_metric([__version__, platform.python_version()], 1.0)
+        yield info
+
+
 def build_registry(observed: Observed) -> CollectorRegistry:
+    """The gateway's metrics, its build, and its process's (CPU, memory, file descriptors)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(observed))
+    registry.register(BuildInfo())
+    ProcessCollector(registry=registry)
     return registry

@@ -18,8 +18,8 @@ drain settings are the ones in force when SIGTERM comes. The access log, on or o
 to the requests that end after the reload.
 
 The rest is built once at startup, so a change there refuses the whole reload with the
-dotted keys listed: `listen` and `admin` (the bound sockets; the admin token, read when the
-admin plane is built, after the check that a non-loopback one has it), `shared` (the Redis
+dotted keys listed: `listen`, `admin` and `metrics` (the bound sockets; the admin token, read
+when the admin plane is built, after the check that a non-loopback one has it), `shared` (the Redis
 session and its subscription), `telemetry.tracing` and `telemetry.service_name` (the tracer
 provider and its exporter, the pipeline's traced layers), `telemetry.log_format` (the log
 handlers, and the access log's format with them).

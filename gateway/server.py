@@ -123,6 +123,8 @@ async def serve(
     _raise_open_files_limit()
     data_sock = bind_listener(*split_host_port(policy.listen))
     admin_sock = bind_listener(*split_host_port(policy.admin.listen))
+    metrics_listen = policy.metrics.listen
+    metrics_sock = bind_listener(*split_host_port(metrics_listen)) if metrics_listen else None
     gateway = Gateway(policy, policy_path, log_format)
     await gateway.start()
     _tune_gc()
@@ -130,6 +132,10 @@ async def serve(
         _Server(_uvicorn_config(gateway.data_app)),
         _Server(_uvicorn_config(gateway.admin_app)),
     ]
+    sockets = [data_sock, admin_sock]
+    if metrics_sock is not None:
+        servers.append(_Server(_uvicorn_config(gateway.metrics_app)))
+        sockets.append(metrics_sock)
 
     def stop() -> None:
         for server in servers:
@@ -140,8 +146,8 @@ async def serve(
 
     loop = asyncio.get_running_loop()
     tasks = [
-        asyncio.create_task(servers[0].serve(sockets=[data_sock])),
-        asyncio.create_task(servers[1].serve(sockets=[admin_sock])),
+        asyncio.create_task(server.serve(sockets=[sock]))
+        for server, sock in zip(servers, sockets, strict=True)
     ]
     # SIGTERM drains the data plane (the admin plane closes last); a second one, or SIGINT,
     # ends the drain at once.
@@ -150,7 +156,7 @@ async def serve(
         lambda: gateway.policy.drain,
         servers[0],
         tasks[0],
-        servers[1],
+        servers[1:],  # the admin plane and the metrics listener close last
         set_draining,
         gateway.data_app.streams,
     )
@@ -164,6 +170,8 @@ async def serve(
             await asyncio.sleep(0.01)
         if all(server.started for server in servers):
             ready = {"data": _address(data_sock), "admin": _address(admin_sock)}
+            if metrics_sock is not None:
+                ready["metrics"] = _address(metrics_sock)
             log.warning("gateway READY", extra={"fields": ready})
         await asyncio.gather(*tasks)
     finally:

@@ -33,7 +33,7 @@ from tests.support import (
 DASHBOARD_PATH = (
     Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "gateway-dashboard.json"
 )
-METRIC_RE = re.compile(r"gateway_[a-z0-9_]+")
+METRIC_RE = re.compile(r"\b(?:gateway|process)_[a-z0-9_]+")
 GRID_WIDTH = 24
 UNITS = {"s", "reqps", "ops", "percentunit", "short"}
 RANGE_FUNCTIONS = re.compile(r"\b(rate|irate|increase)\(")

@@ -234,7 +234,16 @@ def test_probes_and_services_use_the_policys_data_port() -> None:
             assert get["path"] == path, (name, probe)
             assert _port_number(container, get["port"]) == data_port, (name, probe)
         exposed = {_port_number(container, p["containerPort"]) for p in container["ports"]}
-        assert exposed == {data_port}, f"{name}: only the data plane is a containerPort"
+        assert policy.metrics.listen is not None, f"{name}: Prometheus needs metrics.listen"
+        metrics_port = split_host_port(policy.metrics.listen)[1]
+        assert exposed == {data_port, metrics_port}, f"{name}: data and metrics, never admin"
+        assert _port_number(container, "metrics") == metrics_port
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(metrics_port),
+            "prometheus.io/path": "/metrics",
+        }
         services = _of_kind(render(name), "Service")
         gateway_services = [
             s for s in services if any(p["targetPort"] == "http" for p in s["spec"]["ports"])
@@ -242,6 +251,7 @@ def test_probes_and_services_use_the_policys_data_port() -> None:
         assert gateway_services, f"{name}: no Service targets the gateway"
         for service in services:
             for port in service["spec"]["ports"]:
+                assert port.get("targetPort") != "metrics", f"{name}: scraped from pods"
                 assert admin_port not in (port["port"], port.get("targetPort")), (
                     f"{name}: Service {service['metadata']['name']} exposes the admin plane"
                 )
@@ -317,6 +327,28 @@ def test_central_gateways_discover_the_sidecar_pods_with_least_privilege() -> No
             "verbs": ["get", "list", "watch"],
         }
     ]
+
+
+def test_the_podmonitor_scrapes_every_gateway_on_its_metrics_port() -> None:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed (scripts/install-system-deps)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    (monitor,) = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    (expression,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert expression["operator"] == "In"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    selected = set()
+    for _, workload, container in _gateway_workloads():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert labels.get(expression["key"]) in expression["values"], workload["metadata"]
+        assert any(port["name"] == "metrics" for port in container["ports"])
+        selected.add(workload["metadata"]["name"])
+    assert selected == {"llm-gateway", "vllm-llama-8b"}
 
 
 def test_central_service_exposes_8080_only() -> None:
@@ -498,7 +530,7 @@ def test_dockerfile_stages() -> None:
     assert "--uid 10001" in text
     assert "GATEWAY_POLICY=/etc/gateway/policy.yaml" in text
     (expose,) = [r for w, r in runtime if w == "EXPOSE"]
-    assert expose.split() == ["8080", "9901"]
+    assert expose.split() == ["8080", "9901", "9090"]
 
 
 def test_dockerfile_healthcheck_uses_the_standard_library() -> None:

@@ -108,3 +108,29 @@ def test_requests_retries_isolation_and_ooms_are_counted(
         > 0
     )
     assert value(found, "gateway_shared_state_connected") == 0
+
+
+def test_a_metrics_listener_serves_prometheus_without_the_admin_token(
+    backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    """`metrics.listen`: Prometheus scrapes /metrics from the pod's address with no token; the
+    admin plane keeps its token; the process and build families are there too."""
+    policy = pool_policy(backends, top="metrics: {listen: 127.0.0.1:0}")
+    gw = start_gateway(tmp_path / "policy.yaml", policy, {"GATEWAY_ADMIN_TOKEN": "t0ken"})
+    try:
+        url = f"http://{gw.proc.ready['metrics']}"
+        assert httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10).status_code == 200
+        scraped = httpx.get(f"{url}/metrics", timeout=5)
+        assert scraped.status_code == 200
+        assert scraped.headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(scraped.text)}
+        assert "gateway_requests" in families
+        (info,) = families["gateway_build_info"].samples
+        assert info.value == 1 and info.labels["version"]
+        for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds"):
+            assert families[name].samples, name
+        # Nothing else is served there, and the admin plane still wants its token.
+        assert httpx.get(f"{url}/admin/state", timeout=5).status_code == 404
+        assert httpx.get(f"{gw.admin_url}/metrics", timeout=5).status_code == 401
+    finally:
+        gw.stop()

@@ -14,6 +14,13 @@ def cross_field_errors(policy: Policy) -> list[tuple[Loc, str]]:
         errors.append(
             (("admin", "listen"), f"the admin plane needs its own address, not {policy.listen}")
         )
+    metrics = policy.metrics.listen
+    if metrics is not None:
+        for other, name in ((policy.listen, "the data plane"), (policy.admin.listen, "admin")):
+            if _same_socket(metrics, other):
+                errors.append(
+                    (("metrics", "listen"), f"{metrics} is taken by {name}: give it its own port")
+                )
     owner: dict[str, str] = {}
     for pool_name, pool in policy.pools.items():
         where: Loc = ("pools", pool_name)

@@ -132,6 +132,13 @@ class AdminPolicy(Strict):
     token_env: Annotated[str, Field(min_length=1)] = "GATEWAY_ADMIN_TOKEN"
 
 
+class MetricsPolicy(Strict):
+    """A listener of its own serving `GET /metrics` without a token, for Prometheus to scrape
+    from the pod's address (the admin plane's `/metrics` stays, behind its token). Absent: none."""
+
+    listen: ListenAddress | None = None
+
+
 def _check_cidr(value: object) -> str:
     import ipaddress
 
@@ -692,6 +699,7 @@ class PoolPolicy(Strict):
 class Policy(Strict):
     listen: ListenAddress = "0.0.0.0:8080"
     admin: AdminPolicy = AdminPolicy()
+    metrics: MetricsPolicy = MetricsPolicy()
     limits: LimitsPolicy = LimitsPolicy()
     shared: SharedPolicy | None = None
     telemetry: TelemetryPolicy = TelemetryPolicy()
