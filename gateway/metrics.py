@@ -484,16 +484,25 @@ class GatewayCollector(Collector):
         max_retries = GaugeMetricFamily(
             "gateway_pool_max_retries", "Retries the current tier allows", labels=["pool"]
         )
+        panics = CounterMetricFamily(
+            "gateway_pool_panic_attempts",
+            "Attempts sent while no instance of the pool was healthy and admitting (the pool "
+            "panicked: breaker.when_none_available)",
+            labels=["pool"],
+        )
         for pool in self._observed.pools.values():
             rate = pool.failure.rate
             chosen = pool.tiers.choose(rate)
             failure.add_metric([pool.name], rate)
             tier.add_metric([pool.name], chosen.index)
             max_retries.add_metric([pool.name], chosen.max_retries)
-        yield from (failure, tier, max_retries)
+            panics.add_metric([pool.name], pool.stats.panics)
+        yield from (failure, tier, max_retries, panics)
 
     def _shared(self) -> Iterator[Metric]:
         shared = self._observed.shared()
+        if not shared.get("configured"):
+            return  # no `shared`: nothing to be connected to (an alert on 0 would be noise)
         yield GaugeMetricFamily(
             "gateway_shared_state_connected",
             "1 while the replica shares decisions through Redis; 0 when it decides alone",

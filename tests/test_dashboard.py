@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.procs import wait_until
+from loadtests.prometheus_server import PrometheusServer
 from tests.support import (
     LOOPBACK_LISTENERS,
     Backend,
@@ -164,6 +165,7 @@ def gateway(
     # families are exported as they would be in a cluster.
     policy = f"""
 {LOOPBACK_LISTENERS}
+metrics: {{listen: 127.0.0.1:0}}
 shared: {{redis_url: "redis://127.0.0.1:{closed_port()}/0"}}
 pools:
   chat:
@@ -273,3 +275,33 @@ def test_dashboard_queries_only_metrics_the_gateway_exports(
         "gateway_stream_resume_refusals",
     ):
         assert families[family], f"{family} has no samples"
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, query) for every panel target, its variables given as Grafana would with
+    every pool and backend selected (and a rate window that holds a few 1 s scrapes)."""
+    found = []
+    for panel in query_panels(dashboard):
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "30s")
+            expr = expr.replace('"$pool"', '".*"').replace('"$instance"', '".*"')
+            found.append((panel["title"], expr))
+    return found
+
+
+def test_every_panel_query_returns_data_from_a_real_prometheus(
+    dashboard: dict[str, Any], gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """A real Prometheus scrapes the gateway's metrics listener every second while the scenario
+    runs; then every query of every panel, as Grafana sends it, returns series."""
+    with PrometheusServer([gateway.proc.ready["metrics"]]) as prometheus:
+        assert wait_until(lambda: prometheus.scrapes() >= 2, 30.0, 0.2)
+        drive_traffic(gateway, backends)
+        seen = prometheus.scrapes()
+        assert wait_until(lambda: prometheus.scrapes() >= seen + 3, 30.0, 0.2)
+        empty = [
+            f"{title}: {expr}"
+            for title, expr in panel_queries(dashboard)
+            if not prometheus.query(expr)
+        ]
+        assert empty == []

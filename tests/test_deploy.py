@@ -336,8 +336,9 @@ def test_the_podmonitor_scrapes_every_gateway_on_its_metrics_port() -> None:
         [kubectl, "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    (monitor,) = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    (monitor,) = [doc for doc in docs if doc["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     (expression,) = monitor["spec"]["selector"]["matchExpressions"]
     assert expression["operator"] == "In"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]

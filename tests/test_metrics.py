@@ -107,7 +107,11 @@ def test_requests_retries_isolation_and_ooms_are_counted(
         )
         > 0
     )
-    assert value(found, "gateway_shared_state_connected") == 0
+    # No `shared` in this policy: nothing to be connected to, so no series (an alert on 0
+    # would fire for every gateway that decides alone by design).
+    assert ("gateway_shared_state_connected", frozenset()) not in found
+    assert value(found, "gateway_pool_panic_attempts_total", pool="chat") == 0
+    assert ("gateway_pool_panic_attempts_total", frozenset({("pool", "chat")})) in found
 
 
 def test_a_metrics_listener_serves_prometheus_without_the_admin_token(

@@ -85,6 +85,7 @@ class Pick:
                     retry_after_s=_retry_after_s(pool, now),
                 )
             instance = _balance(pool, panic, now)
+            pool.stats.panics += 1
         call.probe = probe is not None
         call.instance = instance
         tried.append(instance)

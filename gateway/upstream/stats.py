@@ -65,6 +65,7 @@ class PoolStats:
         "budget_exhausted",
         "duration",
         "hedges",
+        "panics",
         "requests",
         "resume_refusals",
         "resumes",
@@ -85,6 +86,8 @@ class PoolStats:
         # Hedged first attempts by how they ended: won, lost, failed (both failed), or not
         # sent: no_budget (the retry budget refused it), no_room (every other instance full).
         self.hedges: dict[str, int] = {}
+        # Attempts sent while no instance was healthy and admitting (the pool panicked).
+        self.panics = 0
 
     def hedged(self, result: str) -> None:
         self.hedges[result] = self.hedges.get(result, 0) + 1
