@@ -305,3 +305,24 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(
             if not prometheus.query(expr)
         ]
         assert empty == []
+
+
+def readme_metrics() -> dict[str, str]:
+    """The README's metric table: family name -> type (counters named with `_total` there)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = text.index("| metric | type | labels | unit | meaning |")
+    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
+    table: dict[str, str] = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        name, kind = cells[0].strip("`"), cells[1]
+        table[name.removesuffix("_total") if kind == "counter" else name] = kind
+    return table
+
+
+def test_the_readme_lists_every_metric_with_its_type(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    response = httpx.get(f"{gateway.admin_url}/metrics", timeout=5)
+    exported = {f.name: f.type for f in text_string_to_metric_families(response.text)}
+    assert readme_metrics() == exported

@@ -475,7 +475,60 @@ def test_compose_services_and_policy() -> None:
         assert args[args.index("--port") + 1] == instance.url.rsplit(":", 1)[1]
         assert args[args.index("--host") + 1] == "0.0.0.0"
         assert set(args[args.index("--models") + 1].split(",")) == set(pool.models)
-    assert set(gateway["depends_on"]) == {"redis", "backend-a", "backend-b"}
+    assert set(gateway["depends_on"]) == {"redis", "backend-a", "backend-b", "jaeger"}
+
+
+def _mounts(service: Manifest) -> dict[str, Path]:
+    """A compose service's read-only mounts: container path -> file in the repository."""
+    found = {}
+    for volume in service["volumes"]:
+        source, target, mode = volume.split(":")
+        assert mode == "ro", volume
+        path = COMPOSE.parent / source
+        assert path.is_file(), volume
+        found[target] = path
+    return found
+
+
+def test_compose_shows_the_gateway_working_metrics_dashboard_and_traces() -> None:
+    """Prometheus scrapes the gateway's metrics listener with the alert rules loaded, Grafana
+    has it as its data source and the dashboard provisioned, and traces go to Jaeger."""
+    services = _compose()["services"]
+    policy = load_policy(COMPOSE.parent / "compose-policy.yaml")
+    assert policy.metrics.listen is not None and policy.telemetry.tracing
+    metrics_port = split_host_port(policy.metrics.listen)[1]
+
+    prometheus = _mounts(services["prometheus"])
+    config = yaml.safe_load(prometheus["/etc/prometheus/prometheus.yml"].read_text())
+    (job,) = config["scrape_configs"]
+    assert job["static_configs"] == [{"targets": [f"gateway:{metrics_port}"]}]
+    assert config["rule_files"] == ["/etc/prometheus/gateway-alerts.yaml"]
+    rules = prometheus["/etc/prometheus/gateway-alerts.yaml"]
+    assert rules == DEPLOY / "prometheus" / "gateway-alerts.yaml"
+
+    grafana = _mounts(services["grafana"])
+    sources = yaml.safe_load(
+        grafana["/etc/grafana/provisioning/datasources/gateway.yaml"].read_text()
+    )
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load(
+        grafana["/etc/grafana/provisioning/dashboards/gateway.yaml"].read_text()
+    )
+    (provider,) = providers["providers"]
+    folder = provider["options"]["path"]
+    dashboards = [target for target in grafana if target.startswith(folder + "/")]
+    assert [grafana[target] for target in dashboards] == [
+        DEPLOY / "grafana" / "gateway-dashboard.json"
+    ]
+
+    gateway = services["gateway"]
+    endpoint = gateway["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    assert endpoint == "http://jaeger:4318/v1/traces"
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in ("prometheus", "grafana", "jaeger"):
+        for port in services[name]["ports"]:
+            assert port.startswith("127.0.0.1:"), f"{name}: this machine only"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------
