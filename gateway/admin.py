@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from typing import Protocol
 
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.config import Policy, split_host_port
 from gateway.metrics import Observed, build_registry
 from gateway.operations import Operations
 from gateway.reload import ReloadResult
@@ -27,6 +29,27 @@ class Reloads(Protocol):
 def admin_token(token_env: str) -> str | None:
     """The bearer token from the environment variable the policy names (None when unset)."""
     return os.environ.get(token_env) or None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_exposure_error(policy: Policy) -> str | None:
+    """Why the admin plane may not be served as the policy says: off loopback, it needs its
+    token (None: it may)."""
+    host, _ = split_host_port(policy.admin.listen)
+    if not _is_loopback(host) and admin_token(policy.admin.token_env) is None:
+        return (
+            f"refusing to serve the admin plane on {policy.admin.listen} without a token: "
+            f"set {policy.admin.token_env}"
+        )
+    return None
 
 
 class BearerAuth:

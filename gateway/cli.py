@@ -2,8 +2,9 @@
 
 - `gateway run --policy FILE`: serve.
 - `gateway check [--resolve] FILE...`: validate policy files. Alone, a file is checked as a CI
-  pipeline can: `${NAME}` references are not resolved and the secrets and CA files it names are
-  not read; `--resolve` checks it with this environment, as `run` would.
+  pipeline can: `${NAME}` references are not resolved (a value only the environment can tell is
+  noted, not failed) and the secrets and CA files it names are not read; `--resolve` checks it
+  with this environment, as `run` would.
 - `gateway state`, `gateway isolate POOL INSTANCE`, `gateway restore POOL INSTANCE`,
   `gateway reload`: the admin API of a running gateway (`--admin URL`, default
   `$GATEWAY_ADMIN_URL` or http://127.0.0.1:9901; the bearer token from `$GATEWAY_ADMIN_TOKEN`,
@@ -14,10 +15,12 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -30,16 +33,29 @@ ADMIN_TIMEOUT_S = 10.0
 
 
 def _check(files: list[str], resolve: bool) -> int:
+    """Each file `ok` on stdout, or its problems on stderr (exit 1). Checked alone, values
+    written with `${NAME}` that only the environment can tell are noted, not failed."""
     failed = False
     for path in files:
         try:
-            load_policy(path, resolve=resolve)
+            policy = load_policy(path, resolve=resolve)
         except PolicyError as exc:
-            failed = True
             for problem in exc.problems:
                 print(problem, file=sys.stderr)
-        else:
-            print(f"{path}: ok")
+            if any(not problem.unchecked for problem in exc.problems):
+                failed = True
+                continue
+            print(f"{path}: ok ({len(exc.problems)} value(s) not checked without the environment)")
+            continue
+        if resolve:
+            from gateway.admin import admin_exposure_error
+
+            refused = admin_exposure_error(policy)
+            if refused is not None:
+                print(f"{path}: admin.listen: {refused}", file=sys.stderr)
+                failed = True
+                continue
+        print(f"{path}: ok")
     return 1 if failed else 0
 
 
@@ -67,25 +83,52 @@ def _run(policy_path: str, log_level: str, log_format: LogFormat | None) -> int:
 # -- the admin API ------------------------------------------------------------------------------
 
 
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The token, checked before it goes into a header (an error never shows it)."""
+    token = (os.environ.get(args.token_env) or "").strip()
+    if not token:
+        return None
+    if any(ord(c) < 32 or ord(c) == 127 for c in token) or not token.isascii():
+        raise ValueError(f"${args.token_env} holds characters a header cannot carry")
+    return token
+
+
 def _admin_call(args: argparse.Namespace, method: str, path: str) -> tuple[int, Any]:
-    """(status, JSON body) of one admin call; status 0 when the gateway could not be reached."""
+    """(status, JSON body) of one admin call; status 0 when no answer came (the body's error
+    says why). Never through a proxy: the call carries the admin token."""
     url = args.admin.rstrip("/") + path
+    try:
+        token = _admin_token(args)
+    except ValueError as exc:
+        return 0, {"error": {"message": str(exc)}}
     request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    token = os.environ.get(args.token_env)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(request, timeout=ADMIN_TIMEOUT_S) as response:
-            return response.status, json.loads(response.read() or b"null")
+        with opener.open(request, timeout=ADMIN_TIMEOUT_S) as response:
+            status, body = response.status, response.read()
     except urllib.error.HTTPError as exc:
-        body = exc.read()
         try:
-            return exc.code, json.loads(body)
-        except ValueError:
-            return exc.code, {"error": {"message": body.decode("utf-8", "replace")[:500]}}
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return 0, {"error": {"message": f"cannot reach the admin API at {url}: {reason}"}}
+            status, body = exc.code, exc.read()
+        except (OSError, http.client.HTTPException):
+            status, body = exc.code, b""
+    except TimeoutError:
+        message = f"no answer from {url} within {ADMIN_TIMEOUT_S:g} s"
+        if method == "POST":
+            message += ": whether it was done is unknown (see `gateway state`)"
+        return 0, {"error": {"message": message}}
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        return 0, {"error": {"message": f"cannot reach the admin API at {args.admin}: {reason}"}}
+    try:
+        return status, json.loads(body or b"null")
+    except ValueError:
+        text = body.decode("utf-8", "replace")[:300]
+        # A 200 that is not the API's JSON is not the API answering (a proxy's page, say).
+        return 0 if status == 200 else status, {
+            "error": {"message": f"the answer is not JSON: {text!r}"}
+        }
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -102,7 +145,8 @@ def _admin(args: argparse.Namespace) -> int:
     elif args.command == "reload":
         status, body = _admin_call(args, "POST", "/admin/reload")
     else:
-        path = f"/admin/instances/{args.pool}/{args.instance}/{args.command}"
+        pool, instance = (urllib.parse.quote(v, safe="") for v in (args.pool, args.instance))
+        path = f"/admin/instances/{pool}/{instance}/{args.command}"
         status, body = _admin_call(args, "POST", path)
     if status == 200:
         print(json.dumps(body, indent=2))

@@ -96,6 +96,12 @@ class GatewayCollector(Collector):
         reloads.add_metric(["error"], stats.errors)
         yield reloads
         yield GaugeMetricFamily(
+            "gateway_policy_last_reload_successful",
+            "1 when the last reload was applied (or none was tried); 0 while the last one was "
+            "refused: the policy file holds what the gateway does not serve",
+            value=1.0 if stats.last_ok else 0.0,
+        )
+        yield GaugeMetricFamily(
             "gateway_policy_version",
             "Version of the policy served: 1 at startup, +1 per reload that changed something",
             value=stats.version,
@@ -486,8 +492,8 @@ class GatewayCollector(Collector):
         )
         panics = CounterMetricFamily(
             "gateway_pool_panic_attempts",
-            "Attempts sent while no instance of the pool was healthy and admitting (the pool "
-            "panicked: breaker.when_none_available)",
+            "Attempts sent to the least bad instances because none of the pool was healthy and "
+            "admitting (breaker.when_none_available: panic)",
             labels=["pool"],
         )
         for pool in self._observed.pools.values():

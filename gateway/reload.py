@@ -182,6 +182,7 @@ class ReloadStats:
     errors: int = 0
     last_error: str | None = None
     last_error_at: float | None = None
+    last_ok: bool = True  # the last reload was applied (a refused file stays refused until fixed)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -189,6 +190,7 @@ class ReloadStats:
             "loaded_at": self.loaded_at,
             "source": self.source,
             "reloads": {"ok": self.ok, "error": self.errors},
+            "last_reload_ok": self.last_ok,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
         }
@@ -327,6 +329,7 @@ class Reloader:
     def _refused(self, message: str, source: str) -> ReloadResult:
         stats = self.stats
         stats.errors += 1
+        stats.last_ok = False
         stats.last_error = message
         stats.last_error_at = time.time()
         log.error(
@@ -346,6 +349,7 @@ class Reloader:
             )
         stats = self.stats
         stats.ok += 1
+        stats.last_ok = True
         if diff.empty:
             target.policy = policy
             log.warning(

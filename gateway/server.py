@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import resource
 import signal
@@ -15,7 +14,7 @@ from collections.abc import Generator
 import uvicorn
 from starlette.types import ASGIApp
 
-from gateway.admin import admin_token
+from gateway.admin import admin_exposure_error
 from gateway.app import Gateway
 from gateway.config import Policy, split_host_port
 from gateway.drain import Drain
@@ -49,15 +48,6 @@ def _raise_open_files_limit() -> None:
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _uvicorn_config(app: ASGIApp) -> uvicorn.Config:
@@ -114,12 +104,9 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain (gateway.drain) and return. `policy_path`:
     the file SIGHUP, the file watcher and /admin/reload read."""
-    admin_host, _ = split_host_port(policy.admin.listen)
-    if not _is_loopback(admin_host) and admin_token(policy.admin.token_env) is None:
-        raise SystemExit(
-            f"refusing to serve the admin plane on {policy.admin.listen} without a token: "
-            f"set {policy.admin.token_env}"
-        )
+    refused = admin_exposure_error(policy)
+    if refused is not None:
+        raise SystemExit(refused)
     _raise_open_files_limit()
     data_sock = bind_listener(*split_host_port(policy.listen))
     admin_sock = bind_listener(*split_host_port(policy.admin.listen))

@@ -115,3 +115,25 @@ def test_an_unreachable_gateway_is_an_error_not_a_traceback() -> None:
     assert result.returncode == 1
     assert "cannot reach the admin API" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_token_is_never_shown_and_never_sent_through_a_proxy(gateway: Gateway) -> None:
+    # Surrounding whitespace (a Secret file's newline) is dropped; a control inside is refused.
+    assert cli("state", "--admin", gateway.admin_url, token=TOKEN + "\r\n").returncode == 0
+    broken = cli("state", "--admin", gateway.admin_url, token=TOKEN[:4] + "\x01" + TOKEN[4:])
+    assert broken.returncode == 1
+    assert "GATEWAY_ADMIN_TOKEN holds characters" in broken.stderr
+    assert TOKEN not in broken.stderr + broken.stdout
+    # A proxy in the environment (here a closed port) is not used for the admin API.
+    proxied = f"http://127.0.0.1:{closed_port()}"
+    result = cli("state", "--admin", gateway.admin_url, HTTP_PROXY=proxied, http_proxy=proxied)
+    assert result.returncode == 0, result.stderr
+
+
+def test_names_that_need_quoting_are_sent_quoted_not_a_traceback(gateway: Gateway) -> None:
+    result = cli("isolate", "chat", "a b/../c", "--admin", gateway.admin_url)
+    assert result.returncode == 1
+    assert "HTTP 404" in result.stderr and "Traceback" not in result.stderr
+    bad_url = cli("state", "--admin", "http://127.0.0.1:port")
+    assert bad_url.returncode == 1 and "cannot reach the admin API" in bad_url.stderr
+    assert "Traceback" not in bad_url.stderr

@@ -146,10 +146,14 @@ pools:
     assert "Traceback" not in resolved.stderr
 
 
-def test_a_reference_that_cannot_stand_for_its_value_says_so(tmp_path: Path) -> None:
-    policy = tmp_path / "redis.yaml"
+def test_a_value_only_the_environment_can_tell_is_noted_not_failed(tmp_path: Path) -> None:
+    """Checked alone, `${NAME}` stands for "1" (a name, host, port, number or password): a
+    value that still cannot be told without the environment is a note, and the file is ok;
+    `--resolve` checks it, and fails it when the environment's value is wrong."""
+    policy = tmp_path / "refs.yaml"
     policy.write_text(
         """\
+listen: "0.0.0.0:${PORT}"
 shared: {redis_url: "${REDIS_URL}"}
 pools:
   chat:
@@ -158,12 +162,29 @@ pools:
 """
     )
     alone = gateway_cli("check", policy)
-    assert alone.returncode == 1
-    (line,) = alone.stderr.splitlines()
-    assert line.startswith(f"{policy}:1: shared.redis_url: ")
-    assert "${REDIS_URL}, not resolved: check with --resolve" in line
-    env = {"REDIS_URL": "redis://redis:6379/0", "POD_NAME": "p-0"}
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout == f"{policy}: ok (1 value(s) not checked without the environment)\n"
+    (note,) = alone.stderr.splitlines()
+    assert note.startswith(f"{policy}:2: shared.redis_url: not checked: the value holds ")
+    assert "${REDIS_URL}" in note and "--resolve" in note
+    env = {"REDIS_URL": "redis://redis:6379/0", "POD_NAME": "p-0", "PORT": "8080"}
     assert gateway_cli("check", "--resolve", policy, env=env).returncode == 0
+    wrong = gateway_cli("check", "--resolve", policy, env={**env, "REDIS_URL": "http://x"})
+    assert wrong.returncode == 1 and "shared.redis_url" in wrong.stderr
+    # A real mistake beside a reference still fails alone.
+    policy.write_text(policy.read_text().replace("models: [m]", "models: []"))
+    assert gateway_cli("check", policy).returncode == 1
+
+
+def test_resolve_refuses_what_run_refuses_an_exposed_admin_plane_without_its_token() -> None:
+    compose = REPO / "deploy" / "compose-policy.yaml"  # admin on 0.0.0.0: needs the token
+    assert gateway_cli("check", compose).returncode == 0
+    bare = gateway_cli("check", "--resolve", compose)
+    assert bare.returncode == 1
+    assert "without a token: set GATEWAY_ADMIN_TOKEN" in bare.stderr
+    assert (
+        gateway_cli("check", "--resolve", compose, env={"GATEWAY_ADMIN_TOKEN": "t"}).returncode == 0
+    )
 
 
 def test_version() -> None:

@@ -307,22 +307,31 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(
         assert empty == []
 
 
-def readme_metrics() -> dict[str, str]:
-    """The README's metric table: family name -> type (counters named with `_total` there)."""
+def readme_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """The README's metric table: family name -> (type, label names); counters are named with
+    `_total` there."""
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     start = text.index("| metric | type | labels | unit | meaning |")
     rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
-    table: dict[str, str] = {}
+    table: dict[str, tuple[str, frozenset[str]]] = {}
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         name, kind = cells[0].strip("`"), cells[1]
-        table[name.removesuffix("_total") if kind == "counter" else name] = kind
+        labels = frozenset(label.strip() for label in cells[2].split(",") if label.strip())
+        table[name.removesuffix("_total") if kind == "counter" else name] = (kind, labels)
     return table
 
 
-def test_the_readme_lists_every_metric_with_its_type(
+def test_the_readme_lists_every_metric_with_its_type_and_labels(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
+    drive_traffic(gateway, backends)  # every family with samples, so its labels show
     response = httpx.get(f"{gateway.admin_url}/metrics", timeout=5)
-    exported = {f.name: f.type for f in text_string_to_metric_families(response.text)}
+    exported = {
+        family.name: (
+            family.type,
+            frozenset(label for sample in family.samples for label in sample.labels) - {"le"},
+        )
+        for family in text_string_to_metric_families(response.text)
+    }
     assert readme_metrics() == exported

@@ -27,6 +27,9 @@ class Problem:
     line: int
     path: str
     message: str
+    # Only when checking without the environment: a value written with `${NAME}` that could
+    # not be checked without it (a note, not a failure: `--resolve` checks it).
+    unchecked: bool = False
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.path}: {self.message}"
@@ -81,19 +84,26 @@ def parse_policy(
         ) from None
     cross = cross_field_errors(policy)
     if cross:
-        raise PolicyError([_problem(loc, msg, lines, filename) for loc, msg in cross])
+        raise PolicyError(
+            [_unchecked(_problem(loc, msg, lines, filename), loc, unresolved) for loc, msg in cross]
+        )
     return policy
 
 
 def _unresolved_hint(problem: Problem, err: Any, unresolved: dict[Loc, list[str]]) -> Problem:
-    """A problem in a value written with `${NAME}` not resolved says so."""
     loc: Loc = tuple(part for part in err["loc"] if part != "[key]")
+    return _unchecked(problem, loc, unresolved)
+
+
+def _unchecked(problem: Problem, loc: Loc, unresolved: dict[Loc, list[str]]) -> Problem:
+    """A problem in a value written with `${NAME}`, checked without the environment, is not
+    one: the value could not be checked (a note that says so, not the placeholder's error)."""
     names = unresolved.get(loc)
     if not names:
         return problem
     refs = ", ".join(f"${{{name}}}" for name in names)
-    hint = f" (the value holds {refs}, not resolved: check with --resolve to use the environment)"
-    return Problem(problem.file, problem.line, problem.path, problem.message + hint)
+    message = f"not checked: the value holds {refs} (check with --resolve to use the environment)"
+    return Problem(problem.file, problem.line, problem.path, message, unchecked=True)
 
 
 # --- YAML with line numbers ---------------------------------------------------------------
@@ -180,10 +190,12 @@ class _Builder:
         def substitute(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
             if not self.resolve:
-                # Checked alone: the reference stands for its default, else for its name.
+                # Checked alone: the reference stands for its default, else for "1", which
+                # most places accept (a name, a host, a port, a number, a password); a value
+                # that then fails is reported as not checked.
                 if default is None:
                     self.unresolved.setdefault(loc, []).append(name)
-                    return name
+                    return "1"
                 return default
             found = os.environ.get(name)
             if found is None or (found == "" and default is not None):

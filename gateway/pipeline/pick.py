@@ -76,6 +76,11 @@ class Pick:
             panic = None
             if pool.policy.breaker.when_none_available == "panic":
                 panic = _least_bad(pool, tried, avoid)
+                if panic is not None and not any(
+                    i.breaker.state == ADMITTING for i in pool.routable
+                ):
+                    # A panic: nothing healthy admits at all (not only this request's avoided).
+                    pool.stats.panics += 1
             if panic is None and avoid:
                 # Nothing else at all: those instances again (they may be restarting).
                 panic = [i for i in avoid if i.health.healthy] or None
@@ -85,7 +90,6 @@ class Pick:
                     retry_after_s=_retry_after_s(pool, now),
                 )
             instance = _balance(pool, panic, now)
-            pool.stats.panics += 1
         call.probe = probe is not None
         call.instance = instance
         tried.append(instance)
