@@ -302,8 +302,24 @@ class GatewayCollector(Collector):
             "(both attempts failed), no_budget (due, but the retry budget refused it)",
             labels=["pool", "result"],
         )
+        tokens = CounterMetricFamily(
+            "gateway_tokens",
+            "Tokens the answers said they used (their `usage`), by model and type (input, "
+            "output); answers that give none are not counted",
+            labels=["pool", "model", "type"],
+        )
+        per_token = HistogramMetricFamily(
+            "gateway_time_per_output_token_seconds",
+            "A stream's time from its first to its last byte over its output tokens after the "
+            "first (streams that say their usage)",
+            labels=["pool", "model"],
+        )
         for pool in self._observed.pools.values():
             stats = pool.stats
+            for (model, kind), count in stats.tokens.items():
+                tokens.add_metric([pool.name, model, kind], count)
+            for model, histogram in stats.per_output_token.items():
+                per_token.add_metric([pool.name, model], _buckets(histogram), histogram.sum)
             for (instance, reason), count in stats.resumes.items():
                 resumes.add_metric([pool.name, instance, reason], count)
             for reason, count in stats.resume_refusals.items():
@@ -324,6 +340,7 @@ class GatewayCollector(Collector):
         yield from (
             requests, duration, ttfb, retries, timeouts, exhausted, resumes, not_resumed, hedges
         )  # fmt: skip
+        yield from (tokens, per_token)
 
     def _instances(self) -> Iterator[Metric]:
         labels = ["pool", "backend"]

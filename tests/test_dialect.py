@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from gateway.core.usage import usage_of
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -16,7 +17,6 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.ingress.dialect import ANTHROPIC, BY_PATH, OPENAI
-from gateway.pipeline.account import completion_tokens
 
 
 def test_openai_errors_keep_the_native_shape_and_end_streams_with_done() -> None:
@@ -77,7 +77,7 @@ def test_only_the_messages_route_speaks_anthropic() -> None:
     ],
 )
 def test_completion_tokens_from_either_protocol(data: bytes, tokens: int | None) -> None:
-    assert completion_tokens(data) == tokens
+    assert usage_of(data).output_tokens == tokens
 
 
 def test_an_engines_error_event_gives_its_status_in_each_dialect() -> None:

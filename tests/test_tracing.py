@@ -121,6 +121,7 @@ def test_a_retried_request_is_one_server_span_with_two_attempts(
     assert first.attributes["gateway.instance"] == "bad"
     assert first.attributes["gateway.attempt"] == 1
     assert first.attributes["gateway.outcome"] == "http_503"
+    assert first.attributes["error.type"] == "503"  # the conventions' form: the status code
     assert first.status_code == "ERROR"
     assert first.attributes["http.response.status_code"] == 503
     assert second.attributes["gateway.instance"] == "good"

@@ -7,3 +7,23 @@ PROXY_ROUTES: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"}
 )
 MODELS_PATH = "/v1/models"
+
+# The OpenTelemetry GenAI conventions' operation of each route, and its provider: the protocol
+# family the client speaks (OpenAI-compatible servers such as vLLM speak OpenAI's).
+GENAI_OPERATIONS: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+    "/v1/messages": "chat",
+}
+GENAI_PROVIDERS: dict[str, str] = {"/v1/messages": "anthropic"}
+DEFAULT_GENAI_PROVIDER = "openai"
+
+
+def genai_attributes(path: str, model: str) -> dict[str, str]:
+    """The GenAI attributes a span of this route and requested model starts with."""
+    return {
+        "gen_ai.operation.name": GENAI_OPERATIONS.get(path, "chat"),
+        "gen_ai.provider.name": GENAI_PROVIDERS.get(path, DEFAULT_GENAI_PROVIDER),
+        "gen_ai.request.model": model,
+    }

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import Message, Scope
 
 from gateway.config.models import LimitsPolicy
-from gateway.config.routes import MODELS_PATH, PROXY_ROUTES
+from gateway.config.routes import MODELS_PATH, PROXY_ROUTES, genai_attributes
 from gateway.core.continuation import Transcript
 from gateway.errors import (
     GatewayError,
@@ -45,6 +45,7 @@ from gateway.ingress.resume import Restart, StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
 from gateway.ingress.whole import WholeAnswer, fetch_as_stream
 from gateway.pipeline.admit import parse_priority
+from gateway.pipeline.attempt_span import answer_attributes
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
@@ -473,9 +474,11 @@ class DataPlane:
         ttfb_s: float | None = None
         stream_error: str | None = None  # what cut a stream short after its first byte
         resume: StreamResume | None = None
+        answered: UpstreamResponse | None = None  # the answer, for the span's GenAI attributes
         try:
             try:
                 response = await self._handler(call)
+                answered = response
             except GatewayError as error:
                 status = error.status
                 await send_error(send, error, call.attempts, dialect)
@@ -545,9 +548,16 @@ class DataPlane:
                 )
             if self._tracer is not None:
                 span = trace.get_current_span()
+                span.set_attributes(genai_attributes(path, facts.model))
+                resumed = resume is not None and resume.resumes > 0
+                if answered is not None and status == 200 and not stream_error and not resumed:
+                    span.set_attributes(answer_attributes(answered))  # one answer: its own
+                if status >= 500:
+                    span.set_attribute("error.type", str(status))
+                elif stream_error is not None:
+                    span.set_attribute("error.type", "stream_cut")
                 span.set_attributes(
                     {
-                        "gen_ai.request.model": facts.model,
                         "gateway.pool": pool.name,
                         "gateway.attempts": call.attempts
                         + (resume.attempts if resume is not None else 0),

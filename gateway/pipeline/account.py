@@ -19,6 +19,7 @@ from collections.abc import Callable
 from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome, Phase
+from gateway.core.usage import usage_of
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import SUPERSEDED, Clock
@@ -29,28 +30,8 @@ from gateway.upstream.response import UpstreamResponse
 log = logging.getLogger("gateway.account")
 # One line per (pool, instance, phase) per interval: a hung instance times out by the hundred.
 
-_USAGE_KEY = b'"completion_tokens":'
-# Anthropic's Messages API counts them as `usage.output_tokens` (streams: in `message_delta`).
-_ANTHROPIC_USAGE_KEY = b'"output_tokens":'
 # How Anthropic ends a stream that failed: an `error` event, after which nothing comes.
 _STREAM_ERROR_EVENT = b"event: error"
-
-
-def completion_tokens(data: bytes) -> int | None:
-    """The output tokens from the end of a JSON body or stream, without parsing it: OpenAI's
-    `usage.completion_tokens`, else Anthropic's `usage.output_tokens` (the last one given)."""
-    key = _USAGE_KEY
-    at = data.rfind(key)
-    if at < 0:
-        key = _ANTHROPIC_USAGE_KEY
-        at = data.rfind(key)
-        if at < 0:
-            return None
-    digits = data[at + len(key) : at + len(key) + 12].lstrip()
-    end = 0
-    while end < len(digits) and 48 <= digits[end] <= 57:
-        end += 1
-    return int(digits[:end]) if end else None
 
 
 # Where a breaker's transitions go: logged, and shared with other replicas if so configured.
@@ -240,15 +221,20 @@ class Account:
             sent_with=response.sent_with,
         )
         if outcome.kind == "ok" and error is None:
+            pool = self._pools[instance.pool_name]
+            usage = usage_of(response.before_tail + response.tail, response.first_chunk)
+            pool.stats.count_usage(
+                response.request_model, usage, response.last_at - response.first_at
+            )
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
                 response.max_gap_s,
                 response.last_at - response.started_at,
-                completion_tokens(response.tail),
+                usage.output_tokens,
                 response.prompt_tokens,
                 response.queued,
             )
-            _learning(self._pools[instance.pool_name], instance)
+            _learning(pool, instance)
 
     def _lost_race(self, call: Call, instance: InstanceState, now: float, waited_s: float) -> None:
         """A hedge answered first and this attempt was given up: not a failure once, but an
@@ -334,6 +320,7 @@ class Account:
             response.queued = queued
             response.sent_with = sent_with
             response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
+            response.request_model = call.facts.model
             streaming = instance.streaming + 1
             instance.streaming = streaming
             if streaming > instance.capacity_seen:
@@ -343,7 +330,10 @@ class Account:
         _end(instance, tokens)
         outcome = response.outcome
         now = self._clock()
-        output_tokens = completion_tokens(response.body) if outcome.kind == "ok" else None
+        usage = usage_of(response.body) if outcome.kind == "ok" else None
+        output_tokens = usage.output_tokens if usage is not None else None
+        if usage is not None:
+            call.pool.stats.count_usage(call.facts.model, usage)
         generated = output_tokens if output_tokens is not None else call.facts.max_tokens
         if generated is not None and generated < MIN_RATED_TOKENS:
             generated = None  # its prefill, not its decoding, would be the measure

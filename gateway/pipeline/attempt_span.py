@@ -14,7 +14,9 @@ import asyncio
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from gateway.config.routes import genai_attributes
 from gateway.core.outcome import Outcome
+from gateway.core.usage import model_of, usage_of
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, context_headers
@@ -45,11 +47,11 @@ class AttemptSpans:
             raise
         span.set_attribute("http.response.status_code", response.status)
         if response.body is not None:
-            _end(span, response.outcome, None)
+            _end(span, response.outcome, None, response)
         else:
             response.after(
                 lambda r, error: _end(
-                    span, error.outcome if error is not None else r.outcome, error
+                    span, error.outcome if error is not None else r.outcome, error, r
                 )
             )
         return response
@@ -70,6 +72,7 @@ class AttemptSpans:
             "gateway.tier.k": call.k,
             "gateway.timeout.connect_s": timeouts.connect_s,
             "gateway.timeout.first_byte_s": timeouts.first_byte_s,
+            **genai_attributes(call.path, call.facts.model),
         }
         if timeouts.idle_s is not None:
             attributes["gateway.timeout.idle_s"] = timeouts.idle_s
@@ -89,10 +92,37 @@ async def _send_in(span: trace.Span, call: Call, next_handler: Handler) -> Upstr
         call.headers = forward
 
 
-def _end(span: trace.Span, outcome: Outcome, error: UpstreamError | None) -> None:
+def _end(
+    span: trace.Span,
+    outcome: Outcome,
+    error: UpstreamError | None,
+    response: UpstreamResponse | None = None,
+) -> None:
     label = outcome_label(outcome)
     span.set_attribute("gateway.outcome", label)
+    if response is not None and outcome.kind == "ok" and error is None:
+        span.set_attributes(answer_attributes(response))
     if outcome.kind != "ok" or error is not None:
-        span.set_attribute("error.type", label)
+        # The conventions' form: an HTTP error's status code, else the kind of failure.
+        status = outcome.status if outcome.kind == "status" else None
+        span.set_attribute("error.type", str(status) if status is not None else label)
         span.set_status(Status(StatusCode.ERROR, error.message if error is not None else label))
     span.end()
+
+
+def answer_attributes(response: UpstreamResponse) -> dict[str, str | int]:
+    """The GenAI attributes an answer tells: the model that answered and its usage."""
+    attributes: dict[str, str | int] = {}
+    if response.body is not None:
+        head, end = response.body, response.body
+    else:
+        head, end = response.first_chunk, response.before_tail + response.tail
+    model = model_of(head)
+    if model is not None:
+        attributes["gen_ai.response.model"] = model
+    usage = usage_of(end, head)
+    if usage.input_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = usage.input_tokens
+    if usage.output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = usage.output_tokens
+    return attributes

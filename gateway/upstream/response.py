@@ -86,6 +86,7 @@ class UpstreamResponse:
         "_loop_time",
         "_raw",
         "_watchdog",
+        "before_tail",
         "body",
         "first_at",
         "first_chunk",
@@ -98,6 +99,7 @@ class UpstreamResponse:
         "probe",
         "prompt_tokens",
         "queued",
+        "request_model",
         "sent_with",
         "started_at",
         "status",
@@ -135,6 +137,8 @@ class UpstreamResponse:
         # Time spent waiting for the upstream's chunks (not for the client to take them).
         self.waited_s = 0.0
         self.tail = body if body is not None else first_chunk
+        self.before_tail = b""  # the chunk before `tail` (a stream's usage may sit there)
+        self.request_model = ""  # the model the request named (for its token counts)
         status = raw.status
         if status == 500:  # only a 500 can be an OOM: look closer
             self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)
@@ -187,6 +191,7 @@ class UpstreamResponse:
             if self.max_gap_s is None or gap > self.max_gap_s:
                 self.max_gap_s = gap
             self.last_at = self.instance.progress_at = arrived
+            self.before_tail = self.tail
             self.tail = chunk
         return chunk
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gateway.core.histogram import Histogram
 from gateway.core.outcome import Outcome
+from gateway.core.usage import Usage
 
 
 def outcome_label(outcome: Outcome) -> str:
@@ -66,11 +67,13 @@ class PoolStats:
         "duration",
         "hedges",
         "panics",
+        "per_output_token",
         "requests",
         "resume_refusals",
         "resumes",
         "retries",
         "timeouts",
+        "tokens",
         "ttfb",
     )
 
@@ -88,6 +91,26 @@ class PoolStats:
         self.hedges: dict[str, int] = {}
         # Attempts sent while no instance was healthy and admitting (the pool panicked).
         self.panics = 0
+        # Tokens the answers said they used, by (model, "input" | "output"), and the time per
+        # output token of streams (after the first).
+        self.tokens: dict[tuple[str, str], int] = {}
+        self.per_output_token: dict[str, Histogram] = {}
+
+    def count_usage(self, model: str, usage: Usage, stream_s: float | None = None) -> None:
+        """An answer's usage; `stream_s`: a stream's time from first to last byte."""
+        tokens = self.tokens
+        if usage.input_tokens is not None:
+            key = (model, "input")
+            tokens[key] = tokens.get(key, 0) + usage.input_tokens
+        output = usage.output_tokens
+        if output is not None:
+            key = (model, "output")
+            tokens[key] = tokens.get(key, 0) + output
+            if stream_s is not None and output > 1:
+                histogram = self.per_output_token.get(model)
+                if histogram is None:
+                    histogram = self.per_output_token[model] = Histogram()
+                histogram.observe(stream_s / (output - 1))
 
     def hedged(self, result: str) -> None:
         self.hedges[result] = self.hedges.get(result, 0) + 1

@@ -1,0 +1,81 @@
+"""Token usage and the model that answered, read from an answer's bytes without parsing them.
+
+A whole answer holds `usage` in its body: OpenAI's `prompt_tokens` / `completion_tokens`,
+Anthropic's `input_tokens` / `output_tokens`. A stream holds it near its end: OpenAI's in the last
+chunk before `[DONE]` (when the request asked for it: `stream_options.include_usage`), Anthropic's
+output tokens in `message_delta` and its input tokens in `message_start`, the stream's first
+event. So the head and the last two chunks of a stream are enough.
+
+A key inside the model's own text cannot match: a JSON string escapes its quotes, so the text
+`"prompt_tokens":` appears there as `\\"prompt_tokens\\":`.
+
+Pure: bytes in, numbers out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+_PROMPT: Final = b'"prompt_tokens":'
+_COMPLETION: Final = b'"completion_tokens":'
+_INPUT: Final = b'"input_tokens":'
+_OUTPUT: Final = b'"output_tokens":'
+_MODEL: Final = b'"model":'
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens an answer says it used (None: it did not say)."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+
+
+def _last_number(data: bytes, key: bytes) -> int | None:
+    at = data.rfind(key)
+    if at < 0:
+        return None
+    digits = data[at + len(key) : at + len(key) + 12].lstrip()
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None
+
+
+def _either(data: bytes, openai: bytes, anthropic: bytes) -> int | None:
+    found = _last_number(data, openai)
+    return found if found is not None else _last_number(data, anthropic)
+
+
+def usage_of(end: bytes, head: bytes = b"") -> Usage:
+    """The usage in `end` (a whole body, or a stream's last chunks); input tokens found only in
+    `head` (a stream's first chunk: Anthropic's `message_start`) count too."""
+    input_tokens = _either(end, _PROMPT, _INPUT)
+    if input_tokens is None and head:
+        input_tokens = _last_number(head, _INPUT)
+    return Usage(input_tokens, _either(end, _COMPLETION, _OUTPUT))
+
+
+def model_of(data: bytes) -> str | None:
+    """The first `"model":"..."` of an answer (a body, or a stream's first chunk): the model
+    that answered, as the server names it. None when absent or not a plain string."""
+    at = data.find(_MODEL)
+    if at < 0:
+        return None
+    start = at + len(_MODEL)
+    while start < len(data) and data[start] in b" \t":
+        start += 1
+    if data[start : start + 1] != b'"':
+        return None
+    start += 1
+    end = data.find(b'"', start)
+    if end < 0 or end - start > 256:
+        return None
+    value = data[start:end]
+    if b"\\" in value:
+        return None  # an escape: not worth decoding for a label
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return None

@@ -1,0 +1,150 @@
+"""Token counts and the GenAI span attributes, end to end: a gateway process in front of fake
+vLLMs, the real OTLP exporter to an in-test receiver. What the gateway counts equals what each
+answer's `usage` says, whole and streamed, on OpenAI's routes and on Anthropic's Messages API."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.otlp_receiver import OtlpReceiver
+from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    yield from running_backends(("a",), ["m"], "--ttft", "0.01", "--per-token", "0.002")
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as running:
+        yield running
+
+
+@pytest.fixture
+def gateway(
+    tmp_path: Path, backends: dict[str, Backend], receiver: OtlpReceiver
+) -> Iterator[Gateway]:
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.traces_url,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_TRACES_SAMPLER": "always_on",
+    }
+    policy = pool_policy(backends, top="telemetry: {tracing: true}")
+    gw = start_gateway(tmp_path / "policy.yaml", policy, env)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def tokens(gateway: Gateway) -> dict[str, float]:
+    text = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    found = {"input": 0.0, "output": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gateway_tokens":
+            for sample in family.samples:
+                found[sample.labels["type"]] += sample.value
+    return found
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def usage_said(path: str, body: dict[str, Any], response: httpx.Response) -> tuple[int, int]:
+    """The usage the client was told: (input, output)."""
+    if not body.get("stream"):
+        usage = response.json()["usage"]
+        if path == "/v1/messages":
+            return usage["input_tokens"], usage["output_tokens"]
+        return usage["prompt_tokens"], usage["completion_tokens"]
+    said = events(response.text)
+    if path == "/v1/messages":
+        start = next(e for e in said if e["type"] == "message_start")
+        delta = [e for e in said if e["type"] == "message_delta"][-1]
+        return start["message"]["usage"]["input_tokens"], delta["usage"]["output_tokens"]
+    usage = [e for e in said if e.get("usage")][-1]["usage"]
+    return usage["prompt_tokens"], usage["completion_tokens"]
+
+
+CASES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}]}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "four five"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    ("/v1/completions", {"prompt": "six seven eight nine"}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "ten"}], "max_tokens": 9}),
+    (
+        "/v1/messages",
+        {
+            "messages": [{"role": "user", "content": "eleven twelve"}],
+            "max_tokens": 7,
+            "stream": True,
+        },
+    ),
+]
+
+
+def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
+    gateway: Gateway, receiver: OtlpReceiver
+) -> None:
+    expected = {"input": 0, "output": 0}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for path, extra in CASES:
+            body = {"model": "m", "max_tokens": 6, **extra}
+            response = http.post(path, json=body)
+            assert response.status_code == 200, response.text
+            said_in, said_out = usage_said(path, body, response)
+            assert said_in > 0 and said_out > 0
+            expected["input"] += said_in
+            expected["output"] += said_out
+        # A stream that did not ask for usage says none: it is not counted (not guessed).
+        quiet = {
+            "model": "m",
+            "max_tokens": 6,
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        assert http.post("/v1/chat/completions", json=quiet).status_code == 200
+    assert tokens(gateway) == {
+        "input": float(expected["input"]),
+        "output": float(expected["output"]),
+    }
+
+    assert receiver.wait_for(
+        lambda spans: sum(1 for s in spans if s.kind == "SERVER") >= len(CASES) + 1, timeout_s=10
+    )
+    servers = sorted((s for s in receiver.spans if s.kind == "SERVER"), key=lambda s: s.start_ns)
+    for span, (path, _) in zip(servers, CASES, strict=False):
+        attributes = span.attributes
+        anthropic = path == "/v1/messages"
+        assert attributes["gen_ai.provider.name"] == ("anthropic" if anthropic else "openai")
+        operation = "text_completion" if path == "/v1/completions" else "chat"
+        assert attributes["gen_ai.operation.name"] == operation
+        assert attributes["gen_ai.request.model"] == "m"
+        assert attributes["gen_ai.response.model"] == "m"
+        assert attributes["gen_ai.usage.input_tokens"] > 0
+        assert attributes["gen_ai.usage.output_tokens"] > 0
+        assert "error.type" not in attributes
+    attempts = [s for s in receiver.spans if s.kind == "CLIENT"]
+    assert attempts and all(a.attributes["gen_ai.request.model"] == "m" for a in attempts)
+    told = [a for a in attempts if "gen_ai.usage.output_tokens" in a.attributes]
+    assert len(told) == len(CASES)  # every attempt whose answer said its usage (not `quiet`)
+    assert all(a.attributes["gen_ai.operation.name"] in ("chat", "text_completion") for a in told)
