@@ -63,21 +63,26 @@ def test_only_the_messages_route_speaks_anthropic() -> None:
 
 
 @pytest.mark.parametrize(
-    ("data", "tokens"),
+    ("data", "anthropic", "tokens"),
     [
-        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17,"total_tokens":20}}', 17),
-        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', 42),
+        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17,"total_tokens":20}}', False, 17),
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', True, 42),
         # A stream: message_start says 1, the final message_delta the real count.
         (
             b'event: message_start\ndata: {"usage":{"input_tokens":3,"output_tokens":1}}\n\n'
             b'event: message_delta\ndata: {"usage":{"output_tokens":250}}\n\n',
+            True,
             250,
         ),
-        (b'{"choices":[]}', None),
+        (b'{"choices":[]}', False, None),
+        # Each route reads its own protocol's keys only.
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', False, None),
     ],
 )
-def test_completion_tokens_from_either_protocol(data: bytes, tokens: int | None) -> None:
-    assert usage_of(data).output_tokens == tokens
+def test_output_tokens_by_the_routes_protocol(
+    data: bytes, anthropic: bool, tokens: int | None
+) -> None:
+    assert usage_of(data, anthropic=anthropic).output_tokens == tokens
 
 
 def test_an_engines_error_event_gives_its_status_in_each_dialect() -> None:

@@ -46,12 +46,17 @@ def gateway(
 
 
 def tokens(gateway: Gateway) -> dict[str, float]:
+    """Tokens counted by type, and (as "streams") the streams timed per output token."""
     text = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
-    found = {"input": 0.0, "output": 0.0}
+    found = {"input": 0.0, "output": 0.0, "streams": 0.0}
     for family in text_string_to_metric_families(text):
         if family.name == "gateway_tokens":
             for sample in family.samples:
                 found[sample.labels["type"]] += sample.value
+        if family.name == "gateway_time_per_output_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    found["streams"] += sample.value
     return found
 
 
@@ -81,6 +86,8 @@ def usage_said(path: str, body: dict[str, Any], response: httpx.Response) -> tup
 
 CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}]}),
+    # A whole body as it came (embeddings are never fetched as a stream).
+    ("/v1/embeddings", {"input": ["thirteen fourteen", "fifteen"]}),
     (
         "/v1/chat/completions",
         {
@@ -112,7 +119,7 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
             response = http.post(path, json=body)
             assert response.status_code == 200, response.text
             said_in, said_out = usage_said(path, body, response)
-            assert said_in > 0 and said_out > 0
+            assert said_in > 0 and (said_out > 0 or path == "/v1/embeddings")
             expected["input"] += said_in
             expected["output"] += said_out
         # A stream that did not ask for usage says none: it is not counted (not guessed).
@@ -123,10 +130,11 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
             "messages": [{"role": "user", "content": "x"}],
         }
         assert http.post("/v1/chat/completions", json=quiet).status_code == 200
-    assert tokens(gateway) == {
-        "input": float(expected["input"]),
-        "output": float(expected["output"]),
-    }
+    counted = tokens(gateway)
+    assert (counted["input"], counted["output"]) == (expected["input"], expected["output"])
+    # Streams that said their usage are timed per output token: the two streamed cases, and
+    # the whole answers fetched as streams (chat, completions, messages).
+    assert counted["streams"] == 5
 
     assert receiver.wait_for(
         lambda spans: sum(1 for s in spans if s.kind == "SERVER") >= len(CASES) + 1, timeout_s=10
@@ -136,15 +144,16 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
         attributes = span.attributes
         anthropic = path == "/v1/messages"
         assert attributes["gen_ai.provider.name"] == ("anthropic" if anthropic else "openai")
-        operation = "text_completion" if path == "/v1/completions" else "chat"
-        assert attributes["gen_ai.operation.name"] == operation
+        operations = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
+        assert attributes["gen_ai.operation.name"] == operations.get(path, "chat")
         assert attributes["gen_ai.request.model"] == "m"
         assert attributes["gen_ai.response.model"] == "m"
         assert attributes["gen_ai.usage.input_tokens"] > 0
-        assert attributes["gen_ai.usage.output_tokens"] > 0
+        assert attributes["gen_ai.usage.output_tokens"] >= (path != "/v1/embeddings")
         assert "error.type" not in attributes
     attempts = [s for s in receiver.spans if s.kind == "CLIENT"]
     assert attempts and all(a.attributes["gen_ai.request.model"] == "m" for a in attempts)
     told = [a for a in attempts if "gen_ai.usage.output_tokens" in a.attributes]
     assert len(told) == len(CASES)  # every attempt whose answer said its usage (not `quiet`)
-    assert all(a.attributes["gen_ai.operation.name"] in ("chat", "text_completion") for a in told)
+    operations = {"chat", "text_completion", "embeddings"}
+    assert all(a.attributes["gen_ai.operation.name"] in operations for a in told)

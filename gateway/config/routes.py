@@ -7,6 +7,7 @@ PROXY_ROUTES: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"}
 )
 MODELS_PATH = "/v1/models"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
 
 # The OpenTelemetry GenAI conventions' operation of each route, and its provider: the protocol
 # family the client speaks (OpenAI-compatible servers such as vLLM speak OpenAI's).
@@ -20,10 +21,10 @@ GENAI_PROVIDERS: dict[str, str] = {"/v1/messages": "anthropic"}
 DEFAULT_GENAI_PROVIDER = "openai"
 
 
-def genai_attributes(path: str, model: str) -> dict[str, str]:
-    """The GenAI attributes a span of this route and requested model starts with."""
+def genai_attributes(path: str) -> dict[str, str]:
+    """The GenAI attributes a span of this route starts with (known before its body is read,
+    as the conventions ask for sampling)."""
     return {
         "gen_ai.operation.name": GENAI_OPERATIONS.get(path, "chat"),
         "gen_ai.provider.name": GENAI_PROVIDERS.get(path, DEFAULT_GENAI_PROVIDER),
-        "gen_ai.request.model": model,
     }

@@ -10,6 +10,11 @@ from collections.abc import Sequence
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
+# Time per output token: milliseconds, where an engine's decoding lives (vLLM's own buckets,
+# finer at the low end).
+TOKEN_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5
+)  # fmt: skip
 
 
 class Histogram:

@@ -21,6 +21,13 @@ _PROMPT: Final = b'"prompt_tokens":'
 _COMPLETION: Final = b'"completion_tokens":'
 _INPUT: Final = b'"input_tokens":'
 _OUTPUT: Final = b'"output_tokens":'
+# Anthropic counts cached prompt tokens apart from `input_tokens`; OpenAI's `prompt_tokens`
+# includes them, and so does the conventions' `gen_ai.usage.input_tokens`.
+_CACHE_READ: Final = b'"cache_read_input_tokens":'
+_CACHE_WRITE: Final = b'"cache_creation_input_tokens":'
+# How far into a whole body its model and usage are looked for (they sit at its start or end:
+# a large body, such as embeddings, is never scanned whole).
+EDGE_BYTES: Final = 8192
 _MODEL: Final = b'"model":'
 
 
@@ -43,18 +50,19 @@ def _last_number(data: bytes, key: bytes) -> int | None:
     return int(digits[:end]) if end else None
 
 
-def _either(data: bytes, openai: bytes, anthropic: bytes) -> int | None:
-    found = _last_number(data, openai)
-    return found if found is not None else _last_number(data, anthropic)
-
-
-def usage_of(end: bytes, head: bytes = b"") -> Usage:
-    """The usage in `end` (a whole body, or a stream's last chunks); input tokens found only in
-    `head` (a stream's first chunk: Anthropic's `message_start`) count too."""
-    input_tokens = _either(end, _PROMPT, _INPUT)
-    if input_tokens is None and head:
-        input_tokens = _last_number(head, _INPUT)
-    return Usage(input_tokens, _either(end, _COMPLETION, _OUTPUT))
+def usage_of(end: bytes, head: bytes = b"", anthropic: bool = False) -> Usage:
+    """The usage in `end` (a whole body's end, or a stream's last chunks), by the keys of the
+    route's protocol (`anthropic`: the Messages API's; a tool's input object may hold the other
+    protocol's names). Anthropic's input tokens may be only in `head` (a stream's first chunk:
+    `message_start`), and include its cached ones."""
+    if not anthropic:
+        return Usage(_last_number(end, _PROMPT), _last_number(end, _COMPLETION))
+    source = end if _INPUT in end else head
+    input_tokens = _last_number(source, _INPUT)
+    if input_tokens is not None:
+        for key in (_CACHE_READ, _CACHE_WRITE):
+            input_tokens += _last_number(source, key) or 0
+    return Usage(input_tokens, _last_number(end, _OUTPUT))
 
 
 def model_of(data: bytes) -> str | None:

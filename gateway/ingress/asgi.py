@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import Message, Scope
 
 from gateway.config.models import LimitsPolicy
-from gateway.config.routes import MODELS_PATH, PROXY_ROUTES, genai_attributes
+from gateway.config.routes import MESSAGES_PATH, MODELS_PATH, PROXY_ROUTES, genai_attributes
 from gateway.core.continuation import Transcript
 from gateway.errors import (
     GatewayError,
@@ -45,7 +45,7 @@ from gateway.ingress.resume import Restart, StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
 from gateway.ingress.whole import WholeAnswer, fetch_as_stream
 from gateway.pipeline.admit import parse_priority
-from gateway.pipeline.attempt_span import answer_attributes
+from gateway.pipeline.attempt_span import answer_attributes, read_answer
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
@@ -383,6 +383,7 @@ class DataPlane:
             "http.route": path,
             "url.path": path,
             "url.scheme": scope["scheme"],
+            **genai_attributes(path),
         }
         if client:
             attributes["client.address"] = client[0]
@@ -518,6 +519,7 @@ class DataPlane:
             elif broke is not None:
                 stream_error = broke.message
         except ResponseAborted as aborted:
+            stream_error = aborted.error.message  # cut: the client saw it end short
             # uvicorn drops the connection of a response left incomplete: the client sees it.
             fields = {
                 "pool": pool.name,
@@ -532,6 +534,13 @@ class DataPlane:
         finally:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
+            told = None  # (model, usage) of the one answer the client got whole
+            resumed = resume is not None and resume.resumes > 0
+            if answered is not None and status == 200 and stream_error is None and not resumed:
+                told = read_answer(answered, path == MESSAGES_PATH)
+                streamed = answered.body is None
+                spent = answered.last_at - answered.first_at if streamed else None
+                stats.count_usage(facts.model, told[1], spent)
             if self._access is not None:
                 self._log_access(
                     scope,
@@ -548,14 +557,14 @@ class DataPlane:
                 )
             if self._tracer is not None:
                 span = trace.get_current_span()
-                span.set_attributes(genai_attributes(path, facts.model))
-                resumed = resume is not None and resume.resumes > 0
-                if answered is not None and status == 200 and not stream_error and not resumed:
-                    span.set_attributes(answer_attributes(answered))  # one answer: its own
+                span.set_attribute("gen_ai.request.model", facts.model)
+                if told is not None:
+                    span.set_attributes(answer_attributes(*told))
                 if status >= 500:
                     span.set_attribute("error.type", str(status))
                 elif stream_error is not None:
                     span.set_attribute("error.type", "stream_cut")
+                    span.set_status(Status(StatusCode.ERROR, "the stream was cut short"))
                 span.set_attributes(
                     {
                         "gateway.pool": pool.name,

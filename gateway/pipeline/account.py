@@ -16,10 +16,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from gateway.config.routes import MESSAGES_PATH
 from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome, Phase
-from gateway.core.usage import usage_of
+from gateway.core.usage import EDGE_BYTES, usage_of
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import SUPERSEDED, Clock
@@ -222,10 +223,8 @@ class Account:
         )
         if outcome.kind == "ok" and error is None:
             pool = self._pools[instance.pool_name]
-            usage = usage_of(response.before_tail + response.tail, response.first_chunk)
-            pool.stats.count_usage(
-                response.request_model, usage, response.last_at - response.first_at
-            )
+            end = response.before_tail + response.tail
+            usage = usage_of(end, response.first_chunk, response.anthropic)
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
                 response.max_gap_s,
@@ -314,13 +313,13 @@ class Account:
                     _abandoned(instance, _LOST_RACE, now, now - started)
                 self._lost_race(call, instance, now, now - started)
             raise
+        response.anthropic = call.path == MESSAGES_PATH
         if response.body is None:
             response.probe = call.probe
             response.tokens = tokens
             response.queued = queued
             response.sent_with = sent_with
             response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
-            response.request_model = call.facts.model
             streaming = instance.streaming + 1
             instance.streaming = streaming
             if streaming > instance.capacity_seen:
@@ -330,10 +329,10 @@ class Account:
         _end(instance, tokens)
         outcome = response.outcome
         now = self._clock()
-        usage = usage_of(response.body) if outcome.kind == "ok" else None
-        output_tokens = usage.output_tokens if usage is not None else None
-        if usage is not None:
-            call.pool.stats.count_usage(call.facts.model, usage)
+        output_tokens = None
+        if outcome.kind == "ok":
+            end = response.body[-EDGE_BYTES:]
+            output_tokens = usage_of(end, anthropic=response.anthropic).output_tokens
         generated = output_tokens if output_tokens is not None else call.facts.max_tokens
         if generated is not None and generated < MIN_RATED_TOKENS:
             generated = None  # its prefill, not its decoding, would be the measure

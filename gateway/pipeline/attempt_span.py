@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.config.routes import genai_attributes
 from gateway.core.outcome import Outcome
-from gateway.core.usage import model_of, usage_of
+from gateway.core.usage import EDGE_BYTES, Usage, model_of, usage_of
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, context_headers
@@ -72,7 +72,8 @@ class AttemptSpans:
             "gateway.tier.k": call.k,
             "gateway.timeout.connect_s": timeouts.connect_s,
             "gateway.timeout.first_byte_s": timeouts.first_byte_s,
-            **genai_attributes(call.path, call.facts.model),
+            **genai_attributes(call.path),
+            "gen_ai.request.model": call.facts.model,
         }
         if timeouts.idle_s is not None:
             attributes["gateway.timeout.idle_s"] = timeouts.idle_s
@@ -101,26 +102,34 @@ def _end(
     label = outcome_label(outcome)
     span.set_attribute("gateway.outcome", label)
     if response is not None and outcome.kind == "ok" and error is None:
-        span.set_attributes(answer_attributes(response))
+        span.set_attributes(answer_attributes(*read_answer(response, response.anthropic)))
     if outcome.kind != "ok" or error is not None:
-        # The conventions' form: an HTTP error's status code, else the kind of failure.
-        status = outcome.status if outcome.kind == "status" else None
+        # The conventions' form: an HTTP error's status code (an OOM's 500 too: the gateway's
+        # own label is in gateway.outcome), else the kind of failure.
+        status = outcome.status
         span.set_attribute("error.type", str(status) if status is not None else label)
         span.set_status(Status(StatusCode.ERROR, error.message if error is not None else label))
     span.end()
 
 
-def answer_attributes(response: UpstreamResponse) -> dict[str, str | int]:
-    """The GenAI attributes an answer tells: the model that answered and its usage."""
-    attributes: dict[str, str | int] = {}
-    if response.body is not None:
-        head, end = response.body, response.body
+def read_answer(response: UpstreamResponse, anthropic: bool) -> tuple[str | None, Usage]:
+    """The model an answer names and the usage it says (a whole body is looked at only near
+    its start and end)."""
+    body = response.body
+    if body is not None:
+        head, end = body[:EDGE_BYTES], body[-EDGE_BYTES:]
+        model = model_of(head) or model_of(end)
     else:
         head, end = response.first_chunk, response.before_tail + response.tail
-    model = model_of(head)
+        model = model_of(head)
+    return model, usage_of(end, head, anthropic)
+
+
+def answer_attributes(model: str | None, usage: Usage) -> dict[str, str | int]:
+    """The GenAI attributes an answer tells: the model that answered and its usage."""
+    attributes: dict[str, str | int] = {}
     if model is not None:
         attributes["gen_ai.response.model"] = model
-    usage = usage_of(end, head)
     if usage.input_tokens is not None:
         attributes["gen_ai.usage.input_tokens"] = usage.input_tokens
     if usage.output_tokens is not None:

@@ -86,6 +86,7 @@ class UpstreamResponse:
         "_loop_time",
         "_raw",
         "_watchdog",
+        "anthropic",
         "before_tail",
         "body",
         "first_at",
@@ -99,7 +100,6 @@ class UpstreamResponse:
         "probe",
         "prompt_tokens",
         "queued",
-        "request_model",
         "sent_with",
         "started_at",
         "status",
@@ -138,7 +138,7 @@ class UpstreamResponse:
         self.waited_s = 0.0
         self.tail = body if body is not None else first_chunk
         self.before_tail = b""  # the chunk before `tail` (a stream's usage may sit there)
-        self.request_model = ""  # the model the request named (for its token counts)
+        self.anthropic = False  # its route is the Messages API (whose usage keys differ)
         status = raw.status
         if status == 500:  # only a 500 can be an OOM: look closer
             self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)

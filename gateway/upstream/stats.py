@@ -6,7 +6,7 @@ lock (one event loop owns them). `gateway.metrics` reads them when scraped.
 
 from __future__ import annotations
 
-from gateway.core.histogram import Histogram
+from gateway.core.histogram import TOKEN_BUCKETS_S, Histogram
 from gateway.core.outcome import Outcome
 from gateway.core.usage import Usage
 
@@ -109,7 +109,7 @@ class PoolStats:
             if stream_s is not None and output > 1:
                 histogram = self.per_output_token.get(model)
                 if histogram is None:
-                    histogram = self.per_output_token[model] = Histogram()
+                    histogram = self.per_output_token[model] = Histogram(TOKEN_BUCKETS_S)
                 histogram.observe(stream_s / (output - 1))
 
     def hedged(self, result: str) -> None:
