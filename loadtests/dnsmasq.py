@@ -23,6 +23,7 @@ import dns.nameserver
 import dns.resolver
 
 from loadtests.ports import hold_port
+from loadtests.procs import terminate
 
 DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
 STARTUP_S = 10.0
@@ -136,17 +137,9 @@ class DnsServer:
 
     def _stop_process(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        if self._paused:
-            proc.send_signal(signal.SIGCONT)
-            self._paused = False
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        self._paused = False
+        if proc is not None:
+            terminate(proc, 5.0)  # resumed first, if paused
 
     def stop(self) -> None:
         try:

@@ -19,6 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 READY_RE = re.compile(r"\bREADY\b(?P<fields>.*)$")
 FIELD_RE = re.compile(r"(\w+)=(\S+)")
@@ -118,14 +119,7 @@ class ManagedProcess:
     def stop(self, timeout_s: float = 10.0) -> int:
         """`stop_signal` (SIGTERM), then SIGKILL if it has not exited within `timeout_s`; returns
         the exit code."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)  # a frozen child cannot handle SIGTERM
-            self.signal(self.stop_signal)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
+        terminate(self.proc, timeout_s, self.stop_signal)
         if self._reader.ident is not None:
             self._reader.join(timeout=2.0)
         return self.proc.returncode
@@ -148,6 +142,22 @@ def running() -> list[ManagedProcess]:
     with _started_lock:
         procs = list(_started)
     return [proc for proc in procs if proc.proc.poll() is None]
+
+
+def terminate(
+    proc: subprocess.Popen[Any], timeout_s: float = 10.0, sig: int = signal.SIGTERM
+) -> None:
+    """Stop a child: `sig` (after SIGCONT: a frozen child cannot handle it), then SIGKILL if it
+    has not exited within `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
 
 
 def gateway_process(

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from loadtests.ports import hold_port
+from loadtests.procs import terminate
 
 SCRAPE_INTERVAL_S = 1
 
@@ -111,13 +112,8 @@ class PrometheusServer:
     def close(self) -> None:
         proc, self.proc = self.proc, None
         try:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            if proc is not None:
+                terminate(proc)
         finally:
             self._hold.close()
             shutil.rmtree(self._dir, ignore_errors=True)

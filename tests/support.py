@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,26 @@ def start_gateway(
     policy_path.write_text(policy_text)
     proc = gateway_process(policy_path, env)
     return Gateway(proc)
+
+
+@contextmanager
+def gateways(
+    policy_path: Path, env: dict[str, str] | None = None
+) -> Iterator[Callable[[str], Gateway]]:
+    """For a fixture: a function starting gateways on `policy_path` (one at a time), every one
+    stopped when the block ends."""
+    started: list[Gateway] = []
+
+    def start(policy_text: str) -> Gateway:
+        gateway = start_gateway(policy_path, policy_text, env)
+        started.append(gateway)
+        return gateway
+
+    try:
+        yield start
+    finally:
+        for gateway in started:
+            gateway.stop()
 
 
 # Held for the rest of the session: see closed_port.

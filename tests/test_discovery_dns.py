@@ -30,7 +30,7 @@ from loadtests.asgi_server import Recorder, ThreadedServer
 from loadtests.dnsmasq import DnsServer
 from loadtests.ports import hold_port
 from loadtests.procs import wait_until
-from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
+from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, gateways, start_backend
 
 NAME = "vllm.test"
 
@@ -226,18 +226,8 @@ class Load:
 
 @pytest.fixture
 def gateway_of(tmp_path: Path) -> Iterator[Any]:
-    started: list[Gateway] = []
-
-    def start(policy: str) -> Gateway:
-        gateway = start_gateway(tmp_path / "policy.yaml", policy)
-        started.append(gateway)
-        return gateway
-
-    try:
+    with gateways(tmp_path / "policy.yaml") as start:
         yield start
-    finally:
-        for gateway in started:
-            gateway.stop()
 
 
 def test_instances_follow_the_records_and_those_that_stay_keep_their_state(
