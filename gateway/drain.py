@@ -28,8 +28,7 @@ import uvicorn
 
 from gateway.config.models import DrainPolicy
 from gateway.errors import shutting_down
-from gateway.ingress.dialect import BY_PATH as DIALECTS
-from gateway.ingress.dialect import OPENAI, Dialect
+from gateway.ingress.dialect import Dialect, dialect_for
 from gateway.ingress.streams import OpenStreams
 
 log = logging.getLogger("gateway")
@@ -66,7 +65,7 @@ async def _answer_unanswered(connections: Any) -> None:
         cycle = getattr(connection, "cycle", None)  # uvicorn's request-response cycle
         if cycle is None or cycle.response_started or cycle.response_complete:
             continue
-        dialect = DIALECTS.get(_path(cycle) or "", OPENAI)
+        dialect = dialect_for(_path(cycle) or "")
         answer = answers.get(dialect)
         if answer is None:
             answer = answers[dialect] = _late_answer(dialect)

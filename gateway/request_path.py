@@ -1,8 +1,11 @@
 """The request path, top to bottom: what a proxied request goes through, in order, and why.
 
     front end   `ingress.asgi.DataPlane`: the connection's limits (`ingress.protocol`), the
-                body read within its cap, `model`, `stream` and `max_tokens` read from it,
-                the client's key checked (`ingress.auth`), the pool chosen by model, the
+                route (`config.routes`: what the gateway knows of it), the body read within
+                its cap, `model`, `stream` and `max_tokens` read from it (a JSON object, or
+                a multipart form: `ingress.form`), the client's key checked
+                (`ingress.auth`), the pool chosen by model (the only pool when none is
+                named), the
                 request's deadline (the pool's ceiling or `x-gateway-timeout`), the
                 request's `Cancellation` (`runtime`), a watch for the client leaving; a
                 whole answer on a route whose streams can be continued is fetched as a

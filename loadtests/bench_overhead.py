@@ -8,8 +8,9 @@
 4. Stream resume's cost: CPU per relayed chunk with resume on and off (the same long streams,
    side by side), and memory per open stream, each in a gateway of its own.
 5. Tracing's cost: the gateway's throughput (as in 1) and added latency (as in 2) with tracing
-   off and with tracing on, every request sampled, spans exported over OTLP/HTTP to a receiver in
-   a process of its own (`loadtests.otlp_sink`), which counts the spans that arrive.
+   off, with tracing on and every request sampled, and with one request in ten sampled (the
+   ratio a busy production gateway runs at), spans exported over OTLP/HTTP to receivers in
+   processes of their own (`loadtests.otlp_sink`), which count the spans that arrive.
 
 Every server is a child process on a loopback port of its own, stopped before the run ends.
 Prints a plain-text report and writes every figure to a JSON file.
@@ -86,6 +87,10 @@ STREAM_PER_TOKEN_S = 0.001
 # the batch processor's OTEL_BSP_* settings are inherited (SDK defaults unless set).
 TRACED_SERVICE = "bench-gateway"
 TRACING_SAMPLER = "parentbased_always_on"
+# The second traced gateway: a request's trace is sampled by its id, one in ten (a client's
+# own sampled flag still wins: parent-based).
+SAMPLED_SAMPLER = "parentbased_traceidratio"
+SAMPLED_RATIO = 0.1
 BSP_DEFAULTS = {
     "OTEL_BSP_SCHEDULE_DELAY": "5000",
     "OTEL_BSP_MAX_QUEUE_SIZE": "2048",
@@ -550,14 +555,20 @@ def memory_section(rig: Rig, settings: Settings, tmp: Path, placement: Placement
     return {"resume_on": on, "resume_off": off}
 
 
-def tracing_env(sink_url: str) -> dict[str, str]:
-    """The traced gateway's exporter settings, over whatever OTEL_* the caller's shell has."""
-    return {
+def tracing_env(
+    sink_url: str, sampler: str = TRACING_SAMPLER, ratio: float | None = None
+) -> dict[str, str]:
+    """A traced gateway's exporter settings, over whatever OTEL_* the caller's shell has."""
+    env = {
         "OTEL_SDK_DISABLED": "false",
+        "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{sink_url}/v1/traces",
-        "OTEL_TRACES_SAMPLER": TRACING_SAMPLER,
+        "OTEL_TRACES_SAMPLER": sampler,
     }
+    if ratio is not None:
+        env["OTEL_TRACES_SAMPLER_ARG"] = f"{ratio:g}"
+    return env
 
 
 def exporter_settings() -> Json:
@@ -572,10 +583,14 @@ def exporter_settings() -> Json:
 
 
 def start_traced_gateway(
-    directory: Path, pools: Mapping[str, tuple[str, str]], cpu: int | None, env: dict[str, str]
+    directory: Path,
+    pools: Mapping[str, tuple[str, str]],
+    cpu: int | None,
+    env: dict[str, str],
+    name: str = "traced",
 ) -> ManagedProcess:
-    """A second gateway, the first's policy plus `telemetry.tracing: true`, moved to `cpu`."""
-    policy = directory / "gateway-policy-traced.yaml"
+    """Another gateway, the first's policy plus `telemetry.tracing: true`, moved to `cpu`."""
+    policy = directory / f"gateway-policy-{name}.yaml"
     telemetry = f"telemetry: {{tracing: true, service_name: {TRACED_SERVICE}}}\n"
     policy.write_text(gateway_policy(pools) + telemetry)
     gateway = gateway_process(policy, env)
@@ -658,14 +673,17 @@ def tracing_section(
     rig: Rig, settings: Settings, tmp: Path, placement: Placement, direct_latency: Json
 ) -> Json:
     """Tracing off (the rig's gateway) against tracing on (a second, identical one that
-    exports every span), back to back: throughput as in 1, then latency as in 2. Added
-    latency is against `direct_latency`, the direct run of 2."""
+    exports every span) and tracing on at one request in ten (a third), back to back:
+    throughput as in 1, then latency as in 2. Added latency is against `direct_latency`, the
+    direct run of 2."""
     tool = throughput_tool(settings, tmp)
     with ExitStack() as stack:
-        # The receiver inherits the load CPU: decoding spans is the collector's work, not the
+        # The receivers inherit the load CPU: decoding spans is the collector's work, not the
         # gateway's. The gateway's own cost (spans, encoding, export) stays on its CPU.
         sink = ManagedProcess(python_module("loadtests.otlp_sink", "--port", "0"))
         stack.callback(sink.stop)
+        sampled_sink = ManagedProcess(python_module("loadtests.otlp_sink", "--port", "0"))
+        stack.callback(sampled_sink.stop)
         traced = start_traced_gateway(
             tmp, rig.pools, placement.proxy_core, tracing_env(url_of(sink))
         )
@@ -684,9 +702,22 @@ def tracing_section(
         before_exit = sink_stats(sink.port())
         exit_code = traced.stop()  # SIGTERM: the gateway exports what it still holds, then exits
         received = sink_stats(sink.port())
+        # The sampled gateway starts once the first has exported all it held and left its
+        # CPU: nothing of the first's export runs during its measurement.
+        sampled_env = tracing_env(url_of(sampled_sink), SAMPLED_SAMPLER, SAMPLED_RATIO)
+        sampled = start_traced_gateway(tmp, rig.pools, placement.proxy_core, sampled_env, "sampled")
+        stack.callback(sampled.stop)
+        throughput["on_sampled"], _ = tool.run_counted(url_of(sampled, "data"), settings)
+        latency["on_sampled"], _ = open_loop_run_counted(url_of(sampled, "data"), settings)
+        sampled_served = served_counts(sampled.port("admin"))
+        sampled.stop()
+        sampled_received = sink_stats(sampled_sink.port())
     on_vs_off = _ratio(throughput["on"], throughput["off"])
     cost = None if on_vs_off is None else 1.0 - on_vs_off
     off_latency, on_latency = latency["off"]["latency"], latency["on"]["latency"]
+    sampled_vs_off = _ratio(throughput["on_sampled"], throughput["off"])
+    sampled_latency = latency["on_sampled"]["latency"]
+    sampled_expected = None if sampled_served is None else sum(sampled_served)
     return {
         "exporter": "OTLP HTTP/protobuf, BatchSpanProcessor",
         "sampler": TRACING_SAMPLER,
@@ -720,6 +751,24 @@ def tracing_section(
             },
         },
         "spans": _spans(sent["on"], served, before_exit, received),
+        "sampled": {
+            "sampler": SAMPLED_SAMPLER,
+            "sample_ratio": SAMPLED_RATIO,
+            "on_vs_off": sampled_vs_off,
+            "cost": None if sampled_vs_off is None else 1.0 - sampled_vs_off,
+            "tracing_adds": {
+                "p50_ms": sampled_latency["p50_ms"] - off_latency["p50_ms"],
+                "p99_ms": sampled_latency["p99_ms"] - off_latency["p99_ms"],
+            },
+            "spans": {
+                "received": sampled_received["spans"],
+                "all_spans": sampled_expected,  # had every request been sampled
+                "share": (
+                    sampled_received["spans"] / sampled_expected if sampled_expected else None
+                ),
+                "rejected_exports": sampled_received["rejected"],
+            },
+        },
     }
 
 
@@ -737,7 +786,7 @@ def _ms(value: float | None) -> str:
 
 def render_tracing(section: Json | None) -> str:
     """Phase 4 of the plain-text report (the other phases are `render`'s)."""
-    title = "5. Tracing cost, off vs on (every request sampled)"
+    title = "5. Tracing cost, off vs on (every request sampled, and one in ten)"
     if section is None:
         return f"{title}: skipped (--skip-tracing)\n"
     if "error" in section:
@@ -815,8 +864,25 @@ def render_tracing(section: Json | None) -> str:
         f"exports, {spans['rejected_exports']:,} rejected",
         f"  for {served}: {_fmt(spans['per_request'], 3)} spans per request",
         accounting,
+        *_render_sampled(section["sampled"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _render_sampled(sampled: Json) -> list[str]:
+    cost = sampled["cost"]
+    spans = sampled["spans"]
+    share = spans["share"]
+    return [
+        f"   sampled: {sampled['sampler']} (ratio {sampled['sample_ratio']:g}), the on_sampled "
+        "rows above",
+        f"  tracing on / off: {_fmt(sampled['on_vs_off'], 3)}, throughput cost "
+        f"{'-' if cost is None else f'{cost * 100:.1f} %'}; adds p50 "
+        f"{_ms(sampled['tracing_adds']['p50_ms'])}, p99 {_ms(sampled['tracing_adds']['p99_ms'])}",
+        f"  spans: {spans['received']:,} received, "
+        f"{'-' if share is None else f'{share * 100:.1f} %'} of all "
+        f"({_fmt(spans['all_spans'])} had every request been sampled)",
+    ]
 
 
 def run_benchmark(settings: Settings, placement: Placement) -> Json:

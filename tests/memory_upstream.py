@@ -108,6 +108,8 @@ class MemoryUpstreams:
         max_connections: int | None = None,
         max_idle: int | None = None,
         on_sent: Callable[[], None] | None = None,
+        resend: bool = True,
+        remember: bool = True,
     ) -> MemoryHead:
         instance = url.host or ""
         n = self._counts.get(instance, 0)

@@ -1,10 +1,13 @@
 """A real OTLP/HTTP trace receiver on loopback, so tests can assert on the spans an
 OpenTelemetry OTLP exporter sends.
 
-It speaks the protobuf flavour of OTLP/HTTP: `POST /v1/traces` with
-`Content-Type: application/x-protobuf` (optionally `Content-Encoding: gzip` or `deflate`),
-and answers 200 with an empty `ExportTraceServiceResponse`. Every received span is kept as a
-plain `ReceivedSpan`.
+It speaks both flavours of OTLP/HTTP: `POST /v1/traces` with
+`Content-Type: application/x-protobuf` or `application/json` (optionally `Content-Encoding: gzip`
+or `deflate`), and answers 200 with an empty `ExportTraceServiceResponse` in the request's
+encoding. A JSON body must follow OTLP/JSON where it departs from protobuf's JSON mapping: trace
+and span ids as hex strings (a base64 id is refused, as a collector would misread it), enums as
+integers. Every received span is kept as a plain `ReceivedSpan`, and each body's media type in
+`media_types`.
 
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.traces_url}
@@ -14,8 +17,10 @@ plain `ReceivedSpan`.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import http.server
+import json
 import threading
 import zlib
 from collections import defaultdict
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from google.protobuf.json_format import ParseDict, ParseError  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -34,6 +40,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 TRACES_PATH = "/v1/traces"
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
+JSON_CONTENT_TYPE = "application/json"
+_ID_HEX_LENGTHS = {"traceId": 32, "spanId": 16, "parentSpanId": 16}
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 _KIND_PREFIX = "SPAN_KIND_"
@@ -151,6 +159,32 @@ def _decompress(body: bytes, encoding: str) -> bytes:
     raise BadRequest(f"unsupported Content-Encoding {encoding!r}")
 
 
+def _parse_otlp_json(raw: bytes, request: ExportTraceServiceRequest) -> None:
+    """An OTLP/JSON body into `request`: its hex ids checked and turned into protobuf's
+    JSON mapping (base64) first."""
+    try:
+        message = json.loads(raw)
+        for resource_spans in message.get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    _ids_from_hex(span)
+                    for link in span.get("links", []):
+                        _ids_from_hex(link)
+        ParseDict(message, request)
+    except (ValueError, AttributeError, TypeError, ParseError) as error:
+        raise BadRequest(f"not an OTLP/JSON ExportTraceServiceRequest: {error}") from error
+
+
+def _ids_from_hex(item: dict[str, Any]) -> None:
+    for key, length in _ID_HEX_LENGTHS.items():
+        value = item.get(key)
+        if value is None or value == "":
+            continue
+        if len(value) != length:
+            raise ValueError(f"{key} {value!r} is not {length} hex digits")
+        item[key] = base64.b64encode(bytes.fromhex(value)).decode()
+
+
 def span_tree(spans: Iterable[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
     """Children by parent span id; root spans are under ""."""
     tree: defaultdict[str, list[ReceivedSpan]] = defaultdict(list)
@@ -192,6 +226,7 @@ class OtlpReceiver:
         self._changed = threading.Condition(self._lock)
         self._spans: list[ReceivedSpan] = []
         self._raw_bodies: list[bytes] = []
+        self.media_types: list[str] = []  # of each export received, in order
         self._closed = False
         self._server = self._make_server()
         self.port: int = self._server.server_address[1]
@@ -218,7 +253,7 @@ class OtlpReceiver:
                     return
                 try:
                     body = self._read_body()
-                    payload = receiver._accept(
+                    payload, media_type = receiver._accept(
                         body,
                         self.headers.get("Content-Type", ""),
                         self.headers.get("Content-Encoding", ""),
@@ -226,7 +261,7 @@ class OtlpReceiver:
                 except BadRequest as error:
                     self._reply(400, f"{error}\n".encode(), "text/plain")
                     return
-                self._reply(200, payload, PROTOBUF_CONTENT_TYPE)
+                self._reply(200, payload, media_type)
 
             def do_GET(self) -> None:
                 self._reply(404, b"not found\n", "text/plain")
@@ -267,26 +302,32 @@ class OtlpReceiver:
         server.block_on_close = True
         return server
 
-    def _accept(self, body: bytes, content_type: str, content_encoding: str) -> bytes:
-        """Decode and store one export; the response body to send back."""
+    def _accept(self, body: bytes, content_type: str, content_encoding: str) -> tuple[bytes, str]:
+        """Decode and store one export; the response body to send back, and its type."""
         media_type = content_type.split(";", 1)[0].strip().lower()
-        if media_type != PROTOBUF_CONTENT_TYPE:
+        if media_type not in (PROTOBUF_CONTENT_TYPE, JSON_CONTENT_TYPE):
             raise BadRequest(f"unsupported Content-Type {content_type!r}")
         raw = _decompress(body, content_encoding)
         if len(raw) > MAX_BODY_BYTES:
             raise BadRequest("decoded body too large")
         request = ExportTraceServiceRequest()
-        try:
-            request.ParseFromString(raw)
-        except DecodeError as error:
-            raise BadRequest(f"not an ExportTraceServiceRequest: {error}") from error
+        if media_type == JSON_CONTENT_TYPE:
+            _parse_otlp_json(raw, request)
+        else:
+            try:
+                request.ParseFromString(raw)
+            except DecodeError as error:
+                raise BadRequest(f"not an ExportTraceServiceRequest: {error}") from error
         spans = decode_request(request)
         with self._changed:
             self._raw_bodies.append(raw)
+            self.media_types.append(media_type)
             self._spans.extend(spans)
             self._changed.notify_all()
+        if media_type == JSON_CONTENT_TYPE:
+            return b"{}", JSON_CONTENT_TYPE
         response: bytes = ExportTraceServiceResponse().SerializeToString()
-        return response
+        return response, PROTOBUF_CONTENT_TYPE
 
     @property
     def endpoint(self) -> str:
@@ -330,6 +371,7 @@ class OtlpReceiver:
         with self._changed:
             self._spans.clear()
             self._raw_bodies.clear()
+            self.media_types.clear()
             self._changed.notify_all()
 
     def close(self) -> None:

@@ -9,16 +9,21 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.models import TenantsPolicy
+from gateway.config.routes import KNOWN_ROUTES
 from gateway.core.admission import ArrivalRate
 from gateway.errors import Shed
 from gateway.pipeline.admit import (
+    Admit,
     PoolAdmission,
     TenantCounts,
     parse_priority,
     tenant_of,
     unreserve,
 )
+from gateway.pipeline.call import Call, RequestFacts
+from gateway.runtime import Cancellation
 from gateway.upstream.registry import Registry
+from gateway.upstream.response import UpstreamResponse
 
 
 def one_pool(admission: str, instances: int = 1) -> str:
@@ -385,3 +390,36 @@ async def test_a_fixed_limit_is_not_a_guess() -> None:
     await adm.enter("standard")
     with pytest.raises(Shed):
         await asyncio.wait_for(adm.enter("interactive"), 5)
+
+
+async def test_a_tokenize_takes_no_slot_and_waits_behind_nothing() -> None:
+    gate = pool_admission(one_pool("concurrency: {mode: fixed, limit: 1}\nbatch: {max_queue: 0}\n"))
+    layer = Admit({"chat": gate})
+    held = await gate.enter("interactive", 0, lambda: None)  # the one slot, taken
+    task = asyncio.current_task()
+    assert task is not None
+
+    def call(path: str) -> Call:
+        return Call(
+            pool=gate.pool,
+            route=KNOWN_ROUTES[path],
+            query="",
+            body=b"{}",
+            headers=[],
+            facts=RequestFacts("m", False, None),
+            deadline=asyncio.get_running_loop().time() + 5,
+            cancellation=Cancellation(task),
+            priority="batch",
+        )
+
+    class Answered:
+        body = b"{}"
+
+    async def answer(_: Call) -> UpstreamResponse:
+        return Answered()  # type: ignore[return-value]
+
+    # Answered by the engine's server, not its scheduler: straight through, as direct.
+    assert isinstance(await layer(call("/tokenize"), answer), Answered)
+    with pytest.raises(Shed):  # a generation waits for the slot (here: no queue for it)
+        await layer(call("/v1/chat/completions"), answer)
+    gate.leave(over=held.over)

@@ -93,7 +93,7 @@ def check_common(data: dict[str, Any], report: str) -> None:
 
 def check_tracing(section: dict[str, Any], report: str) -> None:
     assert "5. Tracing cost" in report
-    for name in ("off", "on"):
+    for name in ("off", "on", "on_sampled"):
         assert_positive(section["throughput"]["runs"][name], "rps", "p50_ms", "p99_ms", "requests")
         run = section["latency"]["runs"][name]
         assert_positive(run, "sent")
@@ -110,6 +110,12 @@ def check_tracing(section: dict[str, Any], report: str) -> None:
     assert spans["received"] + spans["missing"] == spans["expected"]
     assert spans["expected"] == spans["requests_served"] + spans["upstream_attempts"]
     assert set(spans["by_kind"]) == {"SERVER", "CLIENT"}
+    # One request in ten sampled: some spans, far fewer than all (a trace's spans go together).
+    sampled = section["sampled"]
+    assert sampled["sample_ratio"] == 0.1 and sampled["spans"]["rejected_exports"] == 0
+    assert_positive(sampled, "on_vs_off")
+    assert 0 < sampled["spans"]["received"] < sampled["spans"]["all_spans"] / 3
+    assert "sampled: parentbased_traceidratio (ratio 0.1)" in report
 
 
 @pytest.mark.timeout(QUICK_TIMEOUT_S + 60)
@@ -130,7 +136,7 @@ def test_quick_run_without_wrk_or_nginx(tmp_path: Path) -> None:
     data, report = run_bench(tmp_path, "--skip-nginx", "--no-wrk", "--skip-tracing")
     check_common(data, report)
     assert data["tracing"] is None
-    assert "5. Tracing cost, off vs on (every request sampled): skipped" in report
+    assert "5. Tracing cost, off vs on (every request sampled, and one in ten): skipped" in report
     throughput = data["throughput"]
     assert throughput["tool"] == "python"
     assert "wrk not used" in report

@@ -40,7 +40,7 @@ def test_an_anthropic_answer_reads_its_own_keys_and_counts_cached_input() -> Non
             },
         }
     ).encode()
-    assert usage_of(body, anthropic=True) == Usage(115, 20)
+    assert usage_of(body, protocol="anthropic") == Usage(115, 20)
 
 
 def test_an_openai_stream_with_usage_before_its_done_chunk() -> None:
@@ -59,7 +59,7 @@ def test_an_anthropic_stream_says_input_at_its_start_and_output_at_its_end() -> 
         b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":40}}\n\n'
         b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
     )
-    assert usage_of(end, start, anthropic=True) == Usage(21, 40)
+    assert usage_of(end, start, protocol="anthropic") == Usage(21, 40)
     assert model_of(start) == "claude-x"
 
 

@@ -16,7 +16,7 @@ from gateway.errors import (
     ShuttingDown,
     UpstreamTimeout,
 )
-from gateway.ingress.dialect import ANTHROPIC, BY_PATH, OPENAI
+from gateway.ingress.dialect import ANTHROPIC, OPAQUE, OPENAI, RESPONSES, dialect_for
 
 
 def test_openai_errors_keep_the_native_shape_and_end_streams_with_done() -> None:
@@ -58,31 +58,78 @@ def test_every_error_class_carries_its_own_code_as_a_header(kind: type[GatewayEr
     assert kind.header == (b"x-gateway-error", kind.code.encode())
 
 
-def test_only_the_messages_route_speaks_anthropic() -> None:
-    assert BY_PATH == {"/v1/messages": ANTHROPIC}
+def test_each_route_speaks_its_protocols_dialect() -> None:
+    assert dialect_for("/v1/messages") is ANTHROPIC
+    assert dialect_for("/v1/responses") is RESPONSES
+    for path in ("/v1/chat/completions", "/v1/audio/transcriptions", "/tokenize", "/v2/rerank"):
+        assert dialect_for(path) is OPENAI
+    assert dialect_for("/v1/some/plugin") is OPAQUE  # a route the gateway does not know
+    assert dialect_for("/admin/state") is OPENAI  # not proxied: the gateway's own answers
+
+
+def test_a_responses_stream_ends_with_its_last_response_event_or_an_error() -> None:
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+    assert not RESPONSES.ended(delta)
+    for name in (b"response.completed", b"response.failed", b"response.incomplete", b"error"):
+        assert RESPONSES.ended(b"event: " + name + b'\ndata: {"type":"x"}\n\n')
+    # No [DONE] in this protocol: a stream that sends one has not ended as it should.
+    assert not RESPONSES.ended(b"data: [DONE]\n\n")
+
+
+def test_a_broken_responses_stream_ends_with_an_error_event_numbered_after_the_last() -> None:
+    last = (
+        b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+        b'"delta":" a","sequence_number":41}\n\n'
+    )
+    ending = RESPONSES.stream_ending(UpstreamTimeout("slow", phase="idle"), last)
+    assert ending is not None
+    name, data = ending.split(b"\n", 1)
+    assert name == b"event: error" and ending.endswith(b"\n\n")
+    payload = json.loads(data.removeprefix(b"data: "))
+    assert payload == {
+        "type": "error",
+        "code": "upstream_timeout",
+        "message": "slow",
+        "param": None,
+        "sequence_number": 42,
+    }
+    assert (
+        json.loads(RESPONSES.stream_ending(Shed("x"))[len(b"event: error\ndata: ") :])[
+            "sequence_number"
+        ]
+        == 0
+    )
+
+
+def test_a_stream_of_an_unknown_protocol_is_never_given_a_foreign_ending() -> None:
+    assert OPAQUE.stream_ending(UpstreamTimeout("slow", phase="idle")) is None
+    assert OPAQUE.ended(b"data: anything\n\n") and OPAQUE.ended(b"")
+    assert not OPAQUE.has_error_event(b'data: {"error":{"code":500}}\n\n')
 
 
 @pytest.mark.parametrize(
-    ("data", "anthropic", "tokens"),
+    ("data", "protocol", "tokens"),
     [
-        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17,"total_tokens":20}}', False, 17),
-        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', True, 42),
+        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17,"total_tokens":20}}', "openai", 17),
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', "anthropic", 42),
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', "responses", 42),
         # A stream: message_start says 1, the final message_delta the real count.
         (
             b'event: message_start\ndata: {"usage":{"input_tokens":3,"output_tokens":1}}\n\n'
             b'event: message_delta\ndata: {"usage":{"output_tokens":250}}\n\n',
-            True,
+            "anthropic",
             250,
         ),
-        (b'{"choices":[]}', False, None),
+        (b'{"choices":[]}', "openai", None),
         # Each route reads its own protocol's keys only.
-        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', False, None),
+        (b'{"usage":{"input_tokens":3,"output_tokens":42}}', "openai", None),
+        (b'{"usage":{"prompt_tokens":3,"completion_tokens":17}}', "responses", None),
     ],
 )
 def test_output_tokens_by_the_routes_protocol(
-    data: bytes, anthropic: bool, tokens: int | None
+    data: bytes, protocol: str, tokens: int | None
 ) -> None:
-    assert usage_of(data, anthropic=anthropic).output_tokens == tokens
+    assert usage_of(data, protocol=protocol).output_tokens == tokens
 
 
 def test_an_engines_error_event_gives_its_status_in_each_dialect() -> None:

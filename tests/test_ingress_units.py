@@ -8,6 +8,7 @@ import pytest
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
 from gateway.ingress.body import ClientGone, read_body, read_facts
+from gateway.ingress.form import read_form_facts
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import response_headers, split_request_headers
 
@@ -118,6 +119,12 @@ async def test_disconnect_while_reading() -> None:
         (b'{"model":"m"}', ("m", False, None)),
         (b'{"model":"m","stream":true,"max_tokens":7}', ("m", True, 7)),
         (b'{"model":"m","max_completion_tokens":9}', ("m", False, 9)),
+        (b'{"model":"m","max_output_tokens":7}', ("m", False, 7)),  # the Responses API's
+        # No model named: the gateway's only pool may take it (the ingress decides).
+        (b"{}", ("", False, None)),
+        (b'{"model":""}', ("", False, None)),
+        (b"", ("", False, None)),
+        (b" \r\n", ("", False, None)),
     ],
 )
 def test_read_facts(raw: bytes, expected: tuple[str, bool, int | None]) -> None:
@@ -128,12 +135,11 @@ def test_read_facts(raw: bytes, expected: tuple[str, bool, int | None]) -> None:
 @pytest.mark.parametrize(
     "raw",
     [
-        b"",
         b"nope",
         b"[]",
         b"null",
-        b'{"model":""}',
         b'{"model":1}',
+        b'{"model":null,"max_output_tokens":-1}',
         b'{"model":"m","stream":1}',
         b'{"model":"m","max_tokens":true}',
         b"[" * 50_000,
@@ -143,3 +149,19 @@ def test_read_facts(raw: bytes, expected: tuple[str, bool, int | None]) -> None:
 def test_read_facts_rejects(raw: bytes) -> None:
     with pytest.raises(InvalidRequest):
         read_facts(raw)
+
+
+def test_a_forms_fields_are_read_as_the_engines_form_parser_reads_them() -> None:
+    boundary = "b0und4ry"
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{extra}\r\n\r\n{value}\r\n'
+        for name, extra, value in (
+            ("model", "", "first"),
+            ("file", '; filename="model"', "not a field"),  # a file, whatever its name
+            ("model", "", " second "),  # given twice: the last counts, as it is
+            ("stream", "", "True"),
+        )
+    ]
+    body = ("".join(parts) + f"--{boundary}--\r\n").encode()
+    facts = read_form_facts(body, f"multipart/form-data; boundary={boundary}".encode())
+    assert (facts.model, facts.stream, facts.form) == (" second ", True, True)

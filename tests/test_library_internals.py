@@ -528,7 +528,7 @@ def test_the_gateway_uses_its_fast_exporter(monkeypatch: pytest.MonkeyPatch) -> 
     # are gone (about five times the CPU per span): it must not on this release.
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
-    exporter = module("gateway.telemetry.tracing", TRACING)._exporter()
+    exporter = module("gateway.telemetry.tracing", TRACING)._exporter("otlp")
     try:
         fast = module("gateway.telemetry.otlp_encoder", EXPORTER).FastOtlpSpanExporter
         assert isinstance(exporter, fast), broken(

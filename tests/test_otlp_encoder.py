@@ -494,7 +494,7 @@ def test_the_gateway_exports_over_http_with_the_fast_encoder(
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
-    exporter = _exporter()
+    exporter = _exporter("otlp")
     try:
         assert isinstance(exporter, FastOtlpSpanExporter)
     finally:
@@ -506,14 +506,22 @@ def test_grpc_is_chosen_by_the_standard_variable(monkeypatch: pytest.MonkeyPatch
         OTLPSpanExporter as GrpcExporter,
     )
 
+    from gateway.telemetry.otlp_json import JsonOtlpSpanExporter
     from gateway.telemetry.tracing import _exporter
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    exporter = _exporter()
+    exporter = _exporter("otlp")
     try:
         assert isinstance(exporter, GrpcExporter)
     finally:
         exporter.shutdown()
+    # The traces' own variable wins over the general one.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
-    with pytest.raises(ValueError, match="is not supported: use grpc or http/protobuf"):
-        _exporter()
+    exporter = _exporter("otlp")
+    try:
+        assert isinstance(exporter, JsonOtlpSpanExporter)
+    finally:
+        exporter.shutdown()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/thrift")
+    with pytest.raises(ValueError, match="is not supported: use http/protobuf, http/json or grpc"):
+        _exporter("otlp")

@@ -158,7 +158,16 @@ def test_bad_requests_are_rejected_and_the_receiver_keeps_working(
     assert post(receiver, b"not gzip", headers=bad_gzip)[0] == 400
     unknown_encoding = {"Content-Type": "application/x-protobuf", "Content-Encoding": "br"}
     assert post(receiver, b"", headers=unknown_encoding)[0] == 400
-    assert post(receiver, b"{}", headers={"Content-Type": "application/json"})[0] == 400
+    assert post(receiver, b"{}", headers={"Content-Type": "text/plain"})[0] == 400
+    # OTLP/JSON: ids in hex; one in protobuf's own mapping (base64) is not OTLP/JSON.
+    as_json = {"Content-Type": "application/json"}
+    base64_id = (
+        b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"AAAAAAAAAAAAAAAAAAAAAQ==",'
+        b'"spanId":"AAAAAAAAAAE=","name":"x"}]}]}]}'
+    )
+    assert post(receiver, base64_id, headers=as_json)[0] == 400
+    assert post(receiver, b'{"resourceSpans":7}', headers=as_json)[0] == 400
+    assert post(receiver, b"{", headers=as_json)[0] == 400
     assert post(receiver, b"", path="/v1/metrics")[0] == 404
     assert post(receiver, b"", method="GET")[0] == 404
     assert receiver.spans == []

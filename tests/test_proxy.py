@@ -363,8 +363,11 @@ def test_unknown_model_is_404(client: httpx.Client) -> None:
 
 
 def test_unknown_path_and_wrong_method(client: httpx.Client) -> None:
-    assert_error(client.post("/v1/rerank", json=chat()), 404, "not_found")
+    # Proxied: vLLM's routes and any POST under /v1/; nothing else.
+    assert_error(client.post("/v3/rerank", json=chat()), 404, "not_found")
+    assert_error(client.post("/admin/state", json=chat()), 404, "not_found")
     assert_error(client.get("/v1/chat/completions"), 405, "method_not_allowed")
+    assert_error(client.get("/v1/some/plugin"), 404, "not_found")
 
 
 def test_declared_oversized_body_is_413_before_it_is_sent(gateway: Gateway) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.config import parse_policy
+from gateway.config.routes import CHAT
 from gateway.core.breaker import ISOLATED, Transition
 from gateway.errors import GatewayError, Shed
 from gateway.pipeline.admit import PoolAdmission
@@ -71,7 +72,7 @@ class Pipeline:
         assert task is not None
         call = Call(
             pool=self.pool,
-            path="/v1/chat/completions",
+            route=CHAT,
             query="",
             body=BODY,
             headers=[("content-type", "application/json")],

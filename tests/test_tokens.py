@@ -72,10 +72,13 @@ def usage_said(path: str, body: dict[str, Any], response: httpx.Response) -> tup
     """The usage the client was told: (input, output)."""
     if not body.get("stream"):
         usage = response.json()["usage"]
-        if path == "/v1/messages":
+        if path in ("/v1/messages", "/v1/responses"):
             return usage["input_tokens"], usage["output_tokens"]
         return usage["prompt_tokens"], usage["completion_tokens"]
     said = events(response.text)
+    if path == "/v1/responses":
+        usage = [e for e in said if e["type"] == "response.completed"][-1]["response"]["usage"]
+        return usage["input_tokens"], usage["output_tokens"]
     if path == "/v1/messages":
         start = next(e for e in said if e["type"] == "message_start")
         delta = [e for e in said if e["type"] == "message_delta"][-1]
@@ -106,6 +109,9 @@ CASES = [
             "stream": True,
         },
     ),
+    # The Responses API: its own keys, its stream's usage in its last event.
+    ("/v1/responses", {"input": "sixteen seventeen", "max_output_tokens": 5}),
+    ("/v1/responses", {"input": "eighteen", "max_output_tokens": 4, "stream": True}),
 ]
 
 
@@ -132,9 +138,9 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
         assert http.post("/v1/chat/completions", json=quiet).status_code == 200
     counted = tokens(gateway)
     assert (counted["input"], counted["output"]) == (expected["input"], expected["output"])
-    # Streams that said their usage are timed per output token: the two streamed cases, and
-    # the whole answers fetched as streams (chat, completions, messages).
-    assert counted["streams"] == 5
+    # Streams that said their usage are timed per output token: the three streamed cases,
+    # and the whole answers fetched as streams (chat, completions, messages).
+    assert counted["streams"] == 6
 
     assert receiver.wait_for(
         lambda spans: sum(1 for s in spans if s.kind == "SERVER") >= len(CASES) + 1, timeout_s=10
@@ -143,6 +149,7 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
     for span, (path, _) in zip(servers, CASES, strict=False):
         attributes = span.attributes
         anthropic = path == "/v1/messages"
+        assert attributes["http.route"] == path
         assert attributes["gen_ai.provider.name"] == ("anthropic" if anthropic else "openai")
         operations = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
         assert attributes["gen_ai.operation.name"] == operations.get(path, "chat")

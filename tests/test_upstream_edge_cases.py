@@ -123,7 +123,35 @@ def done_without_blank_line(sock: socket.socket) -> None:
     sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\ndata: [DONE]\n') + b"0\r\n\r\n")
 
 
+def _responses_event(kind: str, sequence: int) -> bytes:
+    data = json.dumps({"type": kind, "sequence_number": sequence}).encode()
+    return f"event: {kind}\n".encode() + b"data: " + data + b"\n\n"
+
+
+def responses_completed_then_cut(sock: socket.socket) -> None:
+    # The Responses API's last event, then the connection dies before the body's last chunk.
+    events = _responses_event("response.created", 0) + _responses_event("response.completed", 1)
+    sock.sendall(SSE_HEAD + chunk(events))
+    time.sleep(0.2)
+
+
+def responses_cut(sock: socket.socket) -> None:
+    events = _responses_event("response.created", 0) + _responses_event(
+        "response.output_text.delta", 1
+    )
+    sock.sendall(SSE_HEAD + chunk(events) + chunk(b"event: response.output_te"))
+    time.sleep(0.2)
+
+
+def done_then_cut(sock: socket.socket) -> None:
+    sock.sendall(SSE_HEAD + chunk(b'data: {"n":1}\n\ndata: [DONE]\n\n'))
+    time.sleep(0.2)
+
+
 SCRIPTS = {
+    "responses-completed-then-cut": responses_completed_then_cut,
+    "responses-cut": responses_cut,
+    "done-then-cut": done_then_cut,
     "partial-event": partial_event,
     "control-char-header": control_char_header,
     "no-content": no_content,
@@ -332,3 +360,32 @@ def test_a_last_event_without_its_blank_line_still_ends_the_stream(client: httpx
     with client.stream("POST", "/v1/completions", json=body) as response:
         raw = response.read()
     assert raw == b'data: {"n":1}\n\ndata: [DONE]\n'
+
+
+def test_a_stream_broken_after_its_last_event_ends_as_it_was(client: httpx.Client) -> None:
+    # The client has its whole answer: nothing may follow the protocol's last event.
+    body = {"model": "responses-completed-then-cut", "input": "x", "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        raw = response.read()
+    assert raw.endswith(b'"sequence_number": 1}\n\n') and b"event: error" not in raw
+    # Token ids cannot be continued (the resume refuses): [DONE] stays the last event.
+    done = {"model": "done-then-cut", "prompt": [1, 2], "stream": True}
+    with client.stream("POST", "/v1/completions", json=done) as response:
+        raw = response.read()
+    assert raw == b'data: {"n":1}\n\ndata: [DONE]\n\n'
+
+
+def test_a_broken_responses_stream_ends_with_an_error_event_after_the_last_one_sent(
+    client: httpx.Client,
+) -> None:
+    body = {"model": "responses-cut", "input": "x", "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        blocks = response.read().decode().strip().split("\n\n")
+    assert [b.split("\n")[0] for b in blocks] == [
+        "event: response.created",
+        "event: response.output_text.delta",
+        "event: error",
+    ]
+    error = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+    # Numbered after the last event the client got (the half one held back was never sent).
+    assert error["sequence_number"] == 2 and error["code"] == "upstream_reset"

@@ -1,10 +1,11 @@
 """Token usage and the model that answered, read from an answer's bytes without parsing them.
 
 A whole answer holds `usage` in its body: OpenAI's `prompt_tokens` / `completion_tokens`,
-Anthropic's `input_tokens` / `output_tokens`. A stream holds it near its end: OpenAI's in the last
-chunk before `[DONE]` (when the request asked for it: `stream_options.include_usage`), Anthropic's
-output tokens in `message_delta` and its input tokens in `message_start`, the stream's first
-event. So the head and the last two chunks of a stream are enough.
+Anthropic's and the Responses API's `input_tokens` / `output_tokens`. A stream holds it near its
+end: OpenAI's in the last chunk before `[DONE]` (when the request asked for it:
+`stream_options.include_usage`), the Responses API's in its last event (`response.completed`),
+Anthropic's output tokens in `message_delta` and its input tokens in `message_start`, the
+stream's first event. So the head and the last two chunks of a stream are enough.
 
 A key inside the model's own text cannot match: a JSON string escapes its quotes, so the text
 `"prompt_tokens":` appears there as `\\"prompt_tokens\\":`.
@@ -50,12 +51,15 @@ def _last_number(data: bytes, key: bytes) -> int | None:
     return int(digits[:end]) if end else None
 
 
-def usage_of(end: bytes, head: bytes = b"", anthropic: bool = False) -> Usage:
+def usage_of(end: bytes, head: bytes = b"", protocol: str = "openai") -> Usage:
     """The usage in `end` (a whole body's end, or a stream's last chunks), by the keys of the
-    route's protocol (`anthropic`: the Messages API's; a tool's input object may hold the other
-    protocol's names). Anthropic's input tokens may be only in `head` (a stream's first chunk:
-    `message_start`), and include its cached ones."""
-    if not anthropic:
+    route's `protocol` (a tool's input object may hold another protocol's names): OpenAI's
+    chat, completions, embeddings...; the Responses API's (`input_tokens`, which include the
+    cached ones, and `output_tokens`, in its last event); Anthropic's, whose input tokens may
+    be only in `head` (a stream's first chunk: `message_start`) and leave its cached ones out."""
+    if protocol == "responses":
+        return Usage(_last_number(end, _INPUT), _last_number(end, _OUTPUT))
+    if protocol != "anthropic":
         return Usage(_last_number(end, _PROMPT), _last_number(end, _COMPLETION))
     source = end if _INPUT in end else head
     input_tokens = _last_number(source, _INPUT)

@@ -22,7 +22,14 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import Message, Scope
 
 from gateway.config.models import LimitsPolicy
-from gateway.config.routes import MESSAGES_PATH, MODELS_PATH, PROXY_ROUTES, genai_attributes
+from gateway.config.routes import (
+    KNOWN_ROUTES,
+    MODELS_PATH,
+    Route,
+    acts,
+    genai_attributes,
+    route_for,
+)
 from gateway.core.continuation import Transcript
 from gateway.errors import (
     GatewayError,
@@ -34,8 +41,8 @@ from gateway.errors import (
 )
 from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
 from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
-from gateway.ingress.dialect import BY_PATH as DIALECTS
-from gateway.ingress.dialect import OPENAI
+from gateway.ingress.dialect import BY_PROTOCOL
+from gateway.ingress.form import is_form, read_form_facts
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import split_request_headers
 from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
@@ -49,8 +56,8 @@ from gateway.pipeline.attempt_span import answer_attributes, read_answer
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
-from gateway.telemetry.tracing import Tracing, incoming_context
-from gateway.upstream.registry import InstanceState, Registry
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.registry import InstanceState, PoolState, Registry
 from gateway.upstream.response import UpstreamResponse
 
 log = logging.getLogger("gateway.ingress")
@@ -133,6 +140,7 @@ class DataPlane:
         self._by_model = registry.by_model
         self._auth = auth  # client API keys (policy `auth`); swapped on reload
         self._tracer = tracing.tracer if tracing is not None else None
+        self._tracing = tracing
         self._access = access_log  # None: off
         self._handler = handler
         # The request path below admission, for a broken stream's continuation (None: off).
@@ -141,6 +149,9 @@ class DataPlane:
         self._readiness = readiness
         self._loop = asyncio.get_running_loop()
         self._models_body = b""
+        self._model_bodies: dict[str, bytes] = {}
+        # The pool a request naming no model goes to: the only one, else None.
+        self._only: tuple[PoolState, str] | None = None
         self.refresh_models()
 
     def set_limits(self, limits: LimitsPolicy) -> None:
@@ -157,17 +168,22 @@ class DataPlane:
         self._access = access
 
     def refresh_models(self) -> None:
-        """Encode `GET /v1/models` once per policy (again after a reload), not per request."""
+        """Encode `GET /v1/models` (every pool's models) and each `GET /v1/models/{model}` once
+        per policy (again after a reload), not per request."""
+        models = [
+            {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
+            for model, pool in self._by_model.items()
+        ]
         self._models_body = json.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
-                    for model, pool in self._by_model.items()
-                ],
-            },
-            separators=(",", ":"),
+            {"object": "list", "data": models}, separators=(",", ":")
         ).encode()
+        self._model_bodies = {
+            str(model["id"]): json.dumps(model, separators=(",", ":")).encode() for model in models
+        }
+        pools: dict[int, tuple[PoolState, str]] = {}
+        for model, pool in self._by_model.items():
+            pools.setdefault(id(pool), (pool, model))  # its first model
+        self._only = next(iter(pools.values())) if len(pools) == 1 else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,17 +194,32 @@ class DataPlane:
         if auth.enabled and path not in OPEN_PATHS and not auth.allows(scope["headers"]):
             await self._unauthorized(scope, send, path)
             return
-        if path in PROXY_ROUTES:
+        route = KNOWN_ROUTES.get(path) or route_for(path)
+        if route is not None:
             if method != "POST":
+                dialect = BY_PROTOCOL[route.protocol]
+                if route.kind == "other":
+                    unknown = NotFound(f"no route for {method} {path}: POST requests are proxied")
+                    await send_error(send, unknown, dialect=dialect)
+                    return
                 not_post = MethodNotAllowed(f"{path} accepts POST only", allow="POST")
-                await send_error(send, not_post, dialect=DIALECTS.get(path, OPENAI))
+                await send_error(send, not_post, dialect=dialect)
                 return
             if self._tracer is None:
-                await self._proxy(scope, receive, send, path)
+                await self._proxy(scope, receive, send, route)
             else:
-                await self._proxy_traced(self._tracer, scope, receive, send, path)
+                await self._proxy_traced(self._tracer, scope, receive, send, route)
         elif path == MODELS_PATH:
             await self._get(method, send, self._models_body)
+        elif path.startswith(MODELS_PATH + "/"):
+            body = self._model_bodies.get(path[len(MODELS_PATH) + 1 :])
+            if body is None:
+                unknown_model = ModelNotFound(
+                    f"the model {path[len(MODELS_PATH) + 1 :]!r} does not exist"
+                )
+                await send_error(send, unknown_model)
+                return
+            await self._get(method, send, body)
         elif path == "/healthz":
             await self._get(method, send, b'{"status":"ok"}')
         elif path == "/readyz":
@@ -229,15 +260,15 @@ class DataPlane:
         self,
         scope: Scope,
         send: Send,
-        path: str,
+        route: Route,
         error: GatewayError,
         started: float,
         model: str | None,
         client_address: str | None = None,
     ) -> None:
         """Answer a request the gateway refuses before routing it (400, 404, 413...)."""
-        await send_error(send, error, dialect=DIALECTS.get(path, OPENAI))
-        self._rejected(scope, path, error.status, started, model, client_address)
+        await send_error(send, error, dialect=BY_PROTOCOL[route.protocol])
+        self._rejected(scope, route.path, error.status, started, model, client_address)
 
     def _rejected(
         self,
@@ -301,7 +332,7 @@ class DataPlane:
         assert self._access is not None
         self._access.write(fields)
 
-    def _resumable(self, call: Call, path: str, whole: WholeAnswer | None) -> StreamResume:
+    def _resumable(self, call: Call, whole: WholeAnswer | None) -> StreamResume:
         """A stream's resume: its transcript (or why it has none), and how a continuation is
         sent: the same request with the continuation's body, through the layers below
         admission, avoiding the instances that broke it. For a whole answer (`whole`), also
@@ -309,6 +340,7 @@ class DataPlane:
         pool = call.pool
         policy = pool.policy.resume
         request = call.facts.request
+        path = call.path
         transcript, refusal = transcript_for(path, request, policy)
         handler = self._resume_handler
         assert handler is not None
@@ -372,23 +404,24 @@ class DataPlane:
         return resume
 
     async def _proxy_traced(
-        self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, path: str
+        self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, route: Route
     ) -> None:
         """`_proxy` inside the request's SERVER span, which stays current for the layers (their
         events land on it) and ends with the response's last byte."""
-        parent = incoming_context(scope["headers"])
+        assert self._tracing is not None
+        parent = self._tracing.extract(scope["headers"])
         client = scope.get("client")
         attributes: dict[str, str | int] = {
             "http.request.method": "POST",
-            "http.route": path,
-            "url.path": path,
+            "http.route": route.template,
+            "url.path": route.path,
             "url.scheme": scope["scheme"],
-            **genai_attributes(path),
+            **genai_attributes(route),
         }
         if client:
             attributes["client.address"] = client[0]
         span = tracer.start_span(
-            f"POST {path}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+            f"POST {route.template}", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
         token = otel_context.attach(trace.set_span_in_context(span, parent))
         status = 0
@@ -400,7 +433,7 @@ class DataPlane:
             await send(message)
 
         try:
-            await self._proxy(scope, receive, send_traced, path)
+            await self._proxy(scope, receive, send_traced, route)
         finally:
             span.set_attribute("http.response.status_code", status)
             if status >= 500 or status == 0:
@@ -410,29 +443,46 @@ class DataPlane:
             otel_context.detach(token)
             span.end()
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         started = self._loop.time()
         client = scope.get("client")
+        path = route.path
         try:
             headers = split_request_headers(
                 scope["headers"], client[0] if client else None, scope["scheme"], self._trusted
             )
             body = await read_body(receive, self._limit, headers.content_length)
-            facts = read_facts(body)
+            facts = _read_facts(scope, body, strict=route.kind != "other")
         except ClientGone:
             self._rejected(scope, path, CLIENT_CLOSED, started, None, headers.client)
             return
         except ValueError as exc:
-            await self._reject(scope, send, path, InvalidRequest(str(exc)), started, None)
+            await self._reject(scope, send, route, InvalidRequest(str(exc)), started, None)
             return
         except GatewayError as error:
-            await self._reject(scope, send, path, error, started, None, headers.client)
+            await self._reject(scope, send, route, error, started, None, headers.client)
             return
         address = headers.client
-        pool = self._by_model.get(facts.model)
+        if facts.model:
+            pool = self._by_model.get(facts.model)
+        elif self._only is not None and route.kind != "other":
+            # Named no model on one of vLLM's routes: the only pool's engine answers with its
+            # default, as going direct would (its first model is the pool's name for it in
+            # metrics and logs).
+            pool, model = self._only
+            facts = dataclasses.replace(facts, model=model)
+        else:
+            unnamed = InvalidRequest("the request names no model; GET /v1/models lists them")
+            await self._reject(scope, send, route, unnamed, started, None, address)
+            return
         if pool is None:
             unknown = ModelNotFound(f"the model {facts.model!r} does not exist")
-            await self._reject(scope, send, path, unknown, started, facts.model, address)
+            await self._reject(scope, send, route, unknown, started, facts.model, address)
+            return
+        if route.kind == "other" and pool.policy.credentials is not None:
+            # The operator's own key is spent only on what the gateway knows it does.
+            kept = NotFound(f"{path} is not proxied to pool {pool.name!r}, which has credentials")
+            await self._reject(scope, send, route, kept, started, facts.model, address)
             return
         budget_s = pool.policy.timeouts.ceiling
         client_budget = headers.gateway.get(b"x-gateway-timeout")
@@ -441,13 +491,13 @@ class DataPlane:
                 budget_s = min(budget_s, _positive_seconds(client_budget))
             except ValueError:
                 bad = InvalidRequest("x-gateway-timeout must be a positive number of seconds")
-                await self._reject(scope, send, path, bad, started, facts.model, address)
+                await self._reject(scope, send, route, bad, started, facts.model, address)
                 return
         try:
             priority = parse_priority(headers.gateway.get(b"x-gateway-priority"))
         except ValueError as exc:
             bad = InvalidRequest(str(exc))
-            await self._reject(scope, send, path, bad, started, facts.model, address)
+            await self._reject(scope, send, route, bad, started, facts.model, address)
             return
         # A whole answer fetched as a stream, so a cut is continued (None: sent as it came).
         fetched = None
@@ -459,16 +509,17 @@ class DataPlane:
         cancellation = Cancellation(task)
         call = Call(
             pool=pool,
-            path=path,
+            route=route,
             query=query.decode("latin-1") if query else "",
             body=body if fetched is None else fetched[0],
             headers=headers.forward,
             facts=facts if fetched is None else fetched[1],
             deadline=self._loop.time() + budget_s,
             cancellation=cancellation,
+            acts=acts(route, facts.request),
             priority=priority,
         )
-        dialect = DIALECTS.get(path, OPENAI)
+        dialect = BY_PROTOCOL[route.protocol]
         watch = _DisconnectWatch(self._loop, cancellation, receive)
         stats = pool.stats
         status = CLIENT_CLOSED
@@ -492,7 +543,7 @@ class DataPlane:
             if response.is_sse and response.status == 200 and self._resume_handler is not None:
                 if fetched is not None:
                     whole = WholeAnswer(send, path)
-                resume = self._resumable(call, path, whole)
+                resume = self._resumable(call, whole)
             if whole is None:
                 status = response.status  # sent now (a whole answer's comes with its end)
                 ttfb_s = self._loop.time() - started
@@ -537,7 +588,7 @@ class DataPlane:
             told = None  # (model, usage) of the one answer the client got whole
             resumed = resume is not None and resume.resumes > 0
             if answered is not None and status == 200 and stream_error is None and not resumed:
-                told = read_answer(answered, path == MESSAGES_PATH)
+                told = read_answer(answered, route.protocol)
                 streamed = answered.body is None
                 spent = answered.last_at - answered.first_at if streamed else None
                 stats.count_usage(facts.model, told[1], spent)
@@ -582,6 +633,18 @@ class DataPlane:
                     span.set_attribute("gateway.time_to_first_byte_s", ttfb_s)
                 if status == CLIENT_CLOSED:
                     span.add_event("client disconnected")
+
+
+def _read_facts(scope: Scope, body: bytes, strict: bool) -> RequestFacts:
+    """What routing needs from the body: a JSON object's fields, or a multipart form's
+    (`strict`: see `read_facts`)."""
+    if body[:1] != b"{":  # not the usual JSON object: a form, or JSON after blanks (or neither)
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                if is_form(value):
+                    return read_form_facts(body, value)
+                break
+    return read_facts(body, strict)
 
 
 def _instance_name(call: Call, resume: StreamResume | None) -> str | None:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from gateway.config.models import AuthPolicy
+from gateway.config.routes import MESSAGES_PATH
 
 # The paths that never ask for a key: Kubernetes probes and load balancers call them.
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -36,7 +37,6 @@ _ANTHROPIC_BODY = json.dumps(
     {"type": "error", "error": {"type": "authentication_error", "message": _MESSAGE}},
     separators=(",", ":"),
 ).encode()
-_ANTHROPIC_PATH = "/v1/messages"
 
 
 def _headers(body: bytes) -> list[tuple[bytes, bytes]]:
@@ -96,7 +96,7 @@ class ClientAuth:
 
 async def send_unauthorized(send: Callable[[dict[str, Any]], Awaitable[None]], path: str) -> None:
     """The 401, in the error shape of the route's API."""
-    if path == _ANTHROPIC_PATH:
+    if path == MESSAGES_PATH:
         body, headers = _ANTHROPIC_BODY, _ANTHROPIC_HEADERS
     else:
         body, headers = _OPENAI_BODY, _OPENAI_HEADERS

@@ -48,8 +48,15 @@ async def read_body(receive: Receive, limit: int, declared_length: int | None) -
             return b"".join(parts)
 
 
-def read_facts(body: bytes) -> RequestFacts:
-    """Parse the JSON body once for `model`, `stream` and `max_tokens`; 400 if it is not usable."""
+def read_facts(body: bytes, strict: bool = True) -> RequestFacts:
+    """Parse the JSON body once for `model`, `stream` and `max_tokens`; 400 if it is not usable.
+    A body without `model` names none (""): the gateway's only pool takes it, as the engine's
+    default model would. So does an empty body (a route that takes none, such as the
+    Responses API's cancel). Not `strict` (a route the gateway does not know, whose fields may
+    mean something else): `stream` and `max_tokens` are read only when they are what the
+    gateway takes them for, and are left to the backend otherwise."""
+    if not body.strip():
+        return RequestFacts("", False, None, {})
     try:
         data = json.loads(body)
     except RecursionError:
@@ -59,14 +66,22 @@ def read_facts(body: bytes) -> RequestFacts:
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("the request body needs a 'model' string")
+    if model is None:
+        model = ""
+    elif not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string")
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be true or false")
-    max_tokens = data.get("max_tokens", data.get("max_completion_tokens"))
+        if strict:
+            raise InvalidRequest("'stream' must be true or false")
+        stream = False
+    max_tokens = data.get("max_tokens")
+    if max_tokens is None:  # chat completions' newer name for it, and the Responses API's
+        max_tokens = data.get("max_completion_tokens", data.get("max_output_tokens"))
     if max_tokens is not None and (
         not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0
     ):
-        raise InvalidRequest("'max_tokens' must be a non-negative integer")
+        if strict:
+            raise InvalidRequest("'max_tokens' must be a non-negative integer")
+        max_tokens = None
     return RequestFacts(model, stream, max_tokens, data)

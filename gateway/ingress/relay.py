@@ -35,9 +35,10 @@ _NO_BODY_STATUSES = frozenset({204, 304})
 
 
 class ResponseAborted(Exception):
-    """A non-SSE body broke after the commit point: the client connection must be dropped."""
+    """A body broke after the commit point with no ending its protocol could be given (any
+    body but an SSE stream of a known protocol): the client connection must be dropped."""
 
-    def __init__(self, error: UpstreamError) -> None:
+    def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
 
@@ -75,23 +76,28 @@ async def send_error(
     await send_json(send, error.status, dialect.body(error), tuple(extra))
 
 
-def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI) -> bytes:
+def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI, last: bytes = b"") -> bytes:
     """The end of a stream the gateway has to break: an error event in the client's protocol
-    (for OpenAI clients followed by `[DONE]`)."""
-    return dialect.stream_ending(error)
+    (for OpenAI clients followed by `[DONE]`); ResponseAborted when its protocol has none.
+    `last`: the stream's last events so far."""
+    ending = dialect.stream_ending(error, last)
+    if ending is None:
+        raise ResponseAborted(error)
+    return ending
 
 
 class _Current:
     """The attempt whose stream the client is being sent: another one after a resume. Between
     the two, its response is None and `hooks` holds the request's work, with what broke it."""
 
-    __slots__ = ("broken", "error", "hooks", "response")
+    __slots__ = ("broken", "error", "hooks", "response", "watch")
 
     def __init__(self, response: UpstreamResponse) -> None:
         self.response: UpstreamResponse | None = response
         self.hooks: RequestHooks | None = None
         self.broken = response
         self.error: UpstreamError | None = None
+        self.watch: _Watch | None = None  # of the stream being relayed: what it last sent
 
     def finish(self, ok: bool, error: UpstreamError | None) -> None:
         response, self.response = self.response, None
@@ -122,8 +128,9 @@ async def relay(
     error event (and `[DONE]` for OpenAI clients: `dialect`), never a silent truncation:
     incomplete events are held back until their end arrives, so the error event never lands
     inside half an event, and a stream that ends before its protocol's last event counts as
-    broken. Any other body is aborted (ResponseAborted) so the client sees an incomplete
-    response, not a short one that looks whole.
+    broken. Any other body, and a stream of a protocol the gateway does not know, is aborted
+    (ResponseAborted) so the client sees an incomplete response, not a short one that looks
+    whole.
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain): the
     stream is registered with `streams` by the request's `cancellation`.
@@ -166,7 +173,9 @@ async def relay(
         if error is None:
             ok = True
         elif response.is_sse:
-            await send({"type": "http.response.body", "body": sse_error_event(error, dialect)})
+            last = current.watch.last if current.watch is not None else b""
+            ending = sse_error_event(error, dialect, last)
+            await send({"type": "http.response.body", "body": ending})
         else:
             assert isinstance(error, UpstreamError)
             raise ResponseAborted(error)
@@ -195,7 +204,7 @@ async def _relay_events(
     assert response is not None
     chunk: bytes | None = response.first_chunk
     transcript = resume.transcript if resume is not None else None
-    watch = _Watch(dialect, transcript, None, entry, resume=resume)
+    watch = current.watch = _Watch(dialect, transcript, None, entry, resume=resume)
     while True:
         broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch)
         if broken is None:
@@ -215,9 +224,14 @@ async def _relay_events(
             if pending:
                 # The engine's own error event, not continued: relayed as it came, as the
                 # rest of the stream.
-                watch = _Watch(dialect, None, None, None, errors=False)
+                watch = current.watch = _Watch(dialect, None, None, None, errors=False)
                 broken = await _relay_body(send, response, idle_s, end_at, stream, pending, watch)
                 return None if broken is None else broken[0]
+            if dialect.knows_end and dialect.ended(watch.last):
+                # It broke after its protocol's last event: the client has its whole answer,
+                # and nothing may follow that event. The body ends there.
+                await send({"type": "http.response.body", "body": b""})
+                return None
             return error
         assert isinstance(error, UpstreamError)
         if isinstance(plan, bytes):
@@ -258,7 +272,9 @@ async def _relay_events(
         current.error = None
         current.response = response
         chunk = response.first_chunk
-        watch = _Watch(dialect, resume.transcript, plan.rewriter, entry, resume=resume)
+        watch = current.watch = _Watch(
+            dialect, resume.transcript, plan.rewriter, entry, resume=resume
+        )
 
 
 class _Watch:

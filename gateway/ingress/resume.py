@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config.models import ResumePolicy
+from gateway.config.routes import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
 from gateway.core import continuation_anthropic, continuation_openai
 from gateway.core.breaker import ADMITTING
 from gateway.core.continuation import NotResumable, Rewriter, Transcript
@@ -40,7 +41,6 @@ from gateway.errors import (
     UpstreamStreamError,
     UpstreamTimeout,
 )
-from gateway.ingress.dialect import MESSAGES_PATH
 from gateway.runtime import Clock
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
@@ -50,8 +50,6 @@ from gateway.upstream.response import UpstreamResponse
 SLOW_STREAM_FACTOR = 3.0
 PACE_WINDOW = 16
 SLOW_WINDOWS = 2
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 
 # Sends a continuation through the request path; returns its response and the idle timeout
 # of its stream.

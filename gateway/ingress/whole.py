@@ -16,13 +16,14 @@ from collections.abc import MutableMapping
 from typing import Any, Final
 
 from gateway.config.models import ResumePolicy
+from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
 from gateway.core.assembly import Assembly, for_route, stream_request
 from gateway.core.continuation import UnreadableEvent
 from gateway.core.sse import event_boundary, split_events
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamStreamCut
-from gateway.ingress.dialect import MESSAGES_PATH, Dialect
+from gateway.ingress.dialect import Dialect
 from gateway.ingress.relay import Send, send_error
-from gateway.ingress.resume import CHAT_PATH, refusal_for
+from gateway.ingress.resume import refusal_for
 from gateway.pipeline.call import RequestFacts
 
 # The stream's headers that say it is a stream: a JSON answer sets its own.

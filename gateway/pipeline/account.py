@@ -16,7 +16,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gateway.config.routes import MESSAGES_PATH
 from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import Transition
 from gateway.core.outcome import Outcome, Phase
@@ -59,6 +58,7 @@ def _timed_out(
     now: float,
     queueing: bool,
     backoff: int,
+    modelled: bool,
 ) -> None:
     """Count and log a timeout, per instance and phase (one line per 10 s per pair)."""
     phase = outcome.phase or "deadline"
@@ -76,6 +76,8 @@ def _timed_out(
             "repeats": held_back,
         }
         log.warning("upstream timeout", extra={"fields": fields})
+    if not modelled:
+        return  # waited for up to the deadline, not for a prediction: nothing to back off
     if phase == Phase.FIRST_BYTE and not queueing:
         instance.latency.timed_out(backoff)  # the next attempt there waits longer
     elif phase == Phase.IDLE:
@@ -96,10 +98,13 @@ def _record(
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
+    modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
-    failure (its breaker and the pool's failure rate do not see it)."""
+    failure (its breaker and the pool's failure rate do not see it). An attempt on a route
+    whose latency is not modelled counts as a success or failure like any other, but its
+    time teaches neither the limiter nor the balancer."""
     failed = outcome.counts_as_failure and not queueing
     pool.failure.observe(failed)
     limiter = instance.limiter
@@ -114,18 +119,19 @@ def _record(
         load = max(sent_with, instance.in_flight + 1)
         if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
             limiter.record(now, elapsed_s, load, overloaded=True)
-        elif outcome.kind == "ok":
+        elif outcome.kind == "ok" and modelled:
             limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
-        _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff)
+        _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff, modelled)
         if queueing and not probe:
             return
     if outcome.kind == "ok":
         instance.races_lost = 0
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.
-        instance.peak.observe(now, elapsed_s)
+        if modelled:
+            instance.peak.observe(now, elapsed_s)
         if instance.health.healthy is not True:
             instance.health_wanted.set()  # answering while held down: its checker looks now
     if failed:
@@ -220,11 +226,12 @@ class Account:
             self._on_transition,
             response.first_at - response.started_at,
             sent_with=response.sent_with,
+            modelled=response.route.modelled,
         )
-        if outcome.kind == "ok" and error is None:
+        if outcome.kind == "ok" and error is None and response.route.modelled:
             pool = self._pools[instance.pool_name]
             end = response.before_tail + response.tail
-            usage = usage_of(end, response.first_chunk, response.anthropic)
+            usage = usage_of(end, response.first_chunk, response.route.protocol)
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
                 response.max_gap_s,
@@ -301,6 +308,7 @@ class Account:
                 queueing=queueing,
                 backoff=call.timeouts.backoff if call.timeouts is not None else 0,
                 sent_with=sent_with,
+                modelled=call.route.modelled,
             )
             raise
         except asyncio.CancelledError:
@@ -313,7 +321,7 @@ class Account:
                     _abandoned(instance, _LOST_RACE, now, now - started)
                 self._lost_race(call, instance, now, now - started)
             raise
-        response.anthropic = call.path == MESSAGES_PATH
+        route = call.route
         if response.body is None:
             response.probe = call.probe
             response.tokens = tokens
@@ -330,10 +338,12 @@ class Account:
         outcome = response.outcome
         now = self._clock()
         output_tokens = None
-        if outcome.kind == "ok":
+        if outcome.kind == "ok" and route.modelled:
             end = response.body[-EDGE_BYTES:]
-            output_tokens = usage_of(end, anthropic=response.anthropic).output_tokens
-        generated = output_tokens if output_tokens is not None else call.facts.max_tokens
+            output_tokens = usage_of(end, protocol=route.protocol).output_tokens
+        generated = output_tokens
+        if generated is None and route.generates:
+            generated = call.facts.max_tokens
         if generated is not None and generated < MIN_RATED_TOKENS:
             generated = None  # its prefill, not its decoding, would be the measure
         _record(
@@ -347,8 +357,9 @@ class Account:
             self._on_transition,
             per_token_s=(now - started) / generated if generated else None,
             sent_with=sent_with,
+            modelled=route.modelled,
         )
-        if outcome.kind == "ok":
+        if outcome.kind == "ok" and route.modelled:
             instance.latency.observe_whole(response.first_at - response.started_at, output_tokens)
             _learning(call.pool, instance)
         return response

@@ -484,12 +484,16 @@ class Admit:
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         admission = self._admissions.get(call.pool.name)
-        if admission is None:
+        if admission is None or call.route.kind == "utility":
+            # A tokenize is answered by the engine's server, not its scheduler: it takes no
+            # slot and queues behind nothing, as going direct.
             return await next_handler(call)
         priority = call.priority or admission.policy.default_priority
         if admission.policy.tokens is not None:
+            # What it may decode: none on a route that generates nothing (an embedding).
+            max_tokens = call.facts.max_tokens if call.route.generates else 0
             call.tokens = estimate_tokens(
-                len(call.body), call.facts.max_tokens, call.pool.policy.timeouts.assumed_max_tokens
+                call.prompt_bytes(), max_tokens, call.pool.policy.timeouts.assumed_max_tokens
             )
         tenants = admission.policy.tenants
         slot = await admission.enter(

@@ -19,7 +19,7 @@ from gateway.core.outcome import Outcome
 from gateway.core.usage import EDGE_BYTES, Usage, model_of, usage_of
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
-from gateway.telemetry.tracing import TRACE_HEADERS, Tracing, context_headers
+from gateway.telemetry.tracing import Tracing
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.stats import outcome_label
 
@@ -27,16 +27,17 @@ from gateway.upstream.stats import outcome_label
 class AttemptSpans:
     def __init__(self, tracing: Tracing) -> None:
         self._tracer = tracing.tracer
+        self._tracing = tracing
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         parent = trace.get_current_span()
         if not parent.is_recording():
             # The request is not sampled: no span to record, but the backend still gets the
             # trace's context (flagged not sampled), as W3C asks of every hop.
-            return await _send_in(parent, call, next_handler)
+            return await _send_in(self._tracing, parent, call, next_handler)
         span = self._start(call)
         try:
-            response = await _send_in(span, call, next_handler)
+            response = await _send_in(self._tracing, span, call, next_handler)
         except UpstreamError as error:
             _end(span, error.outcome, error)
             raise
@@ -60,7 +61,7 @@ class AttemptSpans:
         instance = call.instance
         timeouts = call.timeouts
         assert instance is not None and timeouts is not None, "runs after pick and deadline"
-        url = instance.urls[call.path]
+        url = instance.url_of(call.path)
         attributes: dict[str, str | int | float | bool] = {
             "http.request.method": "POST",
             "url.full": str(url),
@@ -72,21 +73,24 @@ class AttemptSpans:
             "gateway.tier.k": call.k,
             "gateway.timeout.connect_s": timeouts.connect_s,
             "gateway.timeout.first_byte_s": timeouts.first_byte_s,
-            **genai_attributes(call.path),
+            **genai_attributes(call.route),
             "gen_ai.request.model": call.facts.model,
         }
         if timeouts.idle_s is not None:
             attributes["gateway.timeout.idle_s"] = timeouts.idle_s
         return self._tracer.start_span(
-            f"POST {call.path}", kind=SpanKind.CLIENT, attributes=attributes
+            f"POST {call.route.template}", kind=SpanKind.CLIENT, attributes=attributes
         )
 
 
-async def _send_in(span: trace.Span, call: Call, next_handler: Handler) -> UpstreamResponse:
+async def _send_in(
+    tracing: Tracing, span: trace.Span, call: Call, next_handler: Handler
+) -> UpstreamResponse:
     """The attempt, sent with `span`'s context in place of the client's trace headers."""
     forward = call.headers
-    call.headers = [h for h in forward if h[0] not in TRACE_HEADERS]
-    call.headers += context_headers(trace.set_span_in_context(span))
+    dropped = tracing.trace_headers
+    call.headers = [h for h in forward if h[0] not in dropped]
+    call.headers += tracing.inject(trace.set_span_in_context(span))
     try:
         return await next_handler(call)
     finally:
@@ -102,7 +106,7 @@ def _end(
     label = outcome_label(outcome)
     span.set_attribute("gateway.outcome", label)
     if response is not None and outcome.kind == "ok" and error is None:
-        span.set_attributes(answer_attributes(*read_answer(response, response.anthropic)))
+        span.set_attributes(answer_attributes(*read_answer(response, response.route.protocol)))
     if outcome.kind != "ok" or error is not None:
         # The conventions' form: an HTTP error's status code (an OOM's 500 too: the gateway's
         # own label is in gateway.outcome), else the kind of failure.
@@ -112,7 +116,7 @@ def _end(
     span.end()
 
 
-def read_answer(response: UpstreamResponse, anthropic: bool) -> tuple[str | None, Usage]:
+def read_answer(response: UpstreamResponse, protocol: str) -> tuple[str | None, Usage]:
     """The model an answer names and the usage it says (a whole body is looked at only near
     its start and end)."""
     body = response.body
@@ -122,7 +126,7 @@ def read_answer(response: UpstreamResponse, anthropic: bool) -> tuple[str | None
     else:
         head, end = response.first_chunk, response.before_tail + response.tail
         model = model_of(head)
-    return model, usage_of(end, head, anthropic)
+    return model, usage_of(end, head, protocol)
 
 
 def answer_attributes(model: str | None, usage: Usage) -> dict[str, str | int]:

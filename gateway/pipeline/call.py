@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.config.routes import Route
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
 from gateway.runtime import Cancellation
@@ -21,8 +22,10 @@ class RequestFacts:
     stream: bool
     max_tokens: int | None
     # The body as parsed (kept by reference, not copied): what a resumed stream's next request
-    # is built from.
+    # is built from. Empty for a multipart body.
     request: dict[str, Any] = field(default_factory=dict)
+    # A multipart body (an audio file and its form fields): its size says nothing of a prompt.
+    form: bool = False
 
 
 @dataclass(slots=True)
@@ -30,7 +33,7 @@ class Call:
     """One client request: what to send, where it may go, and what happened so far."""
 
     pool: PoolState
-    path: str
+    route: Route
     query: str
     body: bytes
     headers: list[tuple[str, str]]
@@ -39,6 +42,9 @@ class Call:
     # The request's task, and why it is being cancelled (a deadline, the client gone, the
     # drain): `gateway.runtime`.
     cancellation: Cancellation
+    # Sending it twice could do something twice (`config.routes.acts`): sent again only when
+    # it never left, never hedged, never resent on a connection that dropped.
+    acts: bool = False
     attempts: int = 0
     # Of those, hedges (`pipeline.hedge`): upstream attempts, but no retry's, so they leave
     # the retry tier's allowance as it was.
@@ -60,6 +66,14 @@ class Call:
     prompt_tokens: int = 0  # its prompt's estimated size (set by the deadline layer)
     # Where admission reserved those tokens, until the first attempt takes them over.
     reserved: InstanceState | None = None
+
+    @property
+    def path(self) -> str:
+        return self.route.path
+
+    def prompt_bytes(self) -> int:
+        """The size of its prompt as the body tells it (0: the body is not a prompt)."""
+        return 0 if self.facts.form else len(self.body)
 
 
 Handler = Callable[[Call], Awaitable[UpstreamResponse]]

@@ -11,12 +11,10 @@ initial guess alone while its peers know better.
 from __future__ import annotations
 
 from gateway.core.concurrency import prompt_tokens
-from gateway.core.timeouts import Load
+from gateway.core.timeouts import AttemptTimeouts, Load
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.response import UpstreamResponse
-
-_NO_GENERATION = "/v1/embeddings"  # nothing is generated: only the prefill counts
 
 
 class DeadlineLayer:
@@ -30,14 +28,26 @@ class DeadlineLayer:
         policy = pool.policy.timeouts
         facts = call.facts
         now = self._clock()
+        route = call.route
+        if not route.modelled:
+            # Nothing predicts it: it may take as long as the request may, as it would going
+            # direct (a stream's gaps too).
+            left = max(0.0, call.deadline - now)
+            call.timeouts = AttemptTimeouts(
+                first_byte_s=left,
+                idle_s=left if call.facts.stream else None,
+                connect_s=min(policy.connect, left),
+            )
+            return await next_handler(call)
         if not call.prompt_tokens:
-            call.prompt_tokens = prompt_tokens(len(call.body))
+            call.prompt_tokens = prompt_tokens(call.prompt_bytes())
         call.timeouts = pool.timeouts_for(
             instance,
             call.k,
             now,
             stream=facts.stream,
-            max_tokens=0 if call.path == _NO_GENERATION else facts.max_tokens,
+            # A pooling route generates nothing: only the prefill counts.
+            max_tokens=facts.max_tokens if route.generates else 0,
             jitter_s=pool.rng.uniform(0.0, policy.jitter) if policy.jitter else 0.0,
             # The account layer counted this attempt in already; attempts given up on may still
             # hold the engine's slots.

@@ -84,7 +84,13 @@ class Hedge:
         policy = pool.policy.hedging
         instance = call.instance
         assert instance is not None, "the pick layer runs first"
-        if not policy.enabled or call.attempts != 1 or call.probe:
+        if (
+            not policy.enabled
+            or call.attempts != 1
+            or call.probe
+            or call.acts
+            or not call.route.hedged
+        ):
             # A probe is the one request that tells whether an isolated instance is back:
             # it is left to answer or time out.
             return await next_handler(call)
@@ -92,7 +98,7 @@ class Hedge:
         if pool.alone(instance, now, call.avoid):
             return await next_handler(call)
         if not call.prompt_tokens:  # worked out once: the deadline layer reads it too
-            call.prompt_tokens = prompt_tokens(len(call.body))
+            call.prompt_tokens = prompt_tokens(call.prompt_bytes())
         if large_prompt(instance.latency, call.prompt_tokens):
             return await next_handler(call)
         facts = call.facts

@@ -11,8 +11,11 @@ high failure rate says failing over would land on other failing instances, but a
 failure of the only instance left is best met by asking it again (never by giving up while
 going direct would have worked). A Retry-After from a backend keeps new attempts off that
 instance until it passes. The upstream's own error answer is relayed unchanged when no retry
-is allowed. Everything here happens before a byte reaches the client: the transport returns at
-the first byte, and the relay (the commit point) starts only after this loop has returned.
+is allowed. A request that could do something twice (`Call.acts`: a route the gateway does not
+know, a Responses API request running in the background or with the server's own tools) is
+sent again only after a refused connection, when it never left. Everything here happens
+before a byte reaches the client: the transport returns at the first byte, and the relay (the
+commit point) starts only after this loop has returned.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Retry:
                 call.last_attempt = max_retries + 1
             allowed = (
                 outcome.retryable(pool.retry_on)
+                # What could act twice is sent again only if it was never sent.
+                and (not call.acts or outcome.kind == "connect_failure")
                 and call.attempts - call.hedges - 1 < max_retries
                 and now < call.deadline
             )

@@ -49,6 +49,8 @@ class UpstreamClient(Protocol):
         max_connections: int | None = None,
         max_idle: int | None = None,
         on_sent: Callable[[], None] | None = None,
+        resend: bool = True,
+        remember: bool = True,
     ) -> ResponseHead: ...
 
 
@@ -103,7 +105,7 @@ class Transport:
         raw: ResponseHead | None = None
         try:
             raw = await self._client.post(
-                instance.urls[call.path],
+                instance.url_of(call.path),
                 sent,
                 call.body,
                 query=call.query,  # as the client sent it
@@ -112,6 +114,11 @@ class Transport:
                 max_connections=pool.policy.connections.max,
                 max_idle=pool.policy.connections.max_idle,
                 on_sent=request_sent,
+                # What could act twice is not sent again on a fresh connection after a kept
+                # one dropped it (the stale keep-alive race: it may have been received).
+                resend=not call.acts,
+                # A route the gateway does not know: a path the client chose, not remembered.
+                remember=call.route.kind != "other",
             )
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")
@@ -136,6 +143,7 @@ class Transport:
                 watchdog=self._watchdog,
                 started_at=started_at,
                 clock=self._loop_time,
+                route=call.route,
             )
         except asyncio.CancelledError:
             self._abandon(raw, deadline)

@@ -562,13 +562,16 @@ class FastOtlpSpanExporter(OTLPSpanExporter):
     and it hands the bytes to the parent's client exactly as the parent does.
     """
 
+    def _encode(self, spans: Sequence[ReadableSpan]) -> bytes:
+        return _ENCODER.encode(spans)
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shutdown:
             _logger.warning("Exporter already shutdown, ignoring batch")
             return SpanExportResult.FAILURE
         with self._metrics.export_operation(len(spans)) as result:
             try:
-                body = _ENCODER.encode(spans)
+                body = self._encode(spans)
             except Exception as error:
                 _logger.error("Failed to encode span batch: %s", error)
                 result.error = error

@@ -2,17 +2,26 @@
 
 One SERVER span per client request (opened by the data plane, current for the whole request, so
 the layers can add events to it) and one CLIENT span per upstream attempt (`AttemptSpans`), whose
-W3C context is sent to the backend. Spans end when the answer does: a stream's spans end at its
+context is sent to the backend. Spans end when the answer does: a stream's spans end at its
 last byte. Nothing here records headers or bodies, so no Authorization or API key can reach a
 span. With `telemetry.tracing: false` none of this is built and the request path does not branch
 into it.
 
-The exporter: OTLP over HTTP/protobuf (the OpenTelemetry default), or gRPC when
-`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` says `grpc`; endpoint,
-headers, timeout and compression from the usual `OTEL_EXPORTER_OTLP_*` variables; sampler from
-`OTEL_TRACES_SAMPLER` / `_ARG`. Spans go through a `BatchSpanProcessor`: a bounded queue
-(`OTEL_BSP_MAX_QUEUE_SIZE`, 2048) exported from its own thread, dropping spans when full, so a
-dead collector neither slows nor grows the gateway.
+The standard variables, as the OpenTelemetry SDKs read them:
+
+- `OTEL_TRACES_EXPORTER`: `otlp` (the default), `console` (spans as JSON on stdout), `none`
+  (no tracing at all), or several, comma-separated.
+- `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `http/protobuf` (the
+  default), `http/json` or `grpc`; endpoint, headers, timeout and compression from the usual
+  `OTEL_EXPORTER_OTLP_*` variables.
+- `OTEL_PROPAGATORS`: the context formats read from a client and sent to a backend:
+  `tracecontext,baggage` by default; `b3` and `b3multi` (Zipkin, Istio) too, or `none`.
+- `OTEL_TRACES_SAMPLER` / `_ARG`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+  `OTEL_SDK_DISABLED`, `OTEL_BSP_*`.
+
+A value the gateway cannot honour stops it at start, with the variable named. Spans go through a
+`BatchSpanProcessor`: a bounded queue (`OTEL_BSP_MAX_QUEUE_SIZE`, 2048) exported from its own
+thread, dropping spans when full, so a dead collector neither slows nor grows the gateway.
 """
 
 from __future__ import annotations
@@ -24,18 +33,23 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.propagators.b3 import B3MultiFormat
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+)
 from opentelemetry.trace import Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util._importlib_metadata import entry_points
 
 from gateway.config.models import TelemetryPolicy
 from gateway.core.breaker import Transition
 
-PROPAGATOR = TraceContextTextMapPropagator()
-# W3C trace context headers: replaced by the attempt's own context when tracing is on.
-TRACE_HEADERS = frozenset(PROPAGATOR.fields)
+DEFAULT_PROPAGATORS = "tracecontext,baggage"
 
 
 class TracingConfigError(ValueError):
@@ -43,11 +57,30 @@ class TracingConfigError(ValueError):
 
 
 class Tracing:
-    """The tracer the data plane and the layers use, and the provider to flush at exit."""
+    """The tracer the data plane and the layers use, the provider to flush at exit, and the
+    propagation: the context read from a client's headers (`extract`), and the headers that
+    carry an attempt's context to its backend (`inject`, in place of the client's
+    `trace_headers`)."""
 
-    def __init__(self, provider: TracerProvider) -> None:
+    def __init__(
+        self, provider: TracerProvider, propagator: TextMapPropagator | None = None
+    ) -> None:
         self.provider = provider
         self.tracer: Tracer = provider.get_tracer("gateway")
+        self.propagator = propagator if propagator is not None else propagators()
+        self.trace_headers = _replaced_headers(self.propagator)
+
+    def extract(self, raw_headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
+        """The caller's context (W3C `traceparent`, B3...): the propagators read what they
+        look for among all its headers (B3's `x-b3-flags` is not among the ones they write)."""
+        carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in raw_headers}
+        return self.propagator.extract(carrier)
+
+    def inject(self, context: Context) -> list[tuple[str, str]]:
+        """The headers that carry `context` (the attempt's span) to the backend."""
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=context)
+        return list(carrier.items())
 
     async def close(self, timeout_s: float = 3.0) -> None:
         """Export what is queued, for at most `timeout_s`: a dead collector (the exporter
@@ -73,6 +106,10 @@ def setup_tracing(
     """
     if not policy.tracing or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None
+    exporters = _names("OTEL_TRACES_EXPORTER", "otlp")
+    if processor is None and exporters == ["none"]:
+        return None  # asked for no export: no span is built either
+    propagator = propagators()
     # OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) wins over the policy.
     resource = Resource.create({})
     named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
@@ -81,11 +118,69 @@ def setup_tracing(
     if not named:
         resource = resource.merge(Resource({SERVICE_NAME: policy.service_name}))
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # closed by `close`
-    provider.add_span_processor(processor or BatchSpanProcessor(_exporter()))
-    return Tracing(provider)
+    if processor is not None:
+        provider.add_span_processor(processor)
+    else:
+        for name in exporters:
+            provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
+    return Tracing(provider, propagator)
 
 
-def _exporter() -> SpanExporter:
+# Every header of Zipkin's formats, single and multi: a client's are all replaced by the
+# attempt's, so the backend never sees two contexts (or the client's span as its parent). The
+# propagator reads the flags but never writes them, and neither reads nor writes the parent.
+_B3_HEADERS = frozenset(
+    (
+        B3MultiFormat.SINGLE_HEADER_KEY,
+        B3MultiFormat.TRACE_ID_KEY,
+        B3MultiFormat.SPAN_ID_KEY,
+        B3MultiFormat.SAMPLED_KEY,
+        B3MultiFormat.FLAGS_KEY,
+        "x-b3-parentspanid",
+    )
+)
+
+
+def _replaced_headers(propagator: TextMapPropagator) -> frozenset[str]:
+    """The client's headers an attempt sends its own in place of: what the propagators
+    write, and the whole of a format they write a part of."""
+    fields = set(propagator.fields)
+    if fields & _B3_HEADERS:
+        fields |= _B3_HEADERS
+    return frozenset(fields)
+
+
+def _names(variable: str, default: str) -> list[str]:
+    """A comma-separated list variable's names, lowercased, without blanks or repeats."""
+    raw = os.environ.get(variable, "").strip() or default
+    names = list(dict.fromkeys(n.strip().lower() for n in raw.split(",") if n.strip()))
+    return names or [default]
+
+
+def propagators() -> TextMapPropagator:
+    """The propagators `OTEL_PROPAGATORS` names (tracecontext and baggage by default), found
+    as the SDKs find them: by their `opentelemetry_propagator` entry points."""
+    found: list[TextMapPropagator] = []
+    for name in _names("OTEL_PROPAGATORS", DEFAULT_PROPAGATORS):
+        if name == "none":
+            continue
+        points = list(entry_points(group="opentelemetry_propagator", name=name))
+        if not points:
+            raise TracingConfigError(
+                f"OTEL_PROPAGATORS: {name!r} is not installed "
+                "(tracecontext, baggage, b3, b3multi or none)"
+            )
+        found.append(points[0].load()())
+    return CompositePropagator(found)
+
+
+def _exporter(name: str) -> SpanExporter:
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise TracingConfigError(
+            f"OTEL_TRACES_EXPORTER: {name!r} is not supported (otlp, console or none)"
+        )
     protocol = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -97,10 +192,14 @@ def _exporter() -> SpanExporter:
         )
 
         return GrpcExporter()
+    if protocol == "http/json":
+        from gateway.telemetry.otlp_json import JsonOtlpSpanExporter
+
+        return JsonOtlpSpanExporter()
     if protocol != "http/protobuf":
         raise TracingConfigError(
             f"OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL={protocol!r} is not supported: "
-            "use grpc or http/protobuf"
+            "use http/protobuf, http/json or grpc"
         )
     try:
         # The stock exporter with a body encoder five times faster (the stock one costs about
@@ -117,24 +216,6 @@ def _exporter() -> SpanExporter:
         )
 
         return HttpExporter()
-
-
-def incoming_context(raw_headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
-    """The caller's W3C trace context (`traceparent`, `tracestate`), if it sent one."""
-    found: dict[str, str] = {}
-    for name, value in raw_headers:
-        if name in (b"traceparent", b"tracestate"):
-            found[name.decode()] = value.decode("latin-1")
-    if "traceparent" not in found:
-        return None
-    return PROPAGATOR.extract(found)
-
-
-def context_headers(context: Context) -> list[tuple[str, str]]:
-    """The W3C headers that carry `context` (the attempt's span) to the backend."""
-    carrier: dict[str, str] = {}
-    PROPAGATOR.inject(carrier, context=context)
-    return list(carrier.items())
 
 
 def traced_transitions(

@@ -807,16 +807,21 @@ class H1Client:
         max_connections: int | None = None,
         max_idle: int | None = None,
         on_sent: Callable[[], None] | None = None,
+        resend: bool = True,
+        remember: bool = True,
     ) -> UpstreamResponseHead:
         """Send one request to `url` (its path; `query` as the client sent it) and wait for
         its status and headers. On any failure (or when cancelled) the connection it used is
         closed. `max_connections`, `max_idle`: the origin's limits (None: none); `on_sent`:
         called as the request is written, once a connection is had (waiting for one, and
-        opening it, are bounded by `connect_s` each)."""
+        opening it, are bounded by `connect_s` each). `resend`: whether a request that a kept-alive
+        connection dropped at once may be sent again on a fresh one (the stale keep-alive
+        race: off for a request that must not run twice); `remember`: whether the URL's
+        request-line parts are kept for the next request (off for paths clients choose)."""
         key = (url, id(tls), max_connections, max_idle)
         target = self._targets.get(key)
         if target is None:
-            target = self._target(key, url, tls)
+            target = self._target(key, url, tls, remember)
         pool, path, rest = target
         request = _request(f"{path}?{query}" if query else path, rest, headers, body)
         # The common case without a coroutine: an idle connection and nobody waiting for one.
@@ -833,7 +838,7 @@ class H1Client:
                 return await conn.exchange(request)
             except UpstreamReset:
                 conn.close()
-                if conn.received or pool.loop.time() - sent_at > _STALE_WINDOW_S:
+                if not resend or conn.received or pool.loop.time() - sent_at > _STALE_WINDOW_S:
                     raise
                 # The stale keep-alive race (see the module's docstring): once more, afresh.
             except BaseException:
@@ -850,13 +855,14 @@ class H1Client:
             raise
 
     def _target(
-        self, key: _TargetKey, url: URL, tls: ssl.SSLContext | bool
+        self, key: _TargetKey, url: URL, tls: ssl.SSLContext | bool, remember: bool = True
     ) -> tuple[_OriginPool, str, str]:
-        if len(self._targets) > _MAX_TARGETS:  # URLs of instances long gone: start afresh
-            self._targets.clear()
         _, _, max_connections, max_idle = key
         target = (self._pool(url, tls, max_connections, max_idle), *_request_line_parts(url))
-        self._targets[key] = target
+        if remember:
+            if len(self._targets) > _MAX_TARGETS:  # URLs of instances long gone: start afresh
+                self._targets.clear()
+            self._targets[key] = target
         return target
 
     def _pool(

@@ -12,7 +12,7 @@ from yarl import URL
 
 from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.config.models import TokenBudgetPolicy
-from gateway.config.routes import PROXY_ROUTES
+from gateway.config.routes import KNOWN_ROUTES
 from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
@@ -50,6 +50,8 @@ class InstanceState:
     """One backend instance: identity, precomputed URLs, and live counters."""
 
     __slots__ = (
+        "_base_path",
+        "_base_url",
         "base_url",
         "breaker",
         "budget",
@@ -103,11 +105,12 @@ class InstanceState:
         self.name = policy.name
         self.base_url = policy.url
         self.name_header = policy.name.encode()
-        base_path = urlsplit(policy.url).path.rstrip("/")
-        # The upstream target comes from the policy and a fixed route table only, never from
-        # the client's request target, so no request can reach another host or path.
+        self._base_path = urlsplit(policy.url).path.rstrip("/")
+        self._base_url = URL(policy.url)
+        # The upstream target of each known route, worked out once: the policy's URL and the
+        # route's path, never anything else of the client's request target.
         self.urls: dict[str, URL] = {
-            path: URL(policy.url).with_path(base_path + path) for path in PROXY_ROUTES
+            path: self._base_url.with_path(self._base_path + path) for path in KNOWN_ROUTES
         }
         self.in_flight = 0
         # Streams past their first byte, and the most seen at once: how many requests the
@@ -169,6 +172,15 @@ class InstanceState:
         # A read that fails changes nothing: a faulty network is no reason to fall back to a
         # limit learned from the same faults.
         self.engine_paced = False
+
+    def url_of(self, path: str) -> URL:
+        """The upstream target of a request on `path`: a known route's, worked out once, else
+        built now (the paths of routes the gateway does not know are the clients' to choose:
+        none is kept). `path` is one `config.routes.route_for` accepted."""
+        url = self.urls.get(path)
+        if url is None:
+            url = self._base_url.with_path(self._base_path + path)
+        return url
 
     def room(self) -> int:
         """How many attempts it may have in flight now.

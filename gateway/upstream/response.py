@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, overload
 
+from gateway.config.routes import CHAT, Route
 from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
@@ -86,7 +87,6 @@ class UpstreamResponse:
         "_loop_time",
         "_raw",
         "_watchdog",
-        "anthropic",
         "before_tail",
         "body",
         "first_at",
@@ -100,6 +100,7 @@ class UpstreamResponse:
         "probe",
         "prompt_tokens",
         "queued",
+        "route",
         "sent_with",
         "started_at",
         "status",
@@ -120,6 +121,7 @@ class UpstreamResponse:
         watchdog: Watchdog,
         started_at: float,
         clock: Callable[[], float],
+        route: Route = CHAT,
     ) -> None:
         self.instance = instance
         self._raw = raw
@@ -138,7 +140,7 @@ class UpstreamResponse:
         self.waited_s = 0.0
         self.tail = body if body is not None else first_chunk
         self.before_tail = b""  # the chunk before `tail` (a stream's usage may sit there)
-        self.anthropic = False  # its route is the Messages API (whose usage keys differ)
+        self.route = route  # what it answers (its usage keys, whether its latency is modelled)
         status = raw.status
         if status == 500:  # only a 500 can be an OOM: look closer
             self.outcome = Outcome.from_status(status, self.tail[:512], raw.headers)

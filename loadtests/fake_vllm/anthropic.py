@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import responses as r
 from .asgi import (
-    JSON,
     Headers,
     Receive,
     Scope,
     Send,
     body_message,
+    die_midway,
     respond,
     start_message,
 )
@@ -275,9 +275,7 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
         if fault == DIE:
             # Promise the whole body, send half, then let uvicorn drop the connection.
             await pause(ttft + per_token * min(faults.die_after, n))
-            await send(start_message(200, JSON, len(full), ids))
-            await send(body_message(full[: len(full) // 2], more=True))
-            return "died"
+            return await die_midway(send, full, ids)
         await pause(ttft + per_token * n)
         await respond(send, 200, full, extra=ids)
         return "ok"

@@ -25,6 +25,7 @@ from .asgi import (
     Scope,
     Send,
     body_message,
+    die_midway,
     read_body,
     respond,
     start_message,
@@ -33,8 +34,10 @@ from .bodies import BadRequest, parse_object
 from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, STREAM_ERROR, FakeConfig, Faults
 from .continuation import chat_start, completion_start
 from .engine import Engine, EngineOOM
+from .extra_routes import AUDIO, ECHO, JSON_ROUTES, handle_audio, handle_json
 from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
 from .requestlog import RequestLog, RequestRecord
+from .responses_api import RESPONSES, handle_responses
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -73,6 +76,9 @@ class FakeVllm:
             ("POST", COMPLETIONS): self._completions,
             ("POST", EMBEDDINGS): self._embeddings,
             ("POST", MESSAGES): self._messages,
+            ("POST", RESPONSES): self._responses,
+            **{("POST", path): self._audio for path in AUDIO},
+            **{("POST", path): self._json for path in (*JSON_ROUTES, ECHO)},
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -160,7 +166,7 @@ class FakeVllm:
             full = build(rid, self._model_json[model], n, prompt_tokens, start)
             if fault == DIE:
                 await pause(ttft + per_token * min(faults.die_after, n))
-                return await _die_midway(send, full)
+                return await die_midway(send, full)
             await pause(ttft + per_token * n)
             await respond(send, 200, full)
             return "ok"
@@ -223,6 +229,17 @@ class FakeVllm:
         """The Anthropic Messages API (anthropic.py)."""
         await handle_messages(self, scope, receive, send)
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The Responses API (responses_api.py)."""
+        await handle_responses(self, scope, receive, send)
+
+    async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_audio(self, scope, receive, send)
+
+    async def _json(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Tokenizer, pooling, score and rerank routes, and the echo route (extra_routes.py)."""
+        await handle_json(self, scope, receive, send)
+
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         record, body = await self._receive_logged(scope, receive)
         if body is None:
@@ -245,7 +262,7 @@ class FakeVllm:
             await pause(faults.ttft_s(self.config))
             full = r.embeddings_body(model, inputs)
             if fault == DIE:
-                return await _die_midway(send, full)
+                return await die_midway(send, full)
             await respond(send, 200, full)
             return "ok"
 
@@ -334,8 +351,10 @@ class FakeVllm:
 
     def _model(self, request: dict[str, Any], record: RequestRecord) -> str:
         model = request.get("model")
+        if model is None or model == "":
+            model = self.config.models[0]  # vLLM's default: its first served model name
         if not isinstance(model, str):
-            raise BadRequest(400, "'model' is required and must be a string")
+            raise BadRequest(400, "'model' must be a string")
         record.model = model
         if model not in self.running:
             # vLLM's wording and status for an unknown model.
@@ -442,13 +461,6 @@ class FakeVllm:
         if wait_for is not None:
             await self.log.wait_ended(wait_for, timeout_s)
         await respond(send, 200, r.dumps(self.log.snapshot()))
-
-
-async def _die_midway(send: Send, full: bytes) -> str:
-    """Promise the whole body, send half, then let uvicorn drop the connection."""
-    await send(start_message(200, JSON, len(full), []))
-    await send(body_message(full[: len(full) // 2], more=True))
-    return "died"
 
 
 def _max_tokens(request: dict[str, Any]) -> int:

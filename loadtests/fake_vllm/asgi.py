@@ -50,6 +50,21 @@ async def respond(
     await send(body_message(body, more=False))
 
 
+async def die_midway(send: Send, full: bytes, extra: Headers | None = None) -> str:
+    """Promise the whole body, send half, then let uvicorn drop the connection."""
+    await send(start_message(200, JSON, len(full), extra or []))
+    await send(body_message(full[: len(full) // 2], more=True))
+    return "died"
+
+
+async def answer_whole(send: Send, full: bytes, died: bool) -> str:
+    """A whole answer, or half of it (`died`: the connection is dropped after it)."""
+    if died:
+        return await die_midway(send, full)
+    await respond(send, 200, full)
+    return "ok"
+
+
 class DisconnectGuard:
     """Cancels the task handling a request as soon as its client disconnects.
 
