@@ -164,3 +164,45 @@ def test_token_counts_equal_the_answers_usage_and_spans_carry_it(
     assert len(told) == len(CASES)  # every attempt whose answer said its usage (not `quiet`)
     operations = {"chat", "text_completion", "embeddings"}
     assert all(a.attributes["gen_ai.operation.name"] in operations for a in told)
+
+
+def test_a_stream_continued_after_a_break_counts_the_usage_the_client_was_told(
+    gateway: Gateway, backends: dict[str, Backend], receiver: OtlpReceiver
+) -> None:
+    cases = [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "one two three"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "four five"}], "stream": True}),
+    ]
+    before = tokens(gateway)
+    expected = {"input": 0, "output": 0}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for path, extra in cases:
+            backends["a"].set_faults(die_next=1, die_after=3)  # cut after 3 of its 8 tokens
+            body = {"model": "m", "max_tokens": 8, **extra}
+            response = http.post(path, json=body)
+            assert response.status_code == 200, response.text
+            said_in, said_out = usage_said(path, body, response)
+            assert said_out == 8  # every attempt's tokens: the answer the client got, whole
+            expected["input"] += said_in
+            expected["output"] += said_out
+    served = [
+        r for r in backends["a"].requests() if r["path"] in ("/v1/chat/completions", "/v1/messages")
+    ]
+    assert len(served) >= 4  # each stream was continued by a second attempt
+    counted = tokens(gateway)
+    assert counted["input"] - before["input"] == expected["input"]
+    assert counted["output"] - before["output"] == expected["output"]
+    assert counted["streams"] == before["streams"]  # not timed per token: two instances' pace
+    assert receiver.wait_for(
+        lambda spans: sum(1 for s in spans if s.attributes.get("gateway.resumes")) == 2,
+        timeout_s=10,
+    )
+    for span in (s for s in receiver.spans if s.attributes.get("gateway.resumes")):
+        assert span.attributes["gen_ai.usage.output_tokens"] == 8

@@ -31,6 +31,7 @@ from gateway.config.routes import (
     route_for,
 )
 from gateway.core.continuation import Transcript
+from gateway.core.usage import model_of, usage_of
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -586,12 +587,19 @@ class DataPlane:
             watch.close()
             stats.request(facts.model, status, self._loop.time() - started)
             told = None  # (model, usage) of the one answer the client got whole
-            resumed = resume is not None and resume.resumes > 0
-            if answered is not None and status == 200 and stream_error is None and not resumed:
-                told = read_answer(answered, route.protocol)
-                streamed = answered.body is None
-                spent = answered.last_at - answered.first_at if streamed else None
-                stats.count_usage(facts.model, told[1], spent)
+            if answered is not None and status == 200 and stream_error is None:
+                if resume is not None and resume.resumes > 0:
+                    # Continued after a break: the usage the client was told (the rewritten
+                    # one, every attempt's tokens) at the end of what it got; not timed per
+                    # token, its pace being two instances'.
+                    head = answered.first_chunk
+                    told = model_of(head), usage_of(resume.told, head, route.protocol)
+                    stats.count_usage(facts.model, told[1], None)
+                else:
+                    told = read_answer(answered, route.protocol)
+                    streamed = answered.body is None
+                    spent = answered.last_at - answered.first_at if streamed else None
+                    stats.count_usage(facts.model, told[1], spent)
             if self._access is not None:
                 self._log_access(
                     scope,

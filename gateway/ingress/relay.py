@@ -183,6 +183,8 @@ async def relay(
     finally:
         if stream is not None:
             streams.discard(stream)
+        if resume is not None and current.watch is not None:
+            resume.told = current.watch.before + current.watch.last
         # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
         # failure, accounted now like any other.
         current.finish(ok, broke)
@@ -282,6 +284,7 @@ class _Watch:
     proper last event; what it keeps (`transcript`) or rewrites (`rewriter`, a continuation)."""
 
     __slots__ = (
+        "before",
         "chunks",
         "dialect",
         "entry",
@@ -310,7 +313,8 @@ class _Watch:
         self.rewriter = rewriter
         # Looks for the engine's error event (to continue the stream rather than end it).
         self.errors = errors and transcript is not None
-        self.last = b""
+        self.last = b""  # the last chunk sent, and `before` the one before it
+        self.before = b""
         # Its pace: chunks since the upstream wait was `window_at`, and windows in a row
         # found too slow.
         self.resume = resume if self.entry is not None and resume and resume.moves else None
@@ -415,6 +419,7 @@ def _watched(watch: _Watch, chunk: bytes, response: UpstreamResponse) -> bytes:
     elif watch.transcript is not None:
         watch.transcript.keep(chunk)
     if chunk:
+        watch.before = watch.last
         watch.last = chunk
     if watch.resume is not None:
         watch.chunks += 1

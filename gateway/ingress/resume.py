@@ -142,6 +142,9 @@ class StreamResume:
         self.resumes = 0
         self.reasons: list[str] = []  # why each resume happened, in order
         self.attempts = 0  # the continuations' attempts, retries included
+        # The stream's last events as the client got them (rewritten after a resume): where
+        # the usage it was told sits, set by the relay when it ends.
+        self.told = b""
         self.instance: InstanceState | None = None  # where the stream ended
         self._prepaid = False  # a move (`movable`) spent the next resume's budget already
         # For a whole answer: how it starts again when it cannot be continued (None: a stream,
