@@ -35,7 +35,7 @@ from .config import DIE, ERROR, HANG, OOM, RATE_LIMIT, STALL, STREAM_ERROR, Fake
 from .continuation import chat_start, completion_start
 from .engine import Engine, EngineOOM
 from .extra_routes import AUDIO, ECHO, JSON_ROUTES, handle_audio, handle_json
-from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
+from .pacing import Pacer, cut_point, end_stream, pause, send_tokens
 from .requestlog import RequestLog, RequestRecord
 from .responses_api import RESPONSES, handle_responses
 
@@ -214,16 +214,8 @@ class FakeVllm:
         await send_tokens(
             send, pacer, n, step, cut, lambda s, e: writer.tokens(start + s, start + e, e == n)
         )
-        ended = await cut_short(fault, faults)
-        if ended is not None:
-            return ended
-        if fault == STREAM_ERROR:
-            await send(body_message(r.STREAM_ERROR_EVENT + r.DONE, more=False))
-            return "stream_error"
-        if include_usage:
-            await send(body_message(writer.usage(prompt_tokens, n), more=True))
-        await send(body_message(r.DONE, more=False))
-        return "ok"
+        usage = writer.usage(prompt_tokens, n) if include_usage else None
+        return await end_stream(send, fault, faults, usage)
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The Anthropic Messages API (anthropic.py)."""

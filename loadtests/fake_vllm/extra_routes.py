@@ -32,7 +32,7 @@ from . import responses as r
 from .asgi import Message, Receive, Scope, Send, answer_whole, body_message, respond, start_message
 from .bodies import BadRequest, parse_object
 from .config import DIE, STALL, STREAM_ERROR
-from .pacing import Pacer, cut_point, cut_short, pause, send_tokens
+from .pacing import Pacer, cut_point, end_stream, pause, send_tokens
 
 if TYPE_CHECKING:
     from .app import FakeVllm
@@ -270,19 +270,13 @@ async def handle_audio(app: FakeVllm, scope: Scope, receive: Receive, send: Send
         pacer = Pacer(ttft, per_token)
         await pacer.first_token()
         await send_tokens(send, pacer, n, 1, cut, chunk)
-        ended = await cut_short(fault, faults)
-        if ended is not None:
-            return ended
-        if fault == STREAM_ERROR:
-            await send(body_message(r.STREAM_ERROR_EVENT + r.DONE, more=False))
-            return "stream_error"
+        usage = None
         if include_usage:
-            usage = {"id": f"trsc-{rid}", "object": kind, "created": int(time.time()),
-                     "model": model, "choices": [], "usage": {"prompt_tokens": seconds,
-                     "completion_tokens": n, "total_tokens": seconds + n}}  # fmt: skip
-            await send(body_message(b"data: " + r.dumps(usage) + b"\n\n", more=True))
-        await send(body_message(r.DONE, more=False))
-        return "ok"
+            said = {"id": f"trsc-{rid}", "object": kind, "created": int(time.time()),
+                    "model": model, "choices": [], "usage": {"prompt_tokens": seconds,
+                    "completion_tokens": n, "total_tokens": seconds + n}}  # fmt: skip
+            usage = b"data: " + r.dumps(said) + b"\n\n"
+        return await end_stream(send, fault, faults, usage)
 
     await app._guarded(receive, record, model, run)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from . import responses as r
 from .asgi import Send, body_message
-from .config import DIE, STALL, Faults
+from .config import DIE, STALL, STREAM_ERROR, Faults
 
 
 async def pause(seconds: float) -> None:
@@ -70,3 +71,18 @@ async def cut_short(fault: str | None, faults: Faults) -> str | None:
         await asyncio.sleep(faults.hang_s)
         return "stalled"
     return None
+
+
+async def end_stream(send: Send, fault: str | None, faults: Faults, usage: bytes | None) -> str:
+    """How an OpenAI-format stream ends once its tokens are out: cut by `fault`, with vLLM's
+    error event, or with its `usage` chunk (when asked) and `[DONE]`; the outcome."""
+    ended = await cut_short(fault, faults)
+    if ended is not None:
+        return ended
+    if fault == STREAM_ERROR:
+        await send(body_message(r.STREAM_ERROR_EVENT + r.DONE, more=False))
+        return "stream_error"
+    if usage is not None:
+        await send(body_message(usage, more=True))
+    await send(body_message(r.DONE, more=False))
+    return "ok"
