@@ -22,8 +22,9 @@ system-deps:
 engine: install
 	./scripts/install-llama-server
 
+# Two workers, a test file each at a time (its module fixtures start once): see README.
 test: install system-deps engine
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 # The upstream client's fuzzing, long: fresh random examples each run (FUZZ_EXAMPLES=N).
 fuzz: install

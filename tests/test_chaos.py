@@ -1,6 +1,6 @@
 """Chaos scenarios: every shipped one is valid, fault steps on the `redis` target act on a real
-Redis, and a 2,000-request run of chaos-mix produces the ledgers and the report, both ways (no
-thresholds: the numbers are what the report is for)."""
+Redis, and a 2,000-request run of chaos-mix (its faults as shipped, shorter answers) produces the
+ledgers and the report, both ways (no thresholds: the numbers are what the report is for)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import yaml
 from pydantic import ValidationError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -41,6 +42,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # is stopped by its bound, with its output, before pytest gives up.
 CHAOS_MIX_TIMEOUT_S = 600
 ANTHROPIC_MIX_TIMEOUT_S = 120
+
+
+def shorter(name: str, tmp_path: Path) -> str:
+    """A shipped scenario with its pools, faults and fault timeline as shipped, but answers of at
+    most 512 tokens and clients that wait 10 s: the run's length is then its sending time, not a
+    tail of 4,000-token answers slowed five times and of hung requests waiting out 30 s."""
+    spec = yaml.safe_load((SCENARIO_DIR / f"{name}.yaml").read_text())
+    shorter_answers = {"max_tokens": [32, 512], "client_timeout": "10s"}
+    spec["workload"] = {**spec.get("workload", {}), **shorter_answers}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
 
 
 def test_every_required_scenario_ships() -> None:
@@ -213,7 +226,7 @@ def test_chaos_mix_smoke_run(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "loadtests.chaos",
-            "chaos-mix",
+            shorter("chaos-mix", tmp_path),
             "--requests",
             "2000",
             "--out",
@@ -261,7 +274,7 @@ def test_anthropic_mix_short_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [
-            *(sys.executable, "-m", "loadtests.chaos", "anthropic-mix"),
+            *(sys.executable, "-m", "loadtests.chaos", shorter("anthropic-mix", tmp_path)),
             *("--requests", "600", "--out", str(run_dir)),
         ],
         cwd=ROOT,

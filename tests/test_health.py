@@ -136,9 +136,17 @@ pools:
         frozen.signal(signal.SIGSTOP)
         with httpx.Client(base_url=gw.url, timeout=30) as http:
             body = {"model": "qm", "max_tokens": 2}
-            # Round robin of two: one of the first few lands on q1, times out, is retried on q0.
-            statuses = [http.post("/v1/chat/completions", json=body).status_code for _ in range(4)]
-        assert statuses == [200] * 4
+            # Until q1 has an attempt of its own, power of two choices costs it as q0 and a tie
+            # goes to the first drawn: each request lands on q1 at even odds, times out there and
+            # is retried on q0. Bounded: 30 misses in a row would be odds of 2^-30.
+            replies = []
+            for _ in range(30):
+                replies.append(http.post("/v1/chat/completions", json=body))
+                if replies[-1].headers.get("x-gateway-attempts") == "2":
+                    break
+        assert [r.status_code for r in replies] == [200] * len(replies)
+        assert replies[-1].headers["x-gateway-attempts"] == "2"
+        assert replies[-1].headers["x-gateway-instance"] == "q0"
         assert wait_until(lambda: health_of(gw, "q1", "qp")["healthy"] is False, timeout_s=30)
         assert health_of(gw, "q1", "qp")["reason"] == "no answer within 0.3s"
         assert health_of(gw, "q0", "qp")["healthy"] is True

@@ -201,9 +201,11 @@ def test_quick_matrix_writes_table_json_and_chart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "matrix"
-    argv = ["--scenarios", "total-outage,flaky-sidecar", "--sizes", "1,2"]
+    # Two cells (each a run both ways, with its report) show the matrix's order and files; the
+    # sizes' own pools are covered by the tests above.
+    argv = ["--scenarios", "total-outage,flaky-sidecar", "--sizes", "1"]
     assert main([*argv, "--requests", "30", "--rate", "30", "--out", str(out)]) == 0
-    cells = [(s, n) for s in ("total-outage", "flaky-sidecar") for n in (1, 2)]
+    cells = [(s, n) for s in ("total-outage", "flaky-sidecar") for n in (1,)]
 
     data = json.loads((out / "matrix.json").read_text())
     assert [(c["scenario"], c["size"]) for c in data["cells"]] == cells
