@@ -7,7 +7,8 @@ Timing is the benchmark's to report (`python -m loadtests.admission_burst`: inte
 against the unloaded latency, with admission off and on); this test asserts what must hold on
 any machine: every interactive request answered, every batch request answered or shed with
 Retry-After, and the engines' own queues kept to a fraction of the burst. And two tenants in
-the batch class, one sending ten times the other: each gets its fair half.
+the batch class, one sending ten times the other: each gets about half, where arrival order
+would give the small one 1 in 11.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ async def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tmp_p
         "    admission: {batch: {queue_timeout: 20s}}\n", tmp_path, 8.0, small_share=0.7
     )
     share = completion_share(tenants, 2.0, 8.0)
-    # Both have requests waiting throughout: the fair share is half each.
-    assert 0.45 <= share["small"] <= 0.55, share
+    # Both have requests waiting throughout: the fair share is half each. Served in arrival
+    # order, the small tenant would get 1 in 11 (0.09). The band is ±0.10 because the gateway's
+    # queue is not the only one: a request the learned concurrency limit lets through goes to the
+    # engine's own queue, served in arrival order, so how many do is the slack. On a loaded
+    # machine (timings noisier, the limit learned from them looser) a measured 0.44 was seen.
+    assert 0.40 <= share["small"] <= 0.60, share
     # The small tenant asked for less than its half: every one of its requests is answered.
     assert all(r.ok for r in tenants["small"])
     # What the large one sent beyond its share is shed with a time to come back, not lost.
