@@ -26,6 +26,11 @@ engine: install
 test: install system-deps engine
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
+# The calls per request and per relayed chunk against loadtests/cost/budget.toml (`make test`
+# enforces it); RECORD=1 writes this Python's budgets anew.
+cost-budget: install
+	$(BIN)/python -m loadtests.cost $(if $(RECORD),--record)
+
 # The upstream client's fuzzing, long: fresh random examples each run (FUZZ_EXAMPLES=N).
 fuzz: install
 	HYPOTHESIS_PROFILE=long $(BIN)/pytest -q tests/conformance/test_h1_fuzz.py --hypothesis-show-statistics

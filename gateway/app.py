@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Any
 
@@ -42,9 +43,12 @@ class Gateway:
         policy: Policy,
         policy_path: str | None = None,
         log_format: LogFormat | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         """`policy_path`: the file reloads read (None: reloads from a file are refused);
-        `log_format`: the access log's (default: the policy's `telemetry.log_format`)."""
+        `log_format`: the access log's (default: the policy's `telemetry.log_format`); `rng`:
+        the randomness of every decision (balancing, jitter, backoff), seeded by the system
+        unless given (a seeded one makes a run repeatable)."""
         self.policy = policy
         self.access_log = AccessLogSwitch(
             log_format or policy.telemetry.log_format, policy.telemetry.access_log
@@ -53,7 +57,7 @@ class Gateway:
         self.reloader = Reloader(self, policy_path, self.reloads)
         self.tracing = setup_tracing(policy.telemetry)  # first: it may refuse the environment
         clock = self._clock = asyncio.get_running_loop().time  # the one clock, for every layer
-        self.registry = Registry(policy, now=clock())
+        self.registry = Registry(policy, now=clock(), rng=rng)
         # Pools that discover their instances: sources started with the gateway (`start`).
         self.discovery = Discovery(self.registry, clock, self._rediscovered)
         self._serving = False  # health checks running: new instances are checked as they come

@@ -1,10 +1,12 @@
 """The gateway's overhead against a direct connection (and against nginx), measured in one run.
 
 1. Throughput at fixed concurrency (wrk): direct to a fast fixed-body upstream, through an nginx
-   proxy_pass, through the gateway; the proxies get one core each, the same one.
+   proxy_pass, through the gateway; the proxies get one core each, the same one. Each proxy's
+   CPU time per request (its processes' utime + stime over the requests it served): on a
+   shared machine far steadier than requests per second.
 2. Latency at a fixed arrival rate (open loop): direct and through the gateway.
 3. Streaming: time to first byte one stream at a time and with many concurrent streams, and the
-   gateway's CPU time per relayed SSE chunk.
+   gateway's CPU time per relayed SSE chunk, beside nginx's relaying the same streams.
 4. Stream resume's cost: CPU per relayed chunk with resume on and off (the same long streams,
    side by side), and memory per open stream, each in a gateway of its own.
 5. Tracing's cost: the gateway's throughput (as in 1) and added latency (as in 2) with tracing
@@ -46,6 +48,7 @@ from loadtests.bench.cpu import (
     cpu_times,
     pin_process,
     pin_self,
+    tree_cpu_times,
 )
 from loadtests.bench.nginx import NginxServer, find_nginx, fixed_body_config, proxy_config
 from loadtests.bench.report import render, table, write_json
@@ -77,7 +80,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "bench_overhead.json"
 # The project's bars (DESIGN.md): reported as met / not met, never enforced here.
 GATEWAY_VS_NGINX_MIN = 0.25
 ADDED_TTFB_TARGET_MS = 1.0
-CPU_PER_CHUNK_TARGET_US = 15.0
+CPU_PER_REQUEST_TARGET_US = 90.0
+CPU_PER_CHUNK_TARGET_US = 8.0
 # Tracing every request may cost at most this share of the gateway's throughput (reported only).
 TRACING_COST_MAX = 0.10
 STREAM_PER_TOKEN_S = 0.001
@@ -172,6 +176,10 @@ class Rig:
     upstream_url: str
     upstream_kind: str
     proxy_url: str | None
+    proxy_pid: int | None  # nginx's master (its worker is its child)
+    # nginx proxy_pass in front of the streaming backend, buffering off (None: no nginx).
+    stream_proxy_url: str | None
+    stream_proxy_pid: int | None
     gateway_url: str
     gateway_pid: int
     stream_url: str
@@ -181,6 +189,7 @@ class Rig:
     bare_url: str
     bare_pid: int
     bare_fixed_url: str
+    bare_fixed_pid: int
 
 
 def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placement) -> Rig:
@@ -203,12 +212,13 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         )
         stack.callback(proxy.stop)
         proxy_url: str | None = f"http://127.0.0.1:{proxy.port}"
+        proxy_pid: int | None = proxy.pid
     else:
         fixed = start_fake_backend("fixed", FIXED_MODEL, "--fixed-body")
         stack.callback(fixed.stop)
         upstream_url = url_of(fixed)
         upstream_kind = "fake vLLM --fixed-body (nginx not used)"
-        proxy_url = None
+        proxy_url = proxy_pid = None
     streamer = start_fake_backend(
         "stream",
         f"{STREAM_MODEL},{PLAIN_MODEL}",
@@ -216,6 +226,18 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
     )
     stack.callback(streamer.stop)
     stream_url = url_of(streamer)
+    stream_proxy_url = stream_proxy_pid = None
+    if nginx is not None:
+        stream_proxy = NginxServer(
+            nginx,
+            lambda prefix, port: proxy_config(
+                prefix, port, placement.proxy_core, streamer.port(), streaming=True
+            ),
+            name="stream-proxy",
+        )
+        stack.callback(stream_proxy.stop)
+        stream_proxy_url = f"http://127.0.0.1:{stream_proxy.port}"
+        stream_proxy_pid = stream_proxy.pid
     pools = {
         "fixed": (FIXED_MODEL, upstream_url),
         "stream": (STREAM_MODEL, stream_url),
@@ -231,6 +253,9 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         upstream_url=upstream_url,
         upstream_kind=upstream_kind,
         proxy_url=proxy_url,
+        proxy_pid=proxy_pid,
+        stream_proxy_url=stream_proxy_url,
+        stream_proxy_pid=stream_proxy_pid,
         gateway_url=url_of(gateway, "data"),
         gateway_pid=gateway.pid,
         stream_url=stream_url,
@@ -238,6 +263,7 @@ def start_rig(stack: ExitStack, tmp: Path, settings: Settings, placement: Placem
         bare_url=url_of(bare),
         bare_pid=bare.pid,
         bare_fixed_url=url_of(bare_fixed),
+        bare_fixed_pid=bare_fixed.pid,
     )
 
 
@@ -309,10 +335,21 @@ def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
         "bare": rig.bare_fixed_url,
         "gateway": rig.gateway_url,
     }
+    pids = {"nginx": rig.proxy_pid, "bare": rig.bare_fixed_pid, "gateway": rig.gateway_pid}
     runs: dict[str, Json | None] = {}
+    cpu: dict[str, Json] = {}
     for name, base in targets.items():
-        runs[name] = None if base is None else tool.run(base, settings)
+        if base is None:
+            runs[name] = None
+            continue
+        pid = pids.get(name)
+        before = tree_cpu_times(pid) if pid is not None else None
+        runs[name], served = tool.run_counted(base, settings)
+        if pid is not None and before is not None:
+            cpu[name] = _cpu_per_request(tree_cpu_times(pid) - before, served)
     vs_nginx = _ratio(runs["gateway"], runs["nginx"])
+    gateway_us = cpu.get("gateway", {}).get("us_per_request")
+    nginx_us = cpu.get("nginx", {}).get("us_per_request")
     return {
         "tool": tool.name,
         "tool_description": tool.description,
@@ -331,6 +368,25 @@ def throughput_section(rig: Rig, settings: Settings, tmp: Path) -> Json:
             "gateway_vs_nginx_min": GATEWAY_VS_NGINX_MIN,
             "met": None if vs_nginx is None else vs_nginx >= GATEWAY_VS_NGINX_MIN,
         },
+        # CPU per request of each proxy, warm-up and measured runs together.
+        "cpu": {
+            "per_proxy": cpu,
+            "gateway_over_nginx": gateway_us / nginx_us if gateway_us and nginx_us else None,
+            "target_us": CPU_PER_REQUEST_TARGET_US,
+            "met": None if gateway_us is None else gateway_us <= CPU_PER_REQUEST_TARGET_US,
+        },
+    }
+
+
+def _cpu_per_request(cpu: CpuTimes, requests: int) -> Json:
+    """A proxy's CPU time over the requests it served (at saturation, its idle work is
+    negligible next to them: nothing is subtracted)."""
+    return {
+        "requests": requests,
+        "cpu_ms": cpu.total_s * 1000.0,
+        "us_per_request": cpu.total_s / requests * 1e6 if requests else None,
+        "user_us_per_request": cpu.user_s / requests * 1e6 if requests else None,
+        "system_us_per_request": cpu.system_s / requests * 1e6 if requests else None,
     }
 
 
@@ -419,17 +475,20 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
         )
         return direct, gateway
 
+    def sustained_through(url: str, cpu_probe: Callable[[], CpuTimes]) -> streams.StreamPhase:
+        """Long streams, at once: per-request costs negligible next to the per-chunk ones."""
+        return streams.run(
+            url,
+            chat_body(STREAM_MODEL, stream=True, max_tokens=settings.sustained_tokens),
+            warm,
+            requests=settings.sustained_streams,
+            concurrency=settings.sustained_streams,
+            cpu_probe=cpu_probe,
+        )
+
     seq = pair(settings.sequential_streams, 1)
     conc = pair(settings.concurrent_streams, settings.concurrent_streams)
-    # Long streams make per-request costs negligible next to the per-chunk ones.
-    sustained = streams.run(
-        gateway_url,
-        chat_body(STREAM_MODEL, stream=True, max_tokens=settings.sustained_tokens),
-        warm,
-        requests=settings.sustained_streams,
-        concurrency=settings.sustained_streams,
-        cpu_probe=probe,
-    )
+    sustained = sustained_through(gateway_url, probe)
     phases = {
         "one at a time": _cpu_per_chunk(seq[1], idle_per_s),
         f"{settings.concurrent_streams} concurrent": _cpu_per_chunk(conc[1], idle_per_s),
@@ -438,17 +497,19 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
         ),
     }
     # The same long streams through the bare proxy on the same core: the floor of the stack.
-    bare = streams.run(
-        rig.bare_url + CHAT_PATH,
-        chat_body(STREAM_MODEL, stream=True, max_tokens=settings.sustained_tokens),
-        warm,
-        requests=settings.sustained_streams,
-        concurrency=settings.sustained_streams,
-        cpu_probe=lambda: cpu_times(rig.bare_pid),
-    )
+    bare = sustained_through(rig.bare_url + CHAT_PATH, lambda: cpu_times(rig.bare_pid))
     bare_cpu = _cpu_per_chunk(bare, 0.0)
     per_chunk = _cpu_per_chunk(sustained, idle_per_s)["us_per_chunk"]
     floor = bare_cpu["us_per_chunk"]
+    # And through nginx proxy_pass (buffering off), same core: what a tuned proxy pays.
+    nginx_cpu: Json | None = None
+    if rig.stream_proxy_url is not None and rig.stream_proxy_pid is not None:
+        proxy_pid = rig.stream_proxy_pid
+        nginx_phase = sustained_through(
+            rig.stream_proxy_url + CHAT_PATH, lambda: tree_cpu_times(proxy_pid)
+        )
+        nginx_cpu = _cpu_per_chunk(nginx_phase, 0.0)
+    nginx_us = None if nginx_cpu is None else nginx_cpu["us_per_chunk"]
     # What keeping streams resumable costs: the same long streams with resume on and off, in
     # alternate rounds (a single pair is at the mercy of the machine's moods), medians.
     on_off: dict[str, list[float]] = {STREAM_MODEL: [], PLAIN_MODEL: []}
@@ -482,6 +543,8 @@ def streaming_section(rig: Rig, settings: Settings) -> Json:
             "us_per_chunk": per_chunk,
             "bare_proxy": bare_cpu,
             "over_bare": None if per_chunk is None or not floor else per_chunk / floor,
+            "nginx": nginx_cpu,
+            "over_nginx": None if per_chunk is None or not nginx_us else per_chunk / nginx_us,
             "target_us": CPU_PER_CHUNK_TARGET_US,
             "met": None if per_chunk is None else per_chunk <= CPU_PER_CHUNK_TARGET_US,
             "resume_on_us_per_chunk": resume_on,

@@ -1,6 +1,6 @@
 """Instances in memory for the request path (`gateway.pipeline.transport.UpstreamClient`): each
 instance, found by its URL's host, answers every request by its script. With the virtual-time
-loop (`tests.virtual_time`), the whole pipeline runs with no socket and no wall-clock time."""
+loop (`loadtests.virtual_time`), the whole pipeline runs with no socket and no wall-clock time."""
 
 from __future__ import annotations
 

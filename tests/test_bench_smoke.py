@@ -65,6 +65,12 @@ def check_common(data: dict[str, Any], report: str) -> None:
         assert_positive(throughput["runs"][name], "rps", "p50_ms", "p99_ms", "requests")
     assert set(throughput["ratios"]) == {"gateway_vs_nginx", "gateway_vs_direct", "gateway_vs_bare"}
     assert_positive(throughput["ratios"], "gateway_vs_direct", "gateway_vs_bare")
+    for name in ("bare", "gateway"):
+        cpu = throughput["cpu"]["per_proxy"][name]
+        assert_positive(cpu, "requests", "cpu_ms", "us_per_request")
+        # Every request the load generator completed (warm-up and measured runs), no other.
+        assert cpu["requests"] >= throughput["runs"][name]["requests"]
+    assert "CPU time per request" in report
 
     open_loop = data["open_loop"]
     for name in ("direct", "gateway"):
@@ -129,6 +135,13 @@ def test_quick_run(tmp_path: Path) -> None:
     if HAVE_NGINX:
         assert_positive(throughput["runs"]["nginx"], "rps", "p50_ms", "p99_ms", "requests")
         assert_positive(throughput["ratios"], "gateway_vs_nginx")
+        # CPU per request and per relayed chunk, the gateway beside nginx.
+        assert_positive(throughput["cpu"]["per_proxy"]["nginx"], "requests", "us_per_request")
+        assert_positive(throughput["cpu"], "gateway_over_nginx")
+        stream_cpu = data["streaming"]["cpu"]
+        assert_positive(stream_cpu["nginx"], "streams", "http_chunks", "us_per_chunk")
+        assert_positive(stream_cpu, "over_nginx")
+        assert "the same streams through nginx proxy_pass (proxy_buffering off)" in report
 
 
 @pytest.mark.timeout(QUICK_TIMEOUT_S + 60)
@@ -142,6 +155,9 @@ def test_quick_run_without_wrk_or_nginx(tmp_path: Path) -> None:
     assert "wrk not used" in report
     assert throughput["runs"]["nginx"] is None
     assert throughput["ratios"]["gateway_vs_nginx"] is None
+    assert "nginx" not in throughput["cpu"]["per_proxy"]
+    assert throughput["cpu"]["gateway_over_nginx"] is None
+    assert data["streaming"]["cpu"]["nginx"] is None
 
 
 def test_otlp_sink_counts_spans() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+from loadtests.virtual_time import run
 from tests.memory_upstream import Answer, Hang, Script, always
 from tests.test_request_path import Outcome, Pipeline, pipeline
-from tests.virtual_time import run
 
 LEARN = 12  # answers each instance gives fast first: more than `timeouts.min_samples`
 FAST_S = 0.01

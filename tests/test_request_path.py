@@ -1,5 +1,5 @@
 """The whole pipeline of `gateway.request_path`, in process: instances in memory
-(`tests.memory_upstream`), time virtual (`tests.virtual_time`), no socket. Retries, isolation,
+(`tests.memory_upstream`), time virtual (`loadtests.virtual_time`), no socket. Retries, isolation,
 timeouts and admission are decided by the real layers, and asserted by order, counts and the
 virtual times of events."""
 
@@ -23,8 +23,8 @@ from gateway.runtime import Cancellation
 from gateway.upstream.registry import PoolState, Registry
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.watchdog import Watchdog
+from loadtests.virtual_time import run
 from tests.memory_upstream import Answer, Hang, MemoryHead, MemoryUpstreams, Refuse, Script, always
-from tests.virtual_time import run
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
 

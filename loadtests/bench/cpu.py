@@ -75,6 +75,9 @@ class CpuTimes:
     def __sub__(self, other: CpuTimes) -> CpuTimes:
         return CpuTimes(self.user_s - other.user_s, self.system_s - other.system_s)
 
+    def __add__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user_s + other.user_s, self.system_s + other.system_s)
+
 
 def cpu_times(pid: int) -> CpuTimes:
     """utime and stime of a process, from /proc/<pid>/stat."""
@@ -83,3 +86,20 @@ def cpu_times(pid: int) -> CpuTimes:
     # The command name may contain spaces and parentheses: fields start after the last ')'.
     fields = stat[stat.rindex(")") + 2 :].split()
     return CpuTimes(int(fields[11]) * CLOCK_TICK_S, int(fields[12]) * CLOCK_TICK_S)
+
+
+def tree_cpu_times(pid: int) -> CpuTimes:
+    """`cpu_times` of a process and of every process below it: nginx's master and its worker,
+    a gateway and its workers. A child that ended meanwhile is left out."""
+    total = CpuTimes(0.0, 0.0)
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total = total + cpu_times(current)
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    todo += [int(child) for child in children.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total

@@ -92,8 +92,12 @@ def fixed_body_config(prefix: Path, port: int, cpu: int | None, body: bytes) -> 
     return _config(prefix, port, cpu, server, "")
 
 
-def proxy_config(prefix: Path, port: int, cpu: int | None, upstream_port: int) -> str:
-    """A plain keep-alive reverse proxy: what a well-tuned proxy_pass costs per request."""
+def proxy_config(
+    prefix: Path, port: int, cpu: int | None, upstream_port: int, streaming: bool = False
+) -> str:
+    """A plain keep-alive reverse proxy: what a well-tuned proxy_pass costs per request.
+    `streaming`: tuned for SSE as nginx's users tune it, each chunk passed on as it comes
+    (`proxy_buffering off`)."""
     upstream = f"""
     upstream bench_upstream {{
         server 127.0.0.1:{upstream_port};
@@ -101,12 +105,14 @@ def proxy_config(prefix: Path, port: int, cpu: int | None, upstream_port: int) -
         keepalive_requests 10000000;
         keepalive_timeout 120s;
     }}"""
-    server = """
-        location / {
+    buffering = "proxy_buffering off;" if streaming else ""
+    server = f"""
+        location / {{
             proxy_pass http://bench_upstream;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-        }"""
+            {buffering}
+        }}"""
     return _config(prefix, port, cpu, server, upstream)
 
 

@@ -77,6 +77,25 @@ def _throughput(section: Data) -> list[str]:
         f"  gateway / bare ASGI + aiohttp proxy (same stack, no resilience): "
         f"{_num(ratios.get('gateway_vs_bare'), 3)}",
     ]
+    cpu = section.get("cpu")
+    if cpu and cpu["per_proxy"]:
+        cpu_rows = [
+            [
+                names[key],
+                _num(run["requests"]),
+                _num(run["us_per_request"], 1),
+                _num(run["user_us_per_request"], 1),
+                _num(run["system_us_per_request"], 1),
+            ]
+            for key, run in cpu["per_proxy"].items()
+        ]
+        out += [
+            "  CPU time per request (the proxy's processes, utime+stime from /proc, over the "
+            "requests of its warm-up and measured runs)",
+            table(["proxy", "requests", "us/request", "user", "sys"], cpu_rows),
+            f"  gateway CPU per request / nginx's: {_num(cpu['gateway_over_nginx'], 2)}"
+            f"   (target <= {cpu['target_us']:g} us: {_verdict(cpu['met'])})",
+        ]
     if section.get("note"):
         out.append(f"  note: {section['note']}")
     return out
@@ -200,11 +219,24 @@ def _streaming(section: Data) -> list[str]:
         f"{_num(bare['us_per_chunk'], 2)} us/chunk (user {_num(bare['user_us_per_chunk'], 2)},"
         f" sys {_num(bare['system_us_per_chunk'], 2)}); gateway / bare: "
         f"{_num(cpu['over_bare'], 2)}",
+        _nginx_chunks(cpu),
         f"  stream resume on vs off, the same long streams in alternate rounds (medians): "
         f"{_num(cpu.get('resume_on_us_per_chunk'), 2)} vs "
         f"{_num(cpu.get('resume_off_us_per_chunk'), 2)} us/chunk; resume costs "
         f"{_pct(cpu.get('resume_cost'))} per chunk (goal <= 10 %)",
     ]
+
+
+def _nginx_chunks(cpu: Data) -> str:
+    nginx = cpu.get("nginx")
+    if not nginx:
+        return "  the same streams through nginx proxy_pass: skipped (no nginx)"
+    return (
+        f"  the same streams through nginx proxy_pass (proxy_buffering off), same core: "
+        f"{_num(nginx['us_per_chunk'], 2)} us/chunk (user {_num(nginx['user_us_per_chunk'], 2)},"
+        f" sys {_num(nginx['system_us_per_chunk'], 2)}); gateway / nginx: "
+        f"{_num(cpu.get('over_nginx'), 2)}"
+    )
 
 
 def _pct(value: float | None) -> str:
