@@ -4,15 +4,29 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install engine test fuzz lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
+.PHONY: install lock upgrade-check engine test cost-budget fuzz lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+# .venv holds exactly what uv.lock names for the project and its `dev` extra, each file checked
+# against the lock's sha256: first uv itself (scripts/bootstrap-uv), then uv installs the rest
+# and removes whatever the lock does not name. `--locked` refuses a lock that pyproject.toml's
+# dependencies have moved away from: run `make lock`.
+$(STAMP): pyproject.toml uv.lock scripts/bootstrap-uv
+	$(PY) scripts/bootstrap-uv $(VENV)
+	$(BIN)/uv sync --quiet --locked --extra dev
 	touch $(STAMP)
+
+# uv.lock after a change to pyproject.toml's dependencies: every pin that still fits is kept.
+# `make lock UPGRADE=1` moves every pin to the newest release the ranges allow.
+lock:
+	$(PY) scripts/bootstrap-uv $(VENV)
+	$(BIN)/uv lock $(if $(UPGRADE),--upgrade)
+
+# What the newest releases the ranges allow would break: a scratch venv with them, then the
+# linters and a fast test subset (not part of CI; RESOLUTION=lowest-direct tries the lowest).
+upgrade-check: install system-deps
+	./scripts/upgrade-check $(RESOLUTION)
 
 # Programs the tests run for real (redis-server, nginx, wrk); installed when missing.
 system-deps:

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import venv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from gateway.config import Policy, load_policy, parse_policy, split_host_port
+from tests import uv_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -42,7 +42,7 @@ GATEWAY_CONTAINER = "gateway"
 # then drain in-flight streams until this deadline.
 SHUTDOWN_DELAY_S = 5
 DRAIN_DEADLINE_S = 40
-# The image's `pip install`, run by the `image_venv` fixture inside whichever of its tests
+# The image's install, run by the `image_venv` fixture inside whichever of its tests
 # runs first: each of those tests' pytest timeout leaves room for it on top of its own waits.
 INSTALL_TIMEOUT_S = 300
 
@@ -623,31 +623,57 @@ def _copy_from_context(stage: list[tuple[str, str]], root: Path) -> None:
             shutil.copy(ROOT / source, target)
 
 
+# The builder stage's RUN lines, in order: uv at the locked version, then the lock's runtime
+# part, the dependencies before the code.
+BUILDER_RUNS = [
+    "python /src/scripts/bootstrap-uv /opt/uv",
+    "/opt/uv/bin/uv sync --project /src --locked --no-editable --no-install-project",
+    "/opt/uv/bin/uv sync --project /src --locked --no-editable",
+]
+
+
 @pytest.fixture(scope="module")
 def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A virtualenv built with the builder stage's own COPY and `pip install` lines."""
+    """A virtualenv built with the builder stage's own ENV, COPY and RUN lines, in a folder
+    standing for the image's /."""
     builder = _stages()["builder"]
     work = tmp_path_factory.mktemp("image")
     root = work / "root"  # stands for the image's /
 
-    def inside(path: str) -> Path:
-        return root / path.lstrip("/")
+    def inside(word: str) -> str:
+        return str(root / word.lstrip("/")) if word.startswith("/") else word
 
+    env = dict(os.environ)
+    for word, rest in builder:
+        if word == "ENV":
+            for assignment in shlex.split(rest):
+                name, _, value = assignment.partition("=")
+                env[name] = inside(value)
+    # The image's `python` is the one its virtualenvs are made from, with pip of its own (this
+    # test's venv, made by uv, has none): the interpreter this venv was made from.
+    python = getattr(sys, "_base_executable", sys.executable)
+    env["UV_PYTHON"] = python
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("UV_NO_CACHE", None)  # uv's cache is this machine's: the same files, by hash
     _copy_from_context(builder, root)
     runs = [rest for word, rest in builder if word == "RUN"]
-    assert runs == ["python -m venv /opt/venv", "/opt/venv/bin/pip install --no-cache-dir /src"]
-    venv.create(inside("/opt/venv"), with_pip=True)
-    argv = shlex.split(runs[1])
-    argv = [str(inside(a)) if a.startswith("/") else a for a in argv if a != "--no-cache-dir"]
-    done = subprocess.run(
-        [*argv, "--quiet", "--disable-pip-version-check"],
-        capture_output=True,
-        text=True,
-        timeout=INSTALL_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return inside("/opt/venv")
+    assert runs == BUILDER_RUNS
+    for run in runs:
+        argv = [inside(a) for a in shlex.split(run)]
+        argv = [python, *argv[1:]] if argv[0] == "python" else argv
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env=env, timeout=INSTALL_TIMEOUT_S, check=False
+        )
+        assert done.returncode == 0, f"{run}: {done.stderr[-3000:]}"
+    return Path(env["UV_PROJECT_ENVIRONMENT"])
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 60)
+def test_the_image_holds_exactly_the_locks_runtime_part(image_venv: Path) -> None:
+    site_packages = next((image_venv / "lib").glob("python3.*/site-packages"))
+    assert uv_lock.installed(site_packages) == uv_lock.closure(set())
+    # uv, which installed it, stayed behind in its own virtualenv.
+    assert not (image_venv / "bin" / "uv").exists()
 
 
 @pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)

@@ -31,14 +31,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff, NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.cluster.probe_leases import RELEASE_IF_OURS, ProbeLeases
@@ -114,11 +114,13 @@ class RedisDecisions:
         self._wake = asyncio.Event()
         self._first_attempt = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Typed in some redis releases, untyped in others: a typed name for both.
+        no_backoff: Callable[[], AbstractBackoff] = NoBackoff
         self._client = Redis.from_url(
             policy.redis_url,
             socket_timeout=policy.timeout,
             socket_connect_timeout=policy.timeout,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(no_backoff(), 0),
             retry_on_error=[],
             health_check_interval=0,
         )
@@ -303,7 +305,9 @@ class RedisDecisions:
             if pubsub is not None:
                 with contextlib.suppress(*_FAILURES):
                     async with asyncio.timeout(self._timeout_s):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        # Typed from redis 8.2 on, untyped before: a typed name for both.
+                        close: Callable[[], Awaitable[None]] = pubsub.aclose
+                        await close()
 
     def _connected(self) -> None:
         self.connected = True

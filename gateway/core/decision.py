@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBE_RELEASED, BreakerState, Transition
 
@@ -81,10 +81,10 @@ def decode(raw: bytes | str) -> Decision:
     state = data.get("state")
     if state not in (ISOLATED, ADMITTING):
         raise MalformedDecision(f"unknown state {state!r}")
-    texts = {name: data.get(name) for name in ("pool", "instance", "reason", "replica")}
-    for name, value in texts.items():
-        if not isinstance(value, str) or (not value and name != "reason"):
-            raise MalformedDecision(f"{name} must be a non-empty string")
+    pool, instance, reason, replica = (
+        _text(data, name, empty=name == "reason")
+        for name in ("pool", "instance", "reason", "replica")
+    )
     at = _finite_number(data.get("at"), "at")
     until_raw = data.get("until")
     until = None if until_raw is None else _finite_number(until_raw, "until")
@@ -93,16 +93,14 @@ def decode(raw: bytes | str) -> Decision:
         raise MalformedDecision("forced must be true or false")
     if state == ISOLATED and until is None and not forced:
         raise MalformedDecision("an isolation needs an end (until) unless forced")
-    return Decision(
-        texts["pool"],  # type: ignore[arg-type]
-        texts["instance"],  # type: ignore[arg-type]
-        state,
-        texts["reason"],  # type: ignore[arg-type]
-        texts["replica"],  # type: ignore[arg-type]
-        at,
-        until,
-        forced,
-    )
+    return Decision(pool, instance, state, reason, replica, at, until, forced)
+
+
+def _text(data: dict[str, Any], name: str, empty: bool) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or (not value and not empty):
+        raise MalformedDecision(f"{name} must be a non-empty string")
+    return value
 
 
 def _finite_number(value: object, name: str) -> float:
@@ -126,7 +124,7 @@ def from_transition(
     if transition.to == ISOLATED:
         until = transition.until
         forced = until is None or until == math.inf
-        wall_until = None if forced else wall_now + (until - mono_now)  # type: ignore[operator]
+        wall_until = None if until is None or forced else wall_now + (until - mono_now)
         state: DecisionState = ISOLATED
     elif transition.to == ADMITTING:
         forced, wall_until, state = operator, None, ADMITTING

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -198,8 +198,10 @@ class HardenedProtocol(HttpToolsProtocol):
 
     # --- connection -----------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's signature (uvicorn narrows it, against the protocol's own): a stream
+        # server hands a stream transport.
+        super().connection_made(cast(asyncio.Transport, transport))
         # uvicorn added this connection to the set: above the cap, refuse its request.
         self._over_capacity = len(self.connections) > self.limits.max_connections
         self._arm(self.limits.header_timeout)

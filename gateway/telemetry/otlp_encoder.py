@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.exporter.otlp.proto.http._common import (
@@ -188,12 +188,12 @@ def _any_value(value: object) -> bytes:
     """The body of an `AnyValue` holding `value`: the SDK's type tests, in the SDK's order."""
     kind = type(value)
     if kind is str:
-        data: bytes = value.encode()  # type: ignore[attr-defined]
+        data = cast(str, value).encode()
         return _KEY_ANY_STRING + _varint(len(data)) + data
     if kind is bool:
         return _ANY_TRUE if value else _ANY_FALSE
     if kind is int:
-        return _int64(value)  # type: ignore[arg-type]
+        return _int64(cast(int, value))
     if kind is float:
         return _KEY_ANY_DOUBLE + _pack_double(value)
     # Subclasses, containers and everything else, tested the way the SDK does.
@@ -306,7 +306,7 @@ class OtlpSpanEncoder:
     def _attribute(self, field_key: bytes, key: object, value: object) -> bytes | None:
         """One attribute as a `field_key` field; None (logged) when it cannot be encoded."""
         try:
-            key_field = self._keys.get(key)  # type: ignore[call-overload]
+            key_field = self._keys.get(cast(str, key))
             if key_field is None:
                 key_field = _key_field(key)
                 if type(key) is str:

@@ -125,7 +125,8 @@ class EndpointSliceSource:
         configuration = client.Configuration()
         in_cluster = False
         try:
-            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            load_incluster: Callable[..., None] = config.load_incluster_config  # untyped
+            load_incluster(client_configuration=configuration)
             in_cluster = True
         except ConfigException:
             try:

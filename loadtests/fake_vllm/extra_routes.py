@@ -23,7 +23,7 @@ import hashlib
 import time
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -131,7 +131,7 @@ def _rerank(request: dict[str, Any], model: str) -> dict[str, Any]:
             {"index": i, "document": {"text": t}, "relevance_score": _score_of(query, t)}
             for i, t in enumerate(texts)
         ),
-        key=lambda result: -float(result["relevance_score"]),  # type: ignore[arg-type]
+        key=lambda result: -cast(float, result["relevance_score"]),
     )
     top_n = request.get("top_n")
     if isinstance(top_n, int) and top_n > 0:

@@ -216,15 +216,15 @@ def summary_section(run: Run, summaries: dict[str, Summary]) -> list[str]:
     row("OOM errors", lambda m, s: count(s.ooms))
     row("**OOM errors per 100k requests**", lambda m, s: f"**{per_100k(s.oom_per_100k)}**")
     for key in ("p50", "p95", "p99", "max"):
-        row(f"total latency {key} (ms)", lambda m, s, k=key: ms(s.latency[k]))  # type: ignore[misc]
+        row(f"total latency {key} (ms)", _percentile_text(key, lambda s: s.latency))
     row("total latency p99, succeeded only (ms)", lambda m, s: ms(s.latency_ok_p99))
     for key in ("p50", "p95", "p99"):
-        row(f"TTFB {key} (ms, streams)", lambda m, s, k=key: ms(s.ttfb[k]))  # type: ignore[misc]
+        row(f"TTFB {key} (ms, streams)", _percentile_text(key, lambda s: s.ttfb))
     row("retries (requests retried)", _retries_text)
     row("isolations", _isolations_text)
     cold_names = _ordered_instances(modes, {n for c in colds.values() for n in c})
     for name in cold_names:
-        row(f"cold start {name}", lambda m, s, n=name: cold_text(colds[m.name].get(n)))  # type: ignore[misc]
+        row(f"cold start {name}", _cold_start_text(colds, name))
     if not cold_names:
         row("cold start", lambda m, s: "no start/restart events")
     lines = ["## Summary", ""]
@@ -257,6 +257,19 @@ def reasons_section(run: Run) -> list[str]:
             lines.append(f"- other reasons: {rest:,}")
         lines.append("")
     return lines
+
+
+def _percentile_text(
+    key: str, of: Callable[[Summary], dict[str, float | None]]
+) -> Callable[[ModeData, Summary], str]:
+    """A row's cell: one percentile (`key`) of a summary's figures, in milliseconds."""
+    return lambda mode, summary: ms(of(summary)[key])
+
+
+def _cold_start_text(
+    colds: dict[str, dict[str, ColdStart]], name: str
+) -> Callable[[ModeData, Summary], str]:
+    return lambda mode, summary: cold_text(colds[mode.name].get(name))
 
 
 def _retries_text(mode: ModeData, summary: Summary) -> str:
