@@ -138,7 +138,7 @@ class Gateway:
         if transition.to == ADMITTING and transition.state_from != ADMITTING:
             state.capacity_changed()
         elif transition.to == ISOLATED and not transition.suppressed:
-            instance = next((i for i in state.instances if i.name == transition.instance), None)
+            instance = state.instance_named(transition.instance)
             if instance is not None and not state.alone(instance, self._clock()):
                 self.data_app.streams.migrate(instance)
 

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gateway.core.balancer import PeakEwma
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.ewma import Ewma
 from gateway.ingress.refusals import IngressRefusals
@@ -57,7 +56,7 @@ class Operations:
     def operator(self, pool: str, name: str, action: str) -> dict[str, Any] | None:
         """Isolate or restore an instance by hand; None when there is no such instance."""
         state = self._pools.get(pool)
-        instance = next((i for i in state.instances if i.name == name), None) if state else None
+        instance = state.instance_named(name) if state else None
         if state is None or instance is None:
             return None
         now = self._clock()
@@ -67,8 +66,7 @@ class Operations:
         else:
             transition = breaker.restore(now, reason="operator")
             # "It is fine now": forget the slowness the balancer remembers of it too.
-            peers = [i.peak.get(now) for i in state.instances if i is not instance]
-            instance.peak = PeakEwma(now, initial_s=min(peers, default=0.0))
+            state.rejoined(instance, now)
         if transition is None and action == "restore":
             # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
             transition = Transition(name, ADMITTING, ADMITTING, "operator")

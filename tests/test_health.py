@@ -4,6 +4,7 @@ with nothing healthy answers at once (503 + Retry-After)."""
 from __future__ import annotations
 
 import signal
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,21 +116,37 @@ def test_health_lifecycle(gateway: Gateway, backends: dict[str, Backend]) -> Non
     assert set(served_by(gateway, 2)) <= {"h0", "h1"}
 
 
+def start_pair(tmp_path: Path, prefix: str, settings: str) -> tuple[dict[str, Backend], Gateway]:
+    """Backends `<prefix>0` and `<prefix>1` serving model `<prefix>m`, pool `<prefix>p` with
+    `settings` (YAML lines: the pool's other keys), and a gateway in front."""
+    started = start_backends(
+        (f"{prefix}0", f"{prefix}1"), [f"{prefix}m"], "--ttft", "0", "--per-token", "0"
+    )
+    policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  {prefix}p:
+    models: [{prefix}m]
+    instances: [{instances_yaml(started)}]
+{textwrap.indent(settings, "    ")}
+"""
+    try:
+        return started, start_gateway(tmp_path / "policy.yaml", policy)
+    except BaseException:
+        stop_backends(started)
+        raise
+
+
 def test_a_request_that_times_out_brings_the_next_check_forward(tmp_path: Path) -> None:
     """A frozen instance (SIGSTOP: connections open, nothing answers) is known down from the
     checks a timed-out request asks for, every `fast_interval` while in doubt, long before the
     next round of a 60 s interval."""
-    started = start_backends(("q0", "q1"), ["qm"], "--ttft", "0", "--per-token", "0")
-    policy = f"""
-{LOOPBACK_LISTENERS}
-pools:
-  qp:
-    models: [qm]
-    instances: [{instances_yaml(started)}]
-    health: {{interval: 60s, fast_interval: 100ms, timeout: 300ms, unhealthy_threshold: 2}}
-    timeouts: {{initial: 300ms, floor: 300ms}}
-"""
-    gw = start_gateway(tmp_path / "policy.yaml", policy)
+    started, gw = start_pair(
+        tmp_path,
+        "q",
+        "health: {interval: 60s, fast_interval: 100ms, timeout: 300ms, unhealthy_threshold: 2}\n"
+        "timeouts: {initial: 300ms, floor: 300ms}",
+    )
     frozen = started["q1"].proc
     try:
         assert health_of(gw, "q1", "qp")["healthy"] is True
@@ -152,5 +169,44 @@ pools:
         assert health_of(gw, "q0", "qp")["healthy"] is True
     finally:
         frozen.signal(signal.SIGCONT)
+        gw.stop()
+        stop_backends(started)
+
+
+def test_an_instance_healthy_again_is_costed_as_its_peers(tmp_path: Path) -> None:
+    """What the balancer remembered of an instance before it went down (here a 3 s answer) is
+    forgotten when its checks pass again: its estimate starts at its peers', so it gets its
+    share at once instead of idling until a 3 s peak decays (tens of seconds)."""
+    started, gw = start_pair(
+        tmp_path,
+        "s",
+        "health: {interval: 200ms, timeout: 150ms, healthy_threshold: 1, unhealthy_threshold: 1}",
+    )
+
+    def peak_of(name: str) -> float:
+        state = httpx.get(f"{gw.admin_url}/admin/state", timeout=5).json()
+        (inst,) = [i for i in state["pools"]["sp"]["instances"] if i["name"] == name]
+        return float(inst["peak_ewma_s"])
+
+    try:
+        started["s1"].set_faults(ttft=3.0)
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            body = {"model": "sm", "max_tokens": 2}
+            # s1 has no answer of its own yet, so it is costed as s0: even odds each time.
+            # Bounded: 30 misses in a row would be odds of 2^-30.
+            for _ in range(30):
+                reply = http.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200
+                if reply.headers["x-gateway-instance"] == "s1":
+                    break
+        assert reply.headers["x-gateway-instance"] == "s1"
+        assert peak_of("s1") > 2 * peak_of("s0")
+        started["s1"].set_faults(unhealthy=True)
+        assert wait_until(lambda: health_of(gw, "s1", "sp")["healthy"] is False, timeout_s=10)
+        started["s1"].set_faults(unhealthy=False, ttft=0.0)
+        assert wait_until(lambda: health_of(gw, "s1", "sp")["healthy"] is True, timeout_s=10)
+        # Nothing was sent since: both estimates decayed alike from the same value.
+        assert peak_of("s1") == pytest.approx(peak_of("s0"), rel=0.05)
+    finally:
         gw.stop()
         stop_backends(started)

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.routes import CHAT
-from gateway.core.breaker import ISOLATED, Transition
+from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
 from gateway.errors import GatewayError, Shed
 from gateway.pipeline.admit import PoolAdmission
 from gateway.pipeline.call import Call, Handler, RequestFacts
@@ -164,6 +164,68 @@ def test_an_instance_that_keeps_failing_is_isolated_and_gets_no_more_requests() 
     assert tried_before == 0
     assert all(o.attempts == 1 for o in outcomes[10:])
     assert outcomes[-1].at < 30.0  # virtual: still inside the isolation
+
+
+def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:
+    """Before its isolation `a` answered slowly. A balancer that still remembered that (a peak
+    EWMA forgets with a 10 s time constant) would send every request to `b` for half a minute
+    after a's probe answered well, while `a` idled and `b` carried the pool."""
+
+    async def scenario() -> tuple[Pipeline, Outcome, list[Outcome]]:
+        p = await pipeline(
+            {"a": always(Answer()), "b": always(Answer())},
+            settings="    breaker: {consecutive_failures: 2, isolation: 5s}",
+        )()
+        loop = asyncio.get_running_loop()
+        try:
+            a = p.pool.instance_named("a")
+            assert a is not None
+            now = loop.time()
+            a.peak.observe(now, 3.0)  # its slow answers
+            for _ in range(2):
+                a.breaker.record(now, True, False, p.pool.rng)
+            assert a.breaker.state == ISOLATED
+            await asyncio.sleep(6.0)  # past the isolation (5 s, jittered by 10 % at most)
+            probe = await p.request()
+            return p, probe, [await p.request() for _ in range(20)]
+        finally:
+            await p.watchdog.close()
+
+    p, probe, after = run(scenario())
+    assert (probe.status, probe.instance) == (200, "a")
+    assert [(t.state_from, t.to) for _, t in p.transitions] == [(PROBING, ADMITTING)]
+    assert all(o.status == 200 and o.attempts == 1 for o in after)
+    # Both answer alike now: power of two choices splits them (ties go to the first drawn).
+    assert 5 <= sum(o.instance == "a" for o in after) <= 15
+
+
+def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
+    async def scenario() -> tuple[float, float, float]:
+        p = await pipeline({"a": always(Answer()), "b": always(Answer()), "c": always(Answer())})()
+        try:
+            now = asyncio.get_running_loop().time()
+            a, b, c = (p.pool.instance_named(name) for name in "abc")
+            assert a is not None and b is not None and c is not None
+            a.peak.observe(now, 8.0)
+            b.start_afresh(now, 0.2)
+            c.start_afresh(now, 0.4)
+            p.pool.rejoined(a, now)
+            with_both = a.peak.peek(now)
+            c.breaker.isolate(now, p.pool.rng, reason="operator")  # out: not a peer
+            a.peak.observe(now, 8.0)
+            p.pool.rejoined(a, now)
+            with_b = a.peak.peek(now)
+            b.breaker.isolate(now, p.pool.rng, reason="operator")
+            a.peak.observe(now, 8.0)
+            p.pool.rejoined(a, now)  # alone: compared with nothing, left as it is
+            return with_both, with_b, a.peak.peek(now)
+        finally:
+            await p.watchdog.close()
+
+    with_both, with_b, alone = run(scenario())
+    assert with_both == pytest.approx(0.3)
+    assert with_b == pytest.approx(0.2)
+    assert alone == 8.0
 
 
 def test_an_attempt_past_its_deadline_is_given_up_and_retried_elsewhere() -> None:

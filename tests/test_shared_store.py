@@ -56,6 +56,7 @@ class Replica:
         self.registry = Registry(policy, now=now)
         for inst in self.registry.pools["p"].instances:  # as after the first health checks
             inst.health.record(now, True, "HTTP 200")
+        self.registry.pools["p"].refresh_routable()
         self.store = RedisDecisions(policy.shared, self.registry, name)
 
     def breaker(self, instance: str) -> BreakerState:
@@ -245,6 +246,10 @@ async def test_without_pubsub_the_key_reads_carry_decisions(redis_server: RedisS
         # Read back at r1's next read of the keys (one may have been under way as r0 wrote).
         assert adopted - reads <= 2
         assert r1.store.counters["received"] == 0
+        # What r1's balancer remembers of a's slowness goes with the isolation.
+        a = r1.registry.pools["p"].instance_named("a")
+        assert a is not None
+        a.peak.observe(loop.time(), 8.0)
         # The restore deletes the key: the next read lifts the isolation.
         restore = r0.breaker("a").restore(loop.time())
         assert restore is not None
@@ -253,6 +258,7 @@ async def test_without_pubsub_the_key_reads_carry_decisions(redis_server: RedisS
         lifted = await refreshes_until(r1, lambda: r1.breaker("a").state == ADMITTING)
         assert lifted - reads <= 2
         assert r1.store.counters["withdrawn"] == 1
+        assert a.peak.peek(loop.time()) < 1.0  # its peers' (the initial guess, decaying)
     finally:
         await asyncio.gather(r0.store.close(), r1.store.close())
 

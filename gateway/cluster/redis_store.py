@@ -472,7 +472,7 @@ class RedisDecisions:
             self.counters["adopted"] += 1
         else:
             self.counters["lifted"] += 1
-            self._pools[decision.pool].capacity_changed()
+            self._back_in_traffic(key)
             encoded = self._own.pop(key, None)
             if encoded is not None:
                 self._retract[key] = encoded
@@ -484,7 +484,15 @@ class RedisDecisions:
         if transition is not None:
             self._log.write(key[0], transition)
             self.counters["withdrawn"] += 1
-            self._pools[key[0]].capacity_changed()
+            self._back_in_traffic(key)
+
+    def _back_in_traffic(self, key: Key) -> None:
+        """Another replica's isolation of it no longer holds: it takes traffic here again."""
+        pool = self._pools[key[0]]
+        instance = pool.instance_named(key[1])
+        if instance is not None:
+            pool.rejoined(instance, self._clock())
+        pool.capacity_changed()
 
     def _bad(self, counter: str, message: str) -> None:
         self.counters[counter] += 1

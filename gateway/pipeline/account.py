@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.core.balancer import failure_penalty_s, load_cost
-from gateway.core.breaker import Transition
+from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.core.usage import EDGE_BYTES, usage_of
 from gateway.errors import UpstreamError
@@ -150,8 +150,14 @@ def _record(
                 load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
             )
             instance.peak.observe(now, failure_penalty_s(elapsed_s, others))
+        elif transition.to == ADMITTING:
+            pool.rejoined(instance, now)  # its probe answered well
         if transition.displaced is not None:
-            on_transition(pool.name, transition.displaced)
+            displaced = transition.displaced
+            back = pool.instance_named(displaced.instance)
+            if back is not None:
+                pool.rejoined(back, now)  # let back for a worse one
+            on_transition(pool.name, displaced)
         on_transition(pool.name, transition)
 
 

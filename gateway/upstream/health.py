@@ -122,6 +122,8 @@ class HealthChecker:
         change = instance.health.record(self._clock(), passed, reason, answered)
         if change is not None:
             pool.refresh_routable()
+            if change.healthy:
+                pool.rejoined(instance, self._clock())
             cold = instance.health.cold_start_s
             fields = {
                 "pool": pool.name,

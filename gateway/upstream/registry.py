@@ -173,6 +173,11 @@ class InstanceState:
         # limit learned from the same faults.
         self.engine_paced = False
 
+    def start_afresh(self, now: float, latency_s: float) -> None:
+        """Back in traffic: the balancer's latency estimate starts again at `latency_s`
+        (`PoolState.rejoined` says why and how much)."""
+        self.peak = PeakEwma(now, initial_s=latency_s)
+
     def url_of(self, path: str) -> URL:
         """The upstream target of a request on `path`: a known route's, worked out once, else
         built now (the paths of routes the gateway does not know are the clients' to choose:
@@ -571,6 +576,29 @@ class PoolState:
             and inst.breaker.state == ADMITTING
             and not _otherwise_available(inst, now)
         )
+
+    def instance_named(self, name: str) -> InstanceState | None:
+        return next((inst for inst in self.instances if inst.name == name), None)
+
+    def rejoined(self, instance: InstanceState, now: float) -> None:
+        """`instance` is back in traffic: its health checks pass again, or its breaker admits
+        again (a probe answered, another replica lifted its isolation, an operator restored it).
+
+        Its latency estimate still holds what it was before it left: slow answers, or the
+        penalty of failures the isolation cap kept in rotation (`failure_penalty_s`). A peak
+        EWMA forgets that only with its time constant (10 s), so power of two choices would
+        pass it over for tens of seconds while the others carry its share and slow down. It
+        starts again at the average estimate of the instances that take traffic with it, as
+        an instance with no finished attempt is costed: it gets its share at once, by what it
+        has in flight, and its first answers take over (a slow one at once: the estimate is a
+        peak). Alone in the pool, its estimate is compared with nothing and is left as it is."""
+        peers = [
+            inst.peak.get(now)
+            for inst in self.routable
+            if inst is not instance and inst.breaker.state == ADMITTING
+        ]
+        if peers:
+            instance.start_afresh(now, sum(peers) / len(peers))
 
     def refresh_routable(self) -> None:
         """Recompute the healthy instances (on every change of a health verdict)."""
