@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from yarl import URL
 
-from gateway.errors import UpstreamConnectError
+from gateway.errors import UpstreamConnectError, UpstreamConnectionLimit
 from gateway.upstream.h1 import Headers
 
 
@@ -31,11 +31,16 @@ class Refuse:
 
 
 @dataclass(frozen=True)
+class Full:
+    """Every connection the gateway allows to the instance is busy (its own limit)."""
+
+
+@dataclass(frozen=True)
 class Hang:
     """Accepts the request and never answers."""
 
 
-Act = Answer | Refuse | Hang
+Act = Answer | Refuse | Full | Hang
 # What an instance does with its n-th request (0-based).
 Script = Callable[[int], Act]
 
@@ -117,6 +122,8 @@ class MemoryUpstreams:
         act = self.scripts[instance](n)
         if isinstance(act, Refuse):
             raise UpstreamConnectError("cannot connect to the upstream: refused")
+        if isinstance(act, Full):
+            raise UpstreamConnectionLimit("all connections are busy", retry_after_s=1.0)
         if on_sent is not None:
             on_sent()
         self.sent.append(Sent(instance, asyncio.get_running_loop().time(), body))

@@ -24,7 +24,16 @@ from gateway.upstream.registry import PoolState, Registry
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.watchdog import Watchdog
 from loadtests.virtual_time import run
-from tests.memory_upstream import Answer, Hang, MemoryHead, MemoryUpstreams, Refuse, Script, always
+from tests.memory_upstream import (
+    Answer,
+    Full,
+    Hang,
+    MemoryHead,
+    MemoryUpstreams,
+    Refuse,
+    Script,
+    always,
+)
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
 
@@ -51,6 +60,7 @@ class Outcome:
     attempts: int
     at: float
     code: str | None = None
+    retry_after_s: float | None = None
 
 
 @dataclass
@@ -84,7 +94,9 @@ class Pipeline:
         try:
             response = await self.handler(call)
         except GatewayError as error:
-            return Outcome(error.status, None, call.attempts, loop.time(), error.code)
+            return Outcome(
+                error.status, None, call.attempts, loop.time(), error.code, error.retry_after_s
+            )
         response.finish(ok=True)
         return Outcome(response.status, response.instance.name, call.attempts, loop.time())
 
@@ -226,6 +238,27 @@ def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
     assert with_both == pytest.approx(0.3)
     assert with_b == pytest.approx(0.2)
     assert alone == 8.0
+
+
+def test_the_gateways_own_connection_limit_is_answered_at_once_when_nothing_else_has_room() -> None:
+    """A lone instance whose connections are all busy: another attempt would only wait out the
+    same busy connections again, so the 503 (with its Retry-After) comes after the first.
+    With another instance free, the request goes there."""
+
+    async def scenario() -> tuple[Outcome, list[Outcome]]:
+        lone = await pipeline({"a": always(Full())})()
+        pair = await pipeline({"a": always(Full()), "b": always(Answer())})()
+        try:
+            return await lone.request(), [await pair.request() for _ in range(8)]
+        finally:
+            await lone.watchdog.close()
+            await pair.watchdog.close()
+
+    lone, pair = run(scenario())
+    assert (lone.status, lone.code, lone.attempts) == (503, "upstream_connection_limit", 1)
+    assert lone.retry_after_s == 1.0
+    assert all((o.status, o.instance) == (200, "b") for o in pair)
+    assert any(o.attempts == 2 for o in pair)  # some drew a first, then went to b
 
 
 def test_an_attempt_past_its_deadline_is_given_up_and_retried_elsewhere() -> None:

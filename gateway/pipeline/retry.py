@@ -4,7 +4,8 @@ Per client request: the pool's failure rate picks the tier (max retries, backoff
 an attempt whose outcome `retries.on` lists is retried on another instance when one is left,
 after exponential backoff with full jitter, if the retry budget and the request's deadline
 allow (a refused connection is sent elsewhere without spending the budget: it cost no
-instance any work). A lone instance (a pool of one, or one whose other instances cannot take
+instance any work; a request the gateway's own connection limit refused is answered at once
+when no other instance has room). A lone instance (a pool of one, or one whose other instances cannot take
 traffic) is retried itself after a transient failure (an error status, an OOM, a reset before
 the first byte), up to the most retries any tier allows: the tiers hold retries back when a
 high failure rate says failing over would land on other failing instances, but a transient
@@ -92,6 +93,7 @@ class Retry:
                 and (not call.acts or outcome.kind == "connect_failure")
                 and call.attempts - call.hedges - 1 < max_retries
                 and now < call.deadline
+                and not _full_everywhere(failure, call, now)
             )
             if allowed:
                 delay = backoff_s(
@@ -131,6 +133,20 @@ class Retry:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:
                 await asyncio.sleep(delay)
+
+
+def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> bool:
+    """Whether `failure` is the gateway's own connection limit (every connection it allows to
+    the instance stayed busy for the connect timeout) with no other instance free to take the
+    request: another attempt would wait out the same busy connections again. Answered at once
+    (503 + Retry-After) instead of after one connect timeout per retry."""
+    instance = call.instance
+    return (
+        failure is not None
+        and failure.local
+        and instance is not None
+        and not call.pool.has_room(instance, now, call.avoid)
+    )
 
 
 def _honour_retry_after(

@@ -92,6 +92,9 @@ _RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an R
 
 # How long a host's resolved addresses are reused for new connections (aiohttp's default).
 _DNS_TTL_S: Final = 10.0
+# The Retry-After of a request refused for want of a connection: one frees as soon as a
+# request in flight there ends, so the client is told to come back soon.
+CONNECTION_LIMIT_RETRY_AFTER_S: Final = 1.0
 
 
 class _Extra(Exception):
@@ -645,7 +648,8 @@ class _OriginPool:
             if isinstance(exc, TimeoutError):
                 self.counts.refused += 1
                 raise UpstreamConnectionLimit(
-                    f"all {self.max_connections} connections to the upstream are busy"
+                    f"all {self.max_connections} connections to the upstream are busy",
+                    retry_after_s=CONNECTION_LIMIT_RETRY_AFTER_S,
                 ) from None
             raise
 
