@@ -261,6 +261,44 @@ def test_the_gateways_own_connection_limit_is_answered_at_once_when_nothing_else
     assert any(o.attempts == 2 for o in pair)  # some drew a first, then went to b
 
 
+def test_an_instance_silent_through_a_whole_first_byte_timeout_is_not_asked_again() -> None:
+    """Nothing learned, so each attempt waits `timeouts.initial` (30 s) for a first byte. A
+    lone hung instance costs one such wait, not one per retry; two cost two. A lone instance
+    that answered other requests meanwhile is busy, not gone: asked again."""
+
+    async def scenario() -> tuple[Outcome, Outcome, Outcome, float]:
+        lone = await pipeline({"a": always(Hang())})()
+        pair = await pipeline({"a": always(Hang()), "b": always(Hang())})()
+        busy = await pipeline({"a": lambda n: Hang() if n == 0 else Answer(after_s=1.0)})()
+        loop = asyncio.get_running_loop()
+        try:
+            start = loop.time()
+            hung = await lone.request()
+            both = await pair.request()
+            start_busy = loop.time()
+
+            async def others() -> None:
+                await asyncio.sleep(1.0)
+                for _ in range(5):  # while the first request waits: answered in 1 s each
+                    await busy.request()
+                    await asyncio.sleep(4.0)
+
+            background = asyncio.create_task(others())
+            rescued = await busy.request()
+            await background
+            return hung, both, rescued, (hung.at - start, rescued.at - start_busy)
+        finally:
+            for p in (lone, pair, busy):
+                await p.watchdog.close()
+
+    hung, both, rescued, (hung_s, rescued_s) = run(scenario())
+    assert (hung.status, hung.code, hung.attempts) == (504, "upstream_timeout", 1)
+    assert 30.0 <= hung_s < 60.0  # virtual: one wait, not three
+    assert (both.status, both.attempts) == (504, 2)
+    assert (rescued.status, rescued.instance, rescued.attempts) == (200, "a", 2)
+    assert rescued_s > 30.0
+
+
 def test_an_attempt_past_its_deadline_is_given_up_and_retried_elsewhere() -> None:
     async def scenario() -> tuple[Pipeline, Outcome, float]:
         p = await pipeline(

@@ -57,6 +57,10 @@ class Call:
     # time out: no retry goes back to them while any other instance could take it, isolated
     # ones included (panic routing).
     avoid: list[InstanceState] = field(default_factory=list)
+    # Instances that let this request's first byte time out after all the patience an
+    # unlearned instance gets (or with their health checks unanswered), and when the attempt
+    # began: while one has sent no byte to anyone since, it is not asked again (`silent`).
+    timed_out: list[tuple[InstanceState, float]] = field(default_factory=list)
     instance: InstanceState | None = None  # of the current attempt
     k: float = 1.0  # the deviation multiplier of the pool's current retry tier
     probe: bool = False  # the current attempt is its isolated instance's one probe
@@ -66,6 +70,14 @@ class Call:
     prompt_tokens: int = 0  # its prompt's estimated size (set by the deadline layer)
     # Where admission reserved those tokens, until the first attempt takes them over.
     reserved: InstanceState | None = None
+
+    def silent(self, instance: InstanceState) -> bool:
+        """Whether `instance` let this request's first byte time out and has sent no byte on
+        any attempt since that attempt began: asked again, it would most likely let the
+        request wait out another whole timeout."""
+        return any(
+            inst is instance and instance.progress_at <= at for inst, at in self.timed_out
+        )
 
     @property
     def path(self) -> str:

@@ -82,8 +82,9 @@ class Pick:
                     # A panic: nothing healthy admits at all (not only this request's avoided).
                     pool.stats.panics += 1
             if panic is None and avoid:
-                # Nothing else at all: those instances again (they may be restarting).
-                panic = [i for i in avoid if i.health.healthy] or None
+                # Nothing else at all: those instances again (they may be restarting), but
+                # not one that let this request time out and has answered nothing since.
+                panic = [i for i in avoid if i.health.healthy and not call.silent(i)] or None
             if panic is None:
                 raise NoInstanceAvailable(
                     f"no instance of pool {pool.name!r} is available",

@@ -5,18 +5,20 @@ an attempt whose outcome `retries.on` lists is retried on another instance when 
 after exponential backoff with full jitter, if the retry budget and the request's deadline
 allow (a refused connection is sent elsewhere without spending the budget: it cost no
 instance any work; a request the gateway's own connection limit refused is answered at once
-when no other instance has room). A lone instance (a pool of one, or one whose other instances cannot take
-traffic) is retried itself after a transient failure (an error status, an OOM, a reset before
-the first byte), up to the most retries any tier allows: the tiers hold retries back when a
-high failure rate says failing over would land on other failing instances, but a transient
-failure of the only instance left is best met by asking it again (never by giving up while
-going direct would have worked). A Retry-After from a backend keeps new attempts off that
-instance until it passes. The upstream's own error answer is relayed unchanged when no retry
-is allowed. A request that could do something twice (`Call.acts`: a route the gateway does not
-know, a Responses API request running in the background or with the server's own tools) is
-sent again only after a refused connection, when it never left. Everything here happens
-before a byte reaches the client: the transport returns at the first byte, and the relay (the
-commit point) starts only after this loop has returned.
+when no other instance has room). A lone instance (a pool of one, or one whose other
+instances cannot take traffic) is retried itself after a transient failure (an error status,
+an OOM, a reset before the first byte), up to the most retries any tier allows: the tiers
+hold retries back when a high failure rate says failing over would land on other failing
+instances, but a transient failure of the only instance left is best met by asking it again
+(never by giving up while going direct would have worked). An instance that let the request's
+first byte time out is not asked again for it while it has sent nothing to anyone since: when
+nothing else is left, the timeout is the answer. A Retry-After from a backend keeps new
+attempts off that instance until it passes. The upstream's own error answer is relayed
+unchanged when no retry is allowed. A request that could do something twice (`Call.acts`: a
+route the gateway does not know, a Responses API request running in the background or with
+the server's own tools) is sent again only after a refused connection, when it never left.
+Everything here happens before a byte reaches the client: the transport returns at the first
+byte, and the relay (the commit point) starts only after this loop has returned.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from opentelemetry import trace
 
 from gateway.core.backoff import backoff_s, retry_after_s
+from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
@@ -74,6 +77,11 @@ class Retry:
                 outcome = error.outcome
                 if outcome.kind in _AVOID_AFTER and call.instance is not None:
                     call.avoid.append(call.instance)
+                    waited = _waited_in_vain(call, outcome)
+                    if waited is not None:
+                        # Silent from when it was asked: bytes it sent anyone since say
+                        # it is busy, not gone.
+                        call.timed_out.append((call.instance, clock() - waited))
             now = clock()
             wait_s = 0.0
             if response is not None:
@@ -94,6 +102,7 @@ class Retry:
                 and call.attempts - call.hedges - 1 < max_retries
                 and now < call.deadline
                 and not _full_everywhere(failure, call, now)
+                and not _only_silent_left(call)
             )
             if allowed:
                 delay = backoff_s(
@@ -147,6 +156,36 @@ def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> b
         and instance is not None
         and not call.pool.has_room(instance, now, call.avoid)
     )
+
+
+def _waited_in_vain(call: Call, outcome: Outcome) -> float | None:
+    """How long the attempt waited for a first byte that never came, when that proves the
+    instance silent: all the patience an instance with nothing learned gets
+    (`timeouts.initial`), or any wait on an instance whose last health check got no answer
+    either. A shorter, learned wait proves less: a retry there waits longer (the last attempt
+    is stretched, the more after timeouts in a row), up to that same allowance. None: not
+    such a timeout."""
+    instance, timeouts = call.instance, call.timeouts
+    if outcome.kind != "timeout" or outcome.phase is not Phase.FIRST_BYTE or instance is None:
+        return None
+    waited = timeouts.first_byte_s if timeouts is not None else 0.0
+    if waited >= call.pool.policy.timeouts.initial or not instance.health.answered:
+        return waited
+    return None
+
+
+def _only_silent_left(call: Call) -> bool:
+    """Whether every instance of the pool would be asked again (each one refused, dropped or
+    let this request time out) and none of those may be but silent ones: the request's own
+    timeout is the answer (504), not one more whole wait on an instance that answered nothing
+    since (a hung lone instance costs one first-byte timeout, not one per retry)."""
+    if not call.timed_out:
+        return False
+    avoid = call.avoid
+    instances = call.pool.instances
+    if any(inst not in avoid for inst in instances):
+        return False  # someone else may take it: the pick layer chooses
+    return all(call.silent(inst) or inst.health.healthy is False for inst in avoid)
 
 
 def _honour_retry_after(
