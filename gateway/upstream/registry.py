@@ -582,7 +582,9 @@ class PoolState:
 
     def rejoined(self, instance: InstanceState, now: float) -> None:
         """`instance` is back in traffic: its health checks pass again, or its breaker admits
-        again (a probe answered, another replica lifted its isolation, an operator restored it).
+        again (a probe answered, another replica lifted or withdrew its isolation). An
+        operator's restore vouches for it more: `Operations.operator` costs it as the quickest
+        of its peers.
 
         Its latency estimate still holds what it was before it left: slow answers, or the
         penalty of failures the isolation cap kept in rotation (`failure_penalty_s`). A peak
