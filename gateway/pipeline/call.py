@@ -75,9 +75,7 @@ class Call:
         """Whether `instance` let this request's first byte time out and has sent no byte on
         any attempt since that attempt began: asked again, it would most likely let the
         request wait out another whole timeout."""
-        return any(
-            inst is instance and instance.progress_at <= at for inst, at in self.timed_out
-        )
+        return any(inst is instance and instance.progress_at <= at for inst, at in self.timed_out)
 
     @property
     def path(self) -> str:
