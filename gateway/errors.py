@@ -109,8 +109,18 @@ class UpstreamError(GatewayError):
 
 
 class UpstreamConnectError(UpstreamError):
+    """No connection to the instance. `refused`: it actively refused one (nothing listens on
+    its port: stopped, restarting, crashed), which says it is down, where a DNS, TLS or routing
+    failure may be the network's or the configuration's."""
+
     code = "upstream_connect_failed"
     kind = "connect_failure"
+
+    def __init__(
+        self, message: str, *, refused: bool = False, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.refused = refused
 
     @property
     def outcome(self) -> Outcome:

@@ -101,6 +101,10 @@ class MemoryUpstreams:
     def received(self, instance: str) -> int:
         return sum(1 for s in self.sent if s.instance == instance)
 
+    def asked(self, instance: str) -> int:
+        """Attempts on `instance`, refused and busy ones included."""
+        return self._counts.get(instance, 0)
+
     async def post(
         self,
         url: URL,
@@ -121,7 +125,7 @@ class MemoryUpstreams:
         self._counts[instance] = n + 1
         act = self.scripts[instance](n)
         if isinstance(act, Refuse):
-            raise UpstreamConnectError("cannot connect to the upstream: refused")
+            raise UpstreamConnectError("cannot connect to the upstream: refused", refused=True)
         if isinstance(act, Full):
             raise UpstreamConnectionLimit("all connections are busy", retry_after_s=1.0)
         if on_sent is not None:

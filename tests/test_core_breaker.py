@@ -364,6 +364,20 @@ def test_an_unforced_isolate_is_a_regular_trip() -> None:
     assert b.try_admit(6.0)  # it probes back like any other
 
 
+def test_an_uncapped_isolate_ignores_the_pools_cap() -> None:
+    """An instance known down (it refused a connection) leaves whatever the cap: the cap is
+    for statistical verdicts, where keeping a suspect in rotation may save capacity."""
+    pool = PoolBreakers(POLICY, ["a", "b", "c"], jitter=0.0)
+    assert pool.cap == 1
+    assert pool["a"].isolate(0.0, RNG, reason="operator") is not None
+    capped = pool["b"].isolate(0.0, RNG, reason="suspect", forced=False)
+    assert capped is not None and capped.suppressed and pool["b"].state == ADMITTING
+    down = pool["b"].isolate(0.0, RNG, reason="connection refused", forced=False, capped=False)
+    assert down == Transition("b", ADMITTING, ISOLATED, "connection refused", 5.0)
+    assert pool["b"].isolate(1.0, RNG, reason="again", forced=False, capped=False) is None
+    assert pool["b"].try_admit(5.0) and pool["b"].state == PROBING  # back through a probe
+
+
 # -- the pool's ejection cap --------------------------------------------------------------------
 
 

@@ -48,3 +48,24 @@ def test_in_doubt_while_checks_disagree_with_the_verdict() -> None:
     assert state.healthy is False and state.in_doubt
     state.record(6.0, False, "HTTP 503")
     assert not state.in_doubt
+
+
+def test_a_refused_connection_is_unhealthy_at_once_and_checks_bring_it_back() -> None:
+    state = HealthState(0.0, healthy_threshold=2, unhealthy_threshold=5)
+    state.record(1.0, True, "HTTP 200")
+    state.record(2.0, True, "HTTP 200")
+    assert state.healthy is True and state.answered
+    state.record(2.5, False, "HTTP 503")  # a failed check first: the run is 1 of 5
+    change = state.refused("cannot connect to the upstream: Connection refused")
+    assert change is not None and change.healthy is False  # not after 4 more failures
+    assert state.healthy_since is None and not state.answered
+    assert state.refused("again") is None  # no second change
+    assert state.record(3.0, True, "HTTP 200") is None  # its threshold, as from any verdict
+    change = state.record(4.0, True, "HTTP 200")
+    assert change is not None and change.healthy is True and state.healthy_since == 4.0
+
+
+def test_a_refused_connection_before_any_verdict_leaves_it_unknown() -> None:
+    state = HealthState(0.0, healthy_threshold=1, unhealthy_threshold=2)
+    assert state.refused("refused") is None
+    assert state.healthy is None

@@ -18,6 +18,7 @@ from tests.support import (
     Backend,
     Gateway,
     instances_yaml,
+    start_backend,
     start_backends,
     start_gateway,
     stop_backends,
@@ -209,4 +210,55 @@ def test_an_instance_healthy_again_is_costed_as_its_peers(tmp_path: Path) -> Non
         assert peak_of("s1") == pytest.approx(peak_of("s0"), rel=0.05)
     finally:
         gw.stop()
+        stop_backends(started)
+
+
+def test_an_instance_that_refuses_a_connection_leaves_rotation_at_once(tmp_path: Path) -> None:
+    """Down is not an outlier. Of three instances an operator holds one out, which is all the
+    isolation cap allows; then d1 is killed. Its breaker may not isolate it, and its checks
+    would need five failures (four seconds or more), but the first refused connection takes it
+    out of rotation: of the requests after the kill, one tried it. A restart on the same
+    port brings it back through its checks."""
+    started = start_backends(("d0", "d1", "d2"), ["dm"], "--ttft", "0", "--per-token", "0")
+    policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  dp:
+    models: [dm]
+    instances: [{instances_yaml(started)}]
+    health: {{interval: 1s, fast_interval: 1s, timeout: 300ms, unhealthy_threshold: 5}}
+"""
+    gw: Gateway | None = None
+    try:
+        gw = start_gateway(tmp_path / "policy.yaml", policy)
+        url = f"{gw.admin_url}/admin/instances/dp/d2/isolate"
+        assert httpx.post(url, timeout=5).json()["state"] == "ISOLATED"
+        port = started["d1"].proc.port()
+        started["d1"].proc.signal(signal.SIGKILL)
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            body = {"model": "dm", "max_tokens": 2}
+            replies = [http.post("/v1/chat/completions", json=body) for _ in range(20)]
+        assert [r.status_code for r in replies] == [200] * 20
+        assert {r.headers["x-gateway-instance"] for r in replies} == {"d0"}
+        # Each request that drew d1 went on to d0: one did, and d1 was out from then on.
+        assert sum(int(r.headers["x-gateway-attempts"]) for r in replies) == 21
+        health = health_of(gw, "d1", "dp")
+        assert health["healthy"] is False
+        state = httpx.get(f"{gw.admin_url}/admin/state", timeout=5).json()
+        (d1,) = [i for i in state["pools"]["dp"]["instances"] if i["name"] == "d1"]
+        assert d1["state"] == "ADMITTING"  # out by its health, not by its breaker
+
+        started["d1"] = start_backend("d1", ["dm"], "--ttft", "0", "--per-token", "0", port=port)
+        assert wait_until(lambda: health_of(gw, "d1", "dp")["healthy"] is True, timeout_s=30)
+        # Back in rotation, at even odds with d0. Bounded: 30 misses would be odds of 2^-30.
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            for _ in range(30):
+                reply = http.post("/v1/chat/completions", json={"model": "dm", "max_tokens": 2})
+                assert reply.status_code == 200
+                if reply.headers["x-gateway-instance"] == "d1":
+                    break
+        assert reply.headers["x-gateway-instance"] == "d1"
+    finally:
+        if gw is not None:
+            gw.stop()
         stop_backends(started)

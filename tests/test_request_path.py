@@ -178,6 +178,36 @@ def test_an_instance_that_keeps_failing_is_isolated_and_gets_no_more_requests() 
     assert outcomes[-1].at < 30.0  # virtual: still inside the isolation
 
 
+def test_an_instance_that_refuses_connections_leaves_rotation_past_the_isolation_cap() -> None:
+    """Pool of three, so at most one may be isolated, and an operator holds c out. A refusing
+    b would be kept in rotation by that cap as a suspected outlier: a refused connection says
+    it is down, so it leaves at once. Without health checks its breaker holds it out until a
+    probe answers (with them, its health verdict would: `tests/test_health.py`)."""
+
+    async def scenario() -> tuple[Pipeline, list[Outcome], int]:
+        p = await pipeline(
+            {"a": always(Answer()), "b": always(Refuse()), "c": always(Answer())},
+            settings="    breaker: {isolation: 30s}",
+        )()
+        now = asyncio.get_running_loop().time()
+        try:
+            c = p.pool.instance_named("c")
+            assert c is not None
+            c.breaker.isolate(now, p.pool.rng, reason="operator")
+            outcomes = [await p.request() for _ in range(40)]
+            return p, outcomes, p.upstreams.asked("b")
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, asked_b = run(scenario())
+    assert all((o.status, o.instance) == (200, "a") for o in outcomes)
+    assert asked_b == 1  # refused once, then out of rotation (with the cap, 1 in 2 went there)
+    assert [(t.instance, t.to, t.reason) for _, t in p.transitions] == [
+        ("b", ISOLATED, "connection refused")
+    ]
+    assert sum(o.attempts for o in outcomes) == 41
+
+
 def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:
     """Before its isolation `a` answered slowly. A balancer that still remembered that (a peak
     EWMA forgets with a 10 s time constant) would send every request to `b` for half a minute

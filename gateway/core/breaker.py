@@ -318,14 +318,19 @@ class BreakerState:
         rng: random.Random,
         reason: str = "operator",
         forced: bool = True,
+        capped: bool = True,
     ) -> Transition | None:
         """Isolate now. Forced (the operator): from any state, ignoring the pool's cap, with
         `isolated_until = inf` until `restore`; None if already so. Not forced: an automatic
-        trip (streak, backoff, jitter, cap) from ADMITTING; None from the other states.
+        trip (streak, backoff, jitter) from ADMITTING, within the pool's cap unless `capped`
+        is False (the instance is known down, not suspected: see `PoolBreakers`); None from
+        the other states.
         """
         if not forced:
             if self.state != ADMITTING:
                 return None
+            if not capped:
+                return self._isolate(now, rng, reason, ADMITTING)
             return self._trip(now, rng, reason)
         if self.state == ISOLATED and self.isolated_until == _INF:
             return None

@@ -16,6 +16,11 @@ class HealthState:
     failures in a row. An instance starts *unknown* and takes no traffic until its first
     verdict is healthy: a vLLM pod loading a model for minutes must get nothing.
 
+    An instance that refuses a request's connection is unhealthy at once (`refused`): nothing
+    listens on its port, so the next check would say the same, and waiting for the threshold
+    would keep a dead instance in rotation. Its checks bring it back as from any other
+    unhealthy verdict.
+
     `first_seen` / `first_healthy` give the cold start (time from first seen to first healthy);
     `healthy_since` feeds slow start.
     """
@@ -77,7 +82,11 @@ class HealthState:
         return None if self.first_healthy is None else self.first_healthy - self.first_seen
 
     def record(
-        self, now: float, passed: bool, reason: str, answered: bool | None = None
+        self,
+        now: float,
+        passed: bool,
+        reason: str,
+        answered: bool | None = None,
     ) -> HealthChange | None:
         """Fold one check result in; returns the change of verdict, if any.
 
@@ -104,3 +113,16 @@ class HealthState:
             self.healthy = False  # known bad rather than unknown: same routing, clearer state
             return HealthChange(False, reason)
         return None
+
+    def refused(self, reason: str) -> HealthChange | None:
+        """A request's connection to it was refused: unhealthy now, whatever the threshold
+        (the change, or None when it was not healthy). The run of passes starts again."""
+        self.last_reason = reason
+        self.answered = False
+        self._passes = 0
+        if self.healthy is not True:
+            return None
+        self._fails = max(self._fails, self._unhealthy_threshold)
+        self.healthy = False
+        self.healthy_since = None
+        return HealthChange(False, reason)

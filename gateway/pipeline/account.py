@@ -20,10 +20,11 @@ from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.core.usage import EDGE_BYTES, usage_of
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamConnectError, UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import SUPERSEDED, Clock
 from gateway.telemetry.logs import LogThrottle
+from gateway.upstream.health import log_health_change
 from gateway.upstream.registry import InstanceState, PoolState
 from gateway.upstream.response import UpstreamResponse
 
@@ -248,6 +249,26 @@ class Account:
             )
             _learning(pool, instance)
 
+    def _refused(self, pool: PoolState, instance: InstanceState, now: float, reason: str) -> None:
+        """Nothing listens on the instance's port (stopped, crashed, restarting): it leaves
+        rotation now, whatever the pool's isolation cap, which bounds the breakers' guesses
+        from failure counts (down is not an outlier, as Envoy caps outlier ejection but not
+        failed health checks). With health checks it is unhealthy until a check passes; without,
+        its breaker isolates it until a probe answers, except in a pool of one, where the
+        breaker never isolates. With nothing left in rotation, the pool panics as always:
+        new requests still try it (a restart ends with it listening), this one is answered."""
+        if pool.policy.health.enabled:
+            change = pool.refused(instance, reason)
+            if change is not None:
+                log_health_change(pool, instance, change)
+            return
+        if len(pool.instances) > 1:
+            transition = instance.breaker.isolate(
+                now, pool.rng, "connection refused", forced=False, capped=False
+            )
+            if transition is not None:
+                self._on_transition(pool.name, transition)
+
     def _lost_race(self, call: Call, instance: InstanceState, now: float, waited_s: float) -> None:
         """A hedge answered first and this attempt was given up: not a failure once, but an
         instance that loses as many races in a row as it may time out (with no answer in
@@ -316,6 +337,8 @@ class Account:
                 sent_with=sent_with,
                 modelled=call.route.modelled,
             )
+            if isinstance(error, UpstreamConnectError) and error.refused:
+                self._refused(call.pool, instance, now, error.message)
             raise
         except asyncio.CancelledError:
             _end(instance, tokens)  # the client left: nobody's fault, but a probe is lost

@@ -699,7 +699,10 @@ class _OriginPool:
             ) from None
         except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
             reason = exc.strerror or str(exc) or type(exc).__name__
-            raise UpstreamConnectError(f"cannot connect to the upstream: {reason}") from None
+            raise UpstreamConnectError(
+                f"cannot connect to the upstream: {reason}",
+                refused=isinstance(exc, ConnectionRefusedError),
+            ) from None
         finally:
             self._connecting -= 1
         if conn.transport is None:  # closed before it could be used

@@ -20,6 +20,7 @@ import logging
 
 import aiohttp
 
+from gateway.core.health import HealthChange
 from gateway.runtime import Clock, cancel_and_wait
 from gateway.upstream.registry import InstanceState, PoolState, Registry
 
@@ -124,12 +125,15 @@ class HealthChecker:
             pool.refresh_routable()
             if change.healthy:
                 pool.rejoined(instance, self._clock())
-            cold = instance.health.cold_start_s
-            fields = {
-                "pool": pool.name,
-                "instance": instance.name,
-                "healthy": change.healthy,
-                "reason": change.reason,
-                "cold_start_s": cold,
-            }
-            log.warning("health change", extra={"fields": fields})
+            log_health_change(pool, instance, change)
+
+
+def log_health_change(pool: PoolState, instance: InstanceState, change: HealthChange) -> None:
+    fields = {
+        "pool": pool.name,
+        "instance": instance.name,
+        "healthy": change.healthy,
+        "reason": change.reason,
+        "cold_start_s": instance.health.cold_start_s,
+    }
+    log.warning("health change", extra={"fields": fields})

@@ -19,7 +19,7 @@ from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
 from gateway.core.discovery import DiscoveredSet, Endpoint
 from gateway.core.failure_rate import FailureRateState
-from gateway.core.health import HealthState
+from gateway.core.health import HealthChange, HealthState
 from gateway.core.histogram import Histogram
 from gateway.core.latency import LatencyState, pool_prior
 from gateway.core.tiers import TierTable
@@ -601,6 +601,19 @@ class PoolState:
         ]
         if peers:
             instance.start_afresh(now, sum(peers) / len(peers))
+
+    def refused(self, instance: InstanceState, reason: str) -> HealthChange | None:
+        """A request's connection to `instance` was refused: with health checks, it leaves
+        rotation now (`HealthState.refused`), whatever the isolation cap, which bounds the
+        breakers' passive verdicts only: a refused connection is no statistical guess. Its
+        checks bring it back. Without health checks nothing would, so the breaker decides
+        (`Account`). The change of verdict, or None."""
+        if not self.policy.health.enabled:
+            return None
+        change = instance.health.refused(reason)
+        if change is not None:
+            self.refresh_routable()
+        return change
 
     def refresh_routable(self) -> None:
         """Recompute the healthy instances (on every change of a health verdict)."""
