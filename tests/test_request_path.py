@@ -208,6 +208,67 @@ def test_an_instance_that_refuses_connections_leaves_rotation_past_the_isolation
     assert sum(o.attempts for o in outcomes) == 41
 
 
+async def _queued_on_a(p: Pipeline, for_s: float) -> Outcome:
+    """One request while `a` has seen one slot, someone else's attempt streams on it and it
+    sends bytes the whole time (its busy engine's progress): the request queues there."""
+    a = p.pool.instance_named("a")
+    assert a is not None
+    a.capacity_seen = 1
+    a.in_flight = 1
+    loop = asyncio.get_running_loop()
+
+    async def at_work() -> None:
+        end = loop.time() + for_s
+        while loop.time() < end:
+            a.progress_at = loop.time()
+            await asyncio.sleep(0.2)
+
+    pump = loop.create_task(at_work())
+    try:
+        return await p.request()
+    finally:
+        pump.cancel()
+        await p.watchdog.close()
+
+
+def test_an_attempt_queued_behind_a_working_engine_waits_its_turn() -> None:
+    """Its first-byte wait is 1 s; its turn at the busy engine comes after 5 s. The engine sends
+    bytes on its other stream all along, and nothing else could start the request sooner, so
+    the wait is not cut: one attempt, answered when its turn came (not cancelled, and queued
+    again at the back)."""
+
+    async def scenario() -> Outcome:
+        p = await pipeline(
+            {"a": always(Answer(after_s=5.0))}, settings="    timeouts: {initial: 1s, floor: 1s}"
+        )()
+        return await _queued_on_a(p, 8.0)
+
+    outcome = run(scenario())
+    assert (outcome.status, outcome.instance, outcome.attempts) == (200, "a", 1)
+    assert 4.9 < outcome.at < 6.0
+
+
+def test_a_queued_attempt_moves_once_another_instance_has_room() -> None:
+    """Same queue, but b comes back (an operator's restore) after 2 s: the wait that ran out
+    at 1 s goes on while nothing else could start it, and moves to b once b can."""
+
+    async def scenario() -> Outcome:
+        p = await pipeline(
+            {"a": always(Answer(after_s=20.0)), "b": always(Answer())},
+            settings="    timeouts: {initial: 1s, floor: 1s}",
+        )()
+        loop = asyncio.get_running_loop()
+        b = p.pool.instance_named("b")
+        assert b is not None
+        b.breaker.isolate(loop.time(), p.pool.rng)
+        loop.call_later(2.0, b.breaker.restore, loop.time() + 2.0)
+        return await _queued_on_a(p, 30.0)
+
+    outcome = run(scenario())
+    assert (outcome.status, outcome.instance, outcome.attempts) == (200, "b", 2)
+    assert 1.9 < outcome.at < 3.0
+
+
 def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:
     """Before its isolation `a` answered slowly. A balancer that still remembered that (a peak
     EWMA forgets with a 10 s time constant) would send every request to `b` for half a minute

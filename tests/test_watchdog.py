@@ -193,3 +193,50 @@ async def test_a_cut_on_the_instance_backs_off_the_waits_already_running() -> No
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class _Engine:
+    """A holder with no prompt being prefilled (`Holder`)."""
+
+    holds = 0
+    hold_until = 0.0
+    hold_started_at = -1.0
+    hold_released_at = -1.0
+    progress_at = 0.0
+    in_flight = 6
+    idle_stretch = 1.0
+
+
+async def test_a_first_byte_wait_lasts_as_long_as_its_patience_says() -> None:
+    """Queued is not stalled: a first-byte wait that ran out asks its patience, which may keep it
+    waiting (each time until the time it names) and fires once that says no more."""
+    watchdog = Watchdog()
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    deadline = watchdog.arm(Cancellation(task), 1.0, "first_byte", _Engine(), since=0.0)
+    asked: list[float] = []
+
+    def patience(now: float) -> float | None:
+        asked.append(now)
+        return now + 0.25 if now < 2.0 else None
+
+    deadline.patience = patience
+    assert watchdog.sweep(now=0.9) == 0 and asked == []  # not due: not asked
+    assert watchdog.sweep(now=1.0) == 0 and deadline.at == 1.25
+    assert watchdog.sweep(now=1.1) == 0 and asked == [1.0]  # not due again yet
+    assert watchdog.sweep(now=1.9) == 0 and deadline.at == 2.15
+    assert watchdog.sweep(now=2.2) == 1
+    assert asked == [1.0, 1.9, 2.2]
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert expired(deadline) and deadline.phase == "first_byte"
+
+
+async def test_patience_is_not_asked_past_the_first_byte() -> None:
+    watchdog = Watchdog()
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    deadline = watchdog.arm(Cancellation(task), 1.0, "first_byte", _Engine(), since=0.0)
+    deadline.patience = lambda now: now + 10.0
+    deadline.move(2.0, "total")
+    assert watchdog.sweep(now=2.0) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -29,6 +29,8 @@ from gateway.upstream.watchdog import Deadline, Watchdog, expired
 # Bodies up to this size are read whole before the commit point (so a backend dying mid-body
 # is still retryable); longer ones are relayed as they arrive.
 WHOLE_BODY_LIMIT = 1024 * 1024
+# How often a queued attempt whose first-byte wait ran out asks again whether to wait on.
+PATIENCE_RECHECK_S = 0.25
 
 
 class UpstreamClient(Protocol):
@@ -87,11 +89,29 @@ class Transport:
         holds = timeouts.pause_s > 0.0
         held = False
 
+        sent_at = started_at
+
+        def patient(now: float) -> float | None:
+            # Queued is not stalled: the first-byte wait ran out while the attempt waits its
+            # turn at an engine that works through its queue, and no other instance could
+            # start it sooner. Leaving would only queue it again at the back elsewhere: it
+            # waits on (within the request's deadline), until another has room (then it
+            # moves there) or the engine goes quiet.
+            if (
+                now < call.deadline
+                and instance.serving_a_queue(now, sent_at, wait_s)
+                and not pool.has_room(instance, now, call.avoid)
+            ):
+                return min(now + PATIENCE_RECHECK_S, call.deadline)
+            return None
+
         def request_sent() -> None:
-            nonlocal held
+            nonlocal held, sent_at
             now = self._loop_time()
+            sent_at = now
             deadline.move(min(now + wait_s, call.deadline), Phase.FIRST_BYTE)
             deadline.waiting_since = now
+            deadline.patience = patient
             if holds and not held:
                 held = True
                 instance.hold(now, deadline.at)

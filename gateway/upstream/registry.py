@@ -178,6 +178,20 @@ class InstanceState:
         (`PoolState.rejoined` says why and how much)."""
         self.peak = PeakEwma(now, initial_s=latency_s)
 
+    def serving_a_queue(self, now: float, since: float, quiet_s: float) -> bool:
+        """Whether an attempt sent at `since` that has no first byte yet waits in this
+        instance's queue while the instance works through it: more attempts on it (that one
+        included) than it was ever seen serving at once, a byte sent on another attempt since
+        then and within the last `quiet_s`, and it still takes traffic (healthy, admitting).
+        An engine that stopped sending anything is stalled, not queueing."""
+        return (
+            self.in_flight + self.ghosts_at(now) > max(1, self.capacity_seen)
+            and since < self.progress_at
+            and now - self.progress_at < quiet_s
+            and self.health.healthy is True
+            and self.breaker.state == ADMITTING
+        )
+
     def url_of(self, path: str) -> URL:
         """The upstream target of a request on `path`: a known route's, worked out once, else
         built now (the paths of routes the gateway does not know are the clients' to choose:

@@ -10,6 +10,7 @@ Deadlines fire up to one tick late; LLM timeouts are hundreds of milliseconds an
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.core.outcome import Phase
@@ -50,6 +51,7 @@ class Deadline:
         "holder",
         "holding",
         "idle_s",
+        "patience",
         "phase",
         "waiting_since",
     )
@@ -72,6 +74,9 @@ class Deadline:
         self.holding = False  # its own prompt is one of the holder's holds
         self.idle_s = 0.0  # the idle timeout, while phase is "idle"
         self.waiting_since = since  # since when it waits for its first byte or next chunk
+        # Asked when a first-byte wait runs out: until when the attempt should wait on all the
+        # same (queued behind an engine that works, nowhere better to go), or None.
+        self.patience: Callable[[float], float | None] | None = None
 
     def move(self, at: float, phase: Phase) -> None:
         self.at = self.base_at = at
@@ -83,7 +88,8 @@ class Deadline:
         Waiting for a first byte: not while a prompt sent to the same instance is being
         prefilled (the engine runs nothing else meanwhile), and later by as long as such
         prefills took during this wait (unless its own prompt is the one being prefilled: its
-        deadline already counts that).
+        deadline already counts that); and then not before what its `patience` says (queued is
+        not stalled: the owner's rule, asked again each time it comes due).
 
         Waiting for the next chunk of a stream: not before its idle timeout times the instance's
         current `idle_stretch` (backed off after cuts of its other streams), not while such a
@@ -110,6 +116,9 @@ class Deadline:
             due = self.base_at + self.credit_s
             if holder.holds > 0:
                 return max(due, now + tick_s)
+            patience = self.patience
+            if due <= now and patience is not None:
+                return patience(now) or due
             return due
         if phase != Phase.IDLE:
             return at
