@@ -84,6 +84,14 @@ def test_a_fast_instance_gets_floor_timeouts_once_learned() -> None:
     assert timeouts(state, k=4.0) == AttemptTimeouts(0.25, 0.25, 1.0)
 
 
+def test_a_streams_idle_timeout_is_a_guess_until_its_gaps_are_learned() -> None:
+    # The response paces such a stream by its own gaps (`UpstreamResponse.next_chunk`).
+    assert timeouts(LatencyState(0.85)).idle_guessed
+    assert not timeouts(learned(ttfb=[0.02] * 20, gap=[0.01] * 20)).idle_guessed
+    assert timeouts(learned(ttfb=[0.02] * 20)).idle_guessed  # first bytes say nothing of gaps
+    assert not timeouts(LatencyState(0.85), stream=False).idle_guessed
+
+
 def test_initial_until_min_samples() -> None:
     state = learned(ttfb=[2.0] * 9)
     assert timeouts(state).first_byte_s == 30.0  # one sample short of min_samples (10)

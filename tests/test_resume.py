@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -635,3 +636,48 @@ def test_a_whole_answer_that_cannot_be_continued_starts_again(
     with pytest.raises(openai.APIError, match="upstream"):
         for _ in stream:
             pass
+
+
+def test_a_stall_in_a_pool_with_nothing_learned_is_noticed_by_the_streams_own_pace(
+    tmp_path: Path,
+) -> None:
+    """Nothing learned, so the idle timeout is the static `initial` (here 200 s). The stream
+    showed its pace (a token every 20 ms) before it stalled: a gap far beyond that is a stall,
+    noticed in seconds (never under 2 s), and the stream continues through a resume. Waiting
+    for `initial` would outlast the client's 100 s timeout."""
+    backend = start_backend("fresh", ["f"], "--ttft", "0.005", "--per-token", "0.02")
+    gw: Gateway | None = None
+    try:
+        gw = start_gateway(
+            tmp_path / "policy.yaml",
+            f"""
+{LOOPBACK_LISTENERS}
+pools:
+  fresh:
+    models: [f]
+    instances: [{{name: fresh, url: "{backend.url}"}}]
+    timeouts: {{initial: 200s}}
+""",
+        )
+        backend.set_faults(stall_rate=1.0, stall_after=12)
+        with openai.OpenAI(
+            base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=100
+        ) as client:
+            stream = client.chat.completions.create(
+                model="f", messages=MESSAGES, max_tokens=40, stream=True
+            )
+            pieces: list[str] = []
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if not pieces:
+                        backend.set_faults(stall_rate=0.0)  # this stream stalls; the next not
+                    pieces.append(chunk.choices[0].delta.content)
+        assert "".join(pieces) == text(40)
+        assert outcomes(backend) == [("stall", "cancelled"), (None, "ok")]
+        metrics = httpx.get(f"{gw.admin_url}/metrics", timeout=5).text
+        resumed = 'gateway_stream_resumes_total{backend="fresh",pool="fresh",reason="idle_timeout"}'
+        assert any(row.startswith(resumed) for row in metrics.splitlines()), metrics
+    finally:
+        if gw is not None:
+            gw.stop()
+        backend.stop()

@@ -47,6 +47,9 @@ class AttemptTimeouts:
     pause_s: float = 0.0
     # The instance's `timeouts_in_row` when this was worked out (see LatencyState.timed_out).
     backoff: int = 0
+    # A stream's `idle_s` is the static `initial`: nothing learned of its gaps, by the
+    # instance or its pool (the stream's own pace then tells a stall sooner: `UpstreamResponse`).
+    idle_guessed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +221,12 @@ def attempt_timeouts(
             stretched = stretch * max(first_byte, floor)
             first_byte = max(first_byte, min(stretched, policy.initial))
         return AttemptTimeouts(
-            min(max(first_byte, floor), ceiling), idle, policy.connect, holds_s, doublings
+            min(max(first_byte, floor), ceiling),
+            idle,
+            policy.connect,
+            holds_s,
+            doublings,
+            gap is None,
         )
     n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
     per_token = estimate(_PER_TOKEN)

@@ -153,7 +153,7 @@ class Transport:
             else:
                 body = None
                 first = await raw.readany()
-            return UpstreamResponse(
+            response = UpstreamResponse(
                 instance,
                 raw,
                 body=body,
@@ -165,6 +165,8 @@ class Transport:
                 clock=self._loop_time,
                 route=call.route,
             )
+            response.idle_guessed = timeouts.idle_guessed
+            return response
         except asyncio.CancelledError:
             self._abandon(raw, deadline)
             if expired(deadline):

@@ -58,6 +58,14 @@ class ResponseHead(Protocol):
 # the instance's learned idle timeout, whichever is longer): an instance that turned slow keeps
 # its streams going rather than having them cut one gap in.
 STREAM_PACE = 3.0
+# With nothing learned of an instance's gaps, its idle timeout is the static `timeouts.initial`
+# (30 s by default): a stream that stalls would be noticed only then. Once the stream has shown
+# its own pace (this many gaps), a gap this many times its largest so far is a stall, though
+# never under UNPACED_MIN_IDLE_S: a pool with nothing learned notices a stall in seconds. The
+# watchdog's allowances still apply (an engine-wide pause, a prefill the gateway saw coming).
+UNLEARNED_PACE = 10.0
+UNLEARNED_MIN_GAPS = 4
+UNPACED_MIN_IDLE_S = 2.0
 
 log = logging.getLogger("gateway")
 
@@ -91,7 +99,9 @@ class UpstreamResponse:
         "body",
         "first_at",
         "first_chunk",
+        "gaps",
         "headers",
+        "idle_guessed",
         "instance",
         "is_sse",
         "last_at",
@@ -136,6 +146,9 @@ class UpstreamResponse:
         self.started_at = started_at
         self.first_at = self.last_at = instance.progress_at = clock()
         self.max_gap_s: float | None = None
+        self.gaps = 0  # gaps measured: chunks after the first
+        # Its idle timeout is a static guess (`AttemptTimeouts.idle_guessed`): set by the transport.
+        self.idle_guessed = False
         # Time spent waiting for the upstream's chunks (not for the client to take them).
         self.waited_s = 0.0
         self.tail = body if body is not None else first_chunk
@@ -167,9 +180,17 @@ class UpstreamResponse:
         deadline = self._deadline
         now = self._loop_time()
         paced = self.max_gap_s
-        if paced is not None and STREAM_PACE * paced > idle_s:
-            # The stream's own pace: a stall is a gap well beyond the ones it already had.
-            idle_s = STREAM_PACE * paced
+        if paced is not None:
+            if STREAM_PACE * paced > idle_s:
+                # The stream's own pace: a stall is a gap well beyond the ones it already had.
+                idle_s = STREAM_PACE * paced
+            elif self.idle_guessed and self.gaps >= UNLEARNED_MIN_GAPS:
+                # Nothing learned: its own pace says more than the static guess.
+                own_s = UNLEARNED_PACE * paced
+                if own_s < UNPACED_MIN_IDLE_S:
+                    own_s = UNPACED_MIN_IDLE_S
+                if own_s < idle_s:
+                    idle_s = own_s
         if now + idle_s < end_at:
             deadline.move(now + idle_s, Phase.IDLE)
             deadline.idle_s = idle_s
@@ -190,6 +211,7 @@ class UpstreamResponse:
             arrived = self._loop_time()
             self.waited_s += arrived - now
             gap = arrived - self.last_at
+            self.gaps += 1
             if self.max_gap_s is None or gap > self.max_gap_s:
                 self.max_gap_s = gap
             self.last_at = self.instance.progress_at = arrived
