@@ -393,11 +393,15 @@ class BreakerPolicy(Strict):
 
 
 class AdmissionClassPolicy(Strict):
-    """One admission class: its share of the service, queue bound and longest wait."""
+    """One admission class: its share of the service, queue bound and longest wait.
+
+    The standard and batch classes wait minutes by default, as long as a client going direct
+    would wait in the engine's own queue: a shorter wait answers 429 to requests the engines
+    would have served. Interactive requests, served first by weight, give up after 1 s."""
 
     weight: float = Field(default=2.0, gt=0)
     max_queue: int = Field(default=500, ge=0)
-    queue_timeout: Duration = Field(default=10.0, gt=0)
+    queue_timeout: Duration = Field(default=300.0, gt=0)
 
 
 class InteractivePolicy(AdmissionClassPolicy):
@@ -409,7 +413,7 @@ class InteractivePolicy(AdmissionClassPolicy):
 class BatchPolicy(AdmissionClassPolicy):
     weight: float = Field(default=1.0, gt=0)
     max_queue: int = Field(default=1000, ge=0)
-    queue_timeout: Duration = Field(default=60.0, gt=0)
+    queue_timeout: Duration = Field(default=600.0, gt=0)
 
 
 class ConcurrencyPolicy(Strict):
