@@ -17,6 +17,12 @@ every run asks the same of them. Each traffic mix (whole answers, streams, half 
 with admission off (`admission: false`) and as the defaults have it. Reported per run and class:
 ok %, shed (429 with Retry-After), p50/p99, and the most requests each engine held at once.
 
+`--engine no-gauges`: one engine instead, as a server that exports no load gauges (`/metrics`
+is a 404) and has no batch bound of its own: it runs whatever it is sent and fails a request
+that would start beyond `OOM_ABOVE` running with a CUDA out-of-memory 500. The gateway knows it
+only by its answers. Reported besides: the engine's OOMs, the 5xx each class got, and how many
+429/503 carried Retry-After.
+
 `--tenants`: two tenants (API keys) in the batch class, one sending ten times the other, with
 admission off and on: each tenant's share of the completions while both have requests waiting.
 """
@@ -45,6 +51,30 @@ TTFT_S = 0.05
 PER_TOKEN_S = 0.002
 BATCH_SLOWDOWN = 1.0
 BURST_FACTOR = 3.0
+OOM_ABOVE = 40
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """The backends of a run: their names, the fake's engine flags, and how many requests each
+    runs at once when full (with `per_token_s`, what `capacity_rps` works from)."""
+
+    backends: tuple[str, ...]
+    batch: int
+    per_token_s: float
+    flags: tuple[str, ...]
+
+
+ENGINES = {
+    "queueing": EngineModel(
+        BACKENDS, MAX_RUNNING, PER_TOKEN_S, ("--max-running", str(MAX_RUNNING))
+    ),
+    # Slower tokens, several to an event: the burst stays within what two cores drive.
+    "no-gauges": EngineModel(
+        ("a",), OOM_ABOVE, 0.005,
+        ("--oom-above", str(OOM_ABOVE), "--no-metrics", "--tokens-per-event", "10"),
+    ),
+}  # fmt: skip
 
 INTERACTIVE = WorkloadSpec(
     models=["m"],
@@ -65,13 +95,13 @@ BATCH = WorkloadSpec(
 MIXES = {"whole": 0.0, "streamed": 1.0, "half": 0.5}
 
 
-def capacity_rps() -> float:
+def capacity_rps(engine: EngineModel = ENGINES["queueing"]) -> float:
     """Batch requests a second the backends complete with full batches: each engine runs
-    `MAX_RUNNING` at once, a request taking its first-token time plus its mean `max_tokens`
+    `engine.batch` at once, a request taking its first-token time plus its mean `max_tokens`
     at the per-token time slowed by a full batch (`1 + BATCH_SLOWDOWN`)."""
     mean_tokens = sum(BATCH.max_tokens) / 2
-    service_s = TTFT_S + mean_tokens * PER_TOKEN_S * (1.0 + BATCH_SLOWDOWN)
-    return len(BACKENDS) * MAX_RUNNING / service_s
+    service_s = TTFT_S + mean_tokens * engine.per_token_s * (1.0 + BATCH_SLOWDOWN)
+    return len(engine.backends) * engine.batch / service_s
 
 
 @dataclass(frozen=True)
@@ -83,23 +113,45 @@ class Burst:
     unloaded: int = 20
 
 
-def backends() -> AbstractContextManager[dict[str, ManagedProcess]]:
+def backends(
+    engine: EngineModel = ENGINES["queueing"],
+) -> AbstractContextManager[dict[str, ManagedProcess]]:
     return engines(
-        BACKENDS,
+        engine.backends,
         (
-            "--max-running", str(MAX_RUNNING), "--batch-slowdown", str(BATCH_SLOWDOWN),
-            "--ttft", str(TTFT_S), "--per-token", str(PER_TOKEN_S),
+            *engine.flags, "--batch-slowdown", str(BATCH_SLOWDOWN),
+            "--ttft", str(TTFT_S), "--per-token", str(engine.per_token_s),
         ),
     )  # fmt: skip
 
 
 def engine_peaks(fakes: dict[str, ManagedProcess]) -> dict[str, dict[str, int]]:
-    """Each engine's most requests running and waiting at once since it started."""
+    """Each engine's most requests running and waiting at once since it started, and the
+    requests it failed out of memory."""
     peaks = {}
     for name, proc in fakes.items():
         state = httpx.get(f"{url(proc)}/_fake/engine", timeout=5).json()
-        peaks[name] = {"running": state["peak_running"], "waiting": state["peak_waiting"]}
+        peaks[name] = {
+            "running": state["peak_running"],
+            "waiting": state["peak_waiting"],
+            "ooms": state["ooms"],
+        }
     return peaks
+
+
+def refusals(records: list[Record]) -> dict[str, dict[str, int]]:
+    """Per class: answers of 500 and up, and 429/503 answers with and without Retry-After."""
+    out: dict[str, dict[str, int]] = {}
+    for record in records:
+        counts = out.setdefault(
+            record.priority or "-", {"5xx": 0, "refused_with_retry_after": 0, "refused_bare": 0}
+        )
+        if record.status in (429, 503):
+            key = "refused_with_retry_after" if record.retry_after else "refused_bare"
+            counts[key] += 1
+        elif record.status >= 500:
+            counts["5xx"] += 1
+    return out
 
 
 async def _load(
@@ -129,11 +181,17 @@ async def _load(
     return [replace(r, t=r.t + delay_s) for r in read_records(out)]
 
 
-async def run(stream_share: float, pool_settings: str, burst: Burst, work: Path) -> dict[str, Any]:
+async def run(
+    stream_share: float,
+    pool_settings: str,
+    burst: Burst,
+    work: Path,
+    engine: EngineModel = ENGINES["queueing"],
+) -> dict[str, Any]:
     """One mix through one gateway: unloaded interactive latency, then the burst."""
     interactive = replace(INTERACTIVE, stream_share=stream_share)
     batch = replace(BATCH, stream_share=stream_share)
-    with backends() as fakes, gateway(one_pool_policy(fakes, pool_settings)) as proc:
+    with backends(engine) as fakes, gateway(one_pool_policy(fakes, pool_settings)) as proc:
         base = f"http://{proc.ready['data']}"
         alone = await _load(
             replace(interactive, seed=interactive.seed + 100), base, work / "unloaded.jsonl",
@@ -144,7 +202,7 @@ async def run(stream_share: float, pool_settings: str, burst: Burst, work: Path)
                 replace(interactive, seed=interactive.seed + 100 + i), base,
                 work / f"unloaded-{i}.jsonl", rate=1000.0, requests=1,
             )  # fmt: skip
-        rate = BURST_FACTOR * capacity_rps()
+        rate = BURST_FACTOR * capacity_rps(engine)
         steady, flood = await asyncio.gather(
             _load(interactive, base, work / "interactive.jsonl", burst.interactive_rps,
                   burst.interactive),
@@ -159,6 +217,7 @@ async def run(stream_share: float, pool_settings: str, burst: Burst, work: Path)
         "classes": {name: {**asdict(s), "ok_percent": s.ok_percent} for name, s in classes.items()},
         "records": steady + flood,
         "engine_peaks": peaks,
+        "refusals": refusals(steady + flood),
     }
 
 
@@ -200,21 +259,25 @@ def _ms(value: float | None) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| mix | admission | class | requests | ok % | shed | p50 ms | p99 ms | unloaded p99 ms "
-        "| engine peak running / waiting |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|---|",
+        "| 5xx | 429/503 with / without Retry-After "
+        "| engine peak running / waiting / OOMs |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for result in results:
         peaks = ", ".join(
-            f"{n} {p['running']}/{p['waiting']}" for n, p in result["engine_peaks"].items()
+            f"{n} {p['running']}/{p['waiting']}/{p.get('ooms', 0)}"
+            for n, p in result["engine_peaks"].items()
         )
         for klass in ("interactive", "batch"):
             s = result["classes"].get(klass)
             if s is None:
                 continue
+            r = result.get("refusals", {}).get(klass, {})
             lines.append(
                 f"| {result['mix']} | {result['admission']} | {klass} | {s['count']} | "
                 f"{s['ok_percent']:.1f} | {s['shed']} | {_ms(s['p50_s'])} | {_ms(s['p99_s'])} | "
-                f"{_ms(result['unloaded_p99_s'])} | {peaks} |"
+                f"{_ms(result['unloaded_p99_s'])} | {r.get('5xx', 0)} | "
+                f"{r.get('refused_with_retry_after', 0)} / {r.get('refused_bare', 0)} | {peaks} |"
             )
     return "\n".join(lines)
 
@@ -233,18 +296,23 @@ CONFIGS = {
     "    admission: {vllm_signals: false}\n",
     "limiter-no-signal": "    resume: {whole_answers: false}\n"
     "    admission: {vllm_signals: false, concurrency: {per_token_tolerance: 1000}}\n",
+    # Batch clients that would rather come back later than wait minutes in the queue.
+    "short-batch-wait": "    admission: {batch: {queue_timeout: 5s}}\n",
 }
 
 
-async def main_async(mixes: list[str], configs: list[str], burst: Burst) -> list[dict[str, Any]]:
+async def main_async(
+    mixes: list[str], configs: list[str], burst: Burst, engine: EngineModel = ENGINES["queueing"]
+) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="admission-burst-"))
-    print(f"capacity {capacity_rps():.1f} req/s; burst at {BURST_FACTOR * capacity_rps():.1f}")
+    capacity = capacity_rps(engine)
+    print(f"capacity {capacity:.1f} req/s; burst at {BURST_FACTOR * capacity:.1f}")
     results = []
     for mix in mixes:
         for config in configs:
             folder = work / f"{mix}-{config}"
             folder.mkdir()
-            result = await run(MIXES[mix], CONFIGS[config], burst, folder)
+            result = await run(MIXES[mix], CONFIGS[config], burst, folder, engine)
             result.pop("records")
             results.append({"mix": mix, "admission": config, **result})
             print(table(results[-1:]).splitlines()[-1])
@@ -276,6 +344,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mix", action="append", choices=sorted(MIXES))
     parser.add_argument("--config", action="append", choices=sorted(CONFIGS))
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="queueing")
     parser.add_argument("--tenants", action="store_true", help="the two-tenant run instead")
     parser.add_argument("--seconds", type=float, default=10.0, help="of the two-tenant run")
     parser.add_argument("--out", type=Path, default=Path("loadtests/out/admission_burst.json"))
@@ -290,7 +359,9 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2))
         return
     results = asyncio.run(
-        main_async(args.mix or list(MIXES), args.config or list(CONFIGS), Burst())
+        main_async(
+            args.mix or list(MIXES), args.config or list(CONFIGS), Burst(), ENGINES[args.engine]
+        )
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

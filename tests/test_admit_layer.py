@@ -343,6 +343,37 @@ async def test_a_flood_starts_at_twice_the_peak_and_lasts_until_arrivals_are_bac
     assert not adm.flooded(now + 10)  # 6 a second: over the peak, under twice it
 
 
+async def test_once_the_engine_refuses_for_load_a_learned_limit_holds_without_a_flood() -> None:
+    adm = guess_admission()
+    await served(adm, 10)  # at the rate about to arrive: no flood
+    await adm.enter("standard")  # the one slot the limit allows
+    assert (await adm.enter("standard")).over  # past it: nothing says the engine is full
+    inst = adm.pool.instances[0]
+    limiter = inst.limiter
+    assert limiter is not None
+    now = adm.clock()
+    # The engine answers one out of memory (or 429, 503, 529): its own word that it is full.
+    limiter.record(now, None, in_flight=2, overloaded=True, refused=True)
+    assert inst.room_guessed and adm.room() == 1
+    assert adm.state(now)["engine_refused"] and not adm.flooded(now)
+    # Now a request waits for room, and the one sent past before counts against that room;
+    # one that would wait longer than its class's queue time is shed with a time to come back.
+    waiting = asyncio.ensure_future(adm.enter("batch"))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    with pytest.raises(Shed, match="standard queue would take") as shed:
+        await adm.enter("standard")
+    assert shed.value.retry_after_s >= 1
+    adm.leave()  # the slot frees, but the one sent past still runs there
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    adm.leave(over=True)
+    assert not (await asyncio.wait_for(waiting, 5)).over
+    # Interactive, out of queue time, still goes on rather than fail.
+    assert (await asyncio.wait_for(adm.enter("interactive"), 5)).over
+    assert adm.queues.shed == {"interactive": 0, "standard": 1, "batch": 0}
+
+
 MIXED_POLICY = one_pool("concurrency: {limit: 64, initial: 1, min: 1}", instances=2)
 
 

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from gateway.core.concurrency import (
+    REFUSAL_HOLD_S,
     FixedLimiter,
     GradientLimiter,
     Limiter,
@@ -224,6 +225,48 @@ def test_overload_cuts_multiplicatively_at_most_once_per_interval() -> None:
     assert limiter.limit == 51
 
 
+def test_an_engine_refusal_cuts_from_the_load_it_refused_at_once() -> None:
+    # An open limit (1024) over an engine that fails past 40 at once: a timeout cuts from the
+    # estimate, a dozen seconds of cuts from where the engine copes; the engine's own refusal
+    # (out of memory, 429, 503, 529) cuts from the load it refused in one step.
+    timed_out = GradientLimiter(initial_limit=1024, max_limit=1024, min_limit=2)
+    timed_out.record(10.0, 1.0, in_flight=41, overloaded=True)
+    assert timed_out.estimate == pytest.approx(1024 * 0.8)
+    assert not timed_out.refused_lately(10.0)
+    refused = GradientLimiter(initial_limit=1024, max_limit=1024, min_limit=2)
+    refused.record(10.0, 0.01, in_flight=41, overloaded=True, refused=True)
+    assert refused.estimate == pytest.approx(41 * 0.8)
+    assert refused.cuts == 1
+    # Refusals of the same burst are one signal: no second cut within the interval ...
+    refused.record(10.5, 0.01, in_flight=20, overloaded=True, refused=True)
+    assert refused.estimate == pytest.approx(41 * 0.8)
+    # ... but each one renews how long the limit is the engine's word.
+    assert refused.refused_lately(10.5 + REFUSAL_HOLD_S - 0.01)
+    assert not refused.refused_lately(10.5 + REFUSAL_HOLD_S)
+    # A load above the estimate cuts from the estimate, as any overload.
+    refused.record(12.0, 0.01, in_flight=500, overloaded=True, refused=True)
+    assert refused.estimate == pytest.approx(41 * 0.8 * 0.8)
+    assert refused.cuts == 2
+
+
+def test_after_a_refusal_the_limit_grows_back_by_one_a_round_trip() -> None:
+    limiter = GradientLimiter(initial_limit=1024, max_limit=1024, min_limit=2)
+    limiter.record(0.0, None, in_flight=41, overloaded=True, refused=True)
+    cut = limiter.estimate
+    # 32 successes at full load (one limit's worth: a round trip) with steady latency.
+    now = 0.01
+    for _ in range(32):
+        limiter.record(now, 0.1, limiter.limit)
+        now += STEP
+    assert cut < limiter.estimate <= cut + 1.05
+    # Once the engine has refused nothing for REFUSAL_HOLD_S, growth is Gradient2's again:
+    # the square root of the estimate per sample, smoothed.
+    later = REFUSAL_HOLD_S + 1.0
+    before = limiter.estimate
+    limiter.record(later, 0.1, limiter.limit)
+    assert limiter.estimate == pytest.approx(before + 0.2 * math.sqrt(before))
+
+
 # -- GradientLimiter: bounds -------------------------------------------------------------------
 
 
@@ -342,6 +385,7 @@ def test_both_limiters_share_the_api() -> None:
         assert limiter.limit == 4
         assert limiter.admits(3)
         assert not limiter.admits(4)
+        assert not limiter.refused_lately(0.0)
 
 
 # -- TokenBudget ---------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
+from loadtests.fake_vllm.app import build_app
+from loadtests.fake_vllm.config import FakeConfig
 from loadtests.fake_vllm.engine import DONE, FAILED, QUEUED, RUNNING, Engine, EngineOOM
 
 
@@ -124,6 +127,15 @@ async def test_batch_slowdown_grows_with_the_batch() -> None:
     assert Engine(max_running=2).submit(1).factor == 1.0
 
 
+async def test_an_engine_without_a_batch_bound_runs_out_of_memory_past_oom_above() -> None:
+    engine = Engine(oom_above=2, batch_slowdown=1.0)  # a full batch is oom_above
+    assert [engine.submit(1).factor for _ in range(2)] == [1.5, 2.0]
+    third = engine.submit(1)  # no queue: it starts at once, and fails
+    assert (third.state, engine.ooms, engine.running, engine.waiting) == (FAILED, 1, 2, 0)
+    with pytest.raises(EngineOOM, match="2 requests already running"):
+        await engine.wait_started(third)
+
+
 async def test_run_yields_the_slowdown_and_raises_oom() -> None:
     engine = Engine(max_running=2, kv_tokens=10, batch_slowdown=0.5)
     async with engine.run(4) as factor:
@@ -137,3 +149,22 @@ async def test_run_yields_the_slowdown_and_raises_oom() -> None:
 
 async def test_wait_waiting_times_out() -> None:
     assert not await Engine(max_running=1).wait_waiting(1, timeout_s=0.01)
+
+
+async def test_a_fake_without_metrics_answers_404_and_fails_past_oom_above() -> None:
+    # As a server that exports no load gauges, with no batch bound of its own.
+    config = FakeConfig(models=("m",), ttft_s=0.0, per_token_s=0.05, oom_above=1, metrics=False)
+    transport = httpx.ASGITransport(app=build_app(config))
+    async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+        assert (await client.get("/metrics")).status_code == 404
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        first = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+        for _ in range(100):  # until the first one runs
+            state = (await client.get("/_fake/engine")).json()
+            if state["running"]:
+                break
+            await asyncio.sleep(0.01)
+        second = await client.post("/v1/chat/completions", json=body)
+        assert second.status_code == 500 and "out of memory" in second.text
+        assert (await first).status_code == 200
+        assert (await client.get("/_fake/engine")).json()["ooms"] == 1

@@ -18,6 +18,9 @@ MIN_GRADIENT = 0.5
 # Slow samples in a row (each beyond its tolerance, the gradient below 1) after which a cut
 # starts from twice the load.
 SNAP_AFTER = 4
+# How long after an instance's engine last refused a request for load (an out-of-memory error,
+# 429, 503, 529) its learned limit is the engine's word rather than a guess.
+REFUSAL_HOLD_S = 10.0
 
 
 class Limiter(Protocol):
@@ -46,12 +49,17 @@ class Limiter(Protocol):
         in_flight: int,
         overloaded: bool = False,
         per_token_s: float | None = None,
+        refused: bool = False,
     ) -> None:
         """Learn from one finished request."""
         ...
 
     def admits(self, in_flight: int) -> bool:
         """Whether one more request may be sent with `in_flight` already in flight."""
+        ...
+
+    def refused_lately(self, now: float) -> bool:
+        """Whether the engine refused a request for load within `REFUSAL_HOLD_S`."""
         ...
 
 
@@ -156,7 +164,17 @@ class GradientLimiter:
     **Overload.** `record(..., overloaded=True)` (a 503, 429, out-of-memory, timeout: the
     instance is past its capacity) learns no latency; it cuts `estimate ← max(min_limit,
     estimate · backoff_ratio)`, at most once per `backoff_interval` seconds (the failures of one
-    burst are one signal, not one per request). `cuts` counts them.
+    burst are one signal, not one per request). `cuts` counts them. When the engine itself
+    refused the request for load (`refused`: an out-of-memory error, 429, 503, 529, not a
+    timeout, which a frozen instance gives too), the cut starts from the load that request saw
+    if that is lower: `estimate ← max(min_limit, min(estimate, in_flight) · backoff_ratio)`.
+    A limit that starts open (1024) is then where the engine stops coping after one round
+    trip, not after a dozen cuts a second apart; and `refused_lately(now)` says for
+    `REFUSAL_HOLD_S` after each such refusal that the limit is the engine's word, not a guess.
+    Meanwhile a success that would raise the limit raises it by `1 / estimate` only (one per
+    limit's worth of successes: one per round trip, as AIMD's additive increase), so the limit
+    stays below where the engine refused for seconds rather than growing back past it within
+    one; the next refusal cuts it again: AIMD around what the engine runs.
     """
 
     __slots__ = (
@@ -168,6 +186,7 @@ class GradientLimiter:
         "_max_limit",
         "_min_limit",
         "_recent_weight",
+        "_refused_at",
         "_smoothing",
         "cuts",
         "estimate",
@@ -214,6 +233,7 @@ class GradientLimiter:
         self._backoff_interval = backoff_interval
         self.cuts = 0
         self._last_cut = -math.inf
+        self._refused_at = -math.inf  # when the engine last refused a request for load
         self._congested_run = 0  # slow samples in a row with a gradient below 1
 
     # The first-token signal's figures, as they were before there were two.
@@ -248,6 +268,10 @@ class GradientLimiter:
         """`in_flight < limit`."""
         return in_flight < self.limit
 
+    def refused_lately(self, now: float) -> bool:
+        """Whether the engine refused a request for load less than `REFUSAL_HOLD_S` ago."""
+        return now - self._refused_at < REFUSAL_HOLD_S
+
     def record(
         self,
         now: float,
@@ -255,13 +279,17 @@ class GradientLimiter:
         in_flight: int,
         overloaded: bool = False,
         per_token_s: float | None = None,
+        refused: bool = False,
     ) -> None:
         """Learn from one finished request (rules in the class docstring)."""
-        if overloaded:
+        if overloaded or refused:
+            if refused:
+                self._refused_at = now
             if now - self._last_cut >= self._backoff_interval:
                 self._last_cut = now
                 self.cuts += 1
-                self.estimate = max(float(self._min_limit), self.estimate * self._backoff_ratio)
+                base = min(self.estimate, float(in_flight)) if refused else self.estimate
+                self.estimate = max(float(self._min_limit), base * self._backoff_ratio)
             return
         gradient = math.inf
         slow = False  # this sample on its own beyond a tolerance
@@ -293,7 +321,13 @@ class GradientLimiter:
         target = estimate * gradient + math.sqrt(estimate)
         if target > estimate and 2 * in_flight < self.limit:
             return  # app-limited: no evidence for a higher limit
-        estimate += self._smoothing * (target - estimate)
+        if target > estimate and self.refused_lately(now):
+            # Near where the engine refused work: grow by one per limit's worth of successes
+            # (one a round trip, as AIMD), not the square root per sample, which would be
+            # back past the refusal within a second.
+            estimate += 1.0 / max(estimate, 1.0)
+        else:
+            estimate += self._smoothing * (target - estimate)
         self.estimate = min(float(self._max_limit), max(float(self._min_limit), estimate))
 
     def __repr__(self) -> str:
@@ -334,6 +368,10 @@ class FixedLimiter:
         """`in_flight < limit`."""
         return in_flight < self._limit
 
+    def refused_lately(self, now: float) -> bool:
+        """False: a fixed limit binds whatever the engine says."""
+        return False
+
     def record(
         self,
         now: float,
@@ -341,6 +379,7 @@ class FixedLimiter:
         in_flight: int,
         overloaded: bool = False,
         per_token_s: float | None = None,
+        refused: bool = False,
     ) -> None:
         """Nothing to learn."""
 

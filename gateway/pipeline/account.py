@@ -119,7 +119,10 @@ def _record(
         # tells of the load it was sent into, long before the stream ends.
         load = max(sent_with, instance.in_flight + 1)
         if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
-            limiter.record(now, elapsed_s, load, overloaded=True)
+            # Refused by the engine itself (out of memory, 429, 503, 529), not timed out: a
+            # frozen instance times out too, but only a working one says it is full.
+            refused = outcome.kind == "oom" or outcome.status in _BUSY
+            limiter.record(now, elapsed_s, load, overloaded=True, refused=refused)
         elif outcome.kind == "ok" and modelled:
             limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)

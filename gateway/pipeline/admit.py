@@ -10,25 +10,28 @@ next request by weight is let through; one whose queue timeout passes is answere
 with no instance taking traffic is not queued for: the pick layer answers 503 at once, as
 without admission.
 
-**A guess holds back only a flood.** Where an instance's room is only the adaptive limiter's
-estimate (its engine exports no load gauges, the policy fixes no limit, and no token budget or
-saturation holds it), the limit holds requests back only while requests flood the pool: from
-when they arrive at more than `FLOOD_RATIO` times the fastest the pool has been seen to complete
-them until they arrive at no more than `FLOOD_END_RATIO` times that. Otherwise a request that
-finds the queues empty goes on past that room at once, and one that would be answered 429
-(refused, evicted, or out of queue time) is sent on instead: each to a backend whose own queue
-takes it as it would without the gateway. Those still queued when a flood ends keep their places
-and go as slots free or at their queue time (a backlog sent on at once would only wait in the
-engines' queues instead, where later interactive requests would wait behind it). Requests sent
-on hold none of the room's slots (`Slot.over`, counted in `over`), so an instance whose engine
-has room is not kept idle for them. The limiter learns from latency and failures, which also
-rise when an instance is faulty or its host is busy rather than when its queue is long: at a
-rate the pool has served before, a cut limit says the pool got slower, not that more is asked of
-it than it can do, and holding back or shedding would delay or fail requests it serves directly.
-In a flood, standard and batch requests are queued and shed as ever; interactive ones are never
-shed on a guess (a limit cut late, while the engines' queues grew, leaves more in flight than it
-allows for seconds: one that waited out its short queue time then is sent on, not failed). The
-engine's own account, a limit the policy sets, or a token budget hold back and shed as always.
+**A guess holds back only a flood, or an engine that refuses work.** Where an instance's room
+is only the adaptive limiter's estimate (its engine exports no load gauges, the policy fixes no
+limit, and no token budget or saturation holds it), the limit holds requests back only while
+requests flood the pool: from when they arrive at more than `FLOOD_RATIO` times the fastest the
+pool has been seen to complete them until they arrive at no more than `FLOOD_END_RATIO` times
+that; and while such an engine refuses requests for load (`Limiter.refused_lately`: out of
+memory, 429, 503, 529), which it says before two seconds of arrivals can show a flood. Then the
+requests sent past the limits before count against them (`_over_held`) until they finish.
+Otherwise a request that finds the queues empty goes on past that room at once, and one that would
+be answered 429 (refused, evicted, or out of queue time) is sent on instead: each to a backend whose
+own queue takes it as it would without the gateway. Those still queued when a flood ends keep their
+places and go as slots free or at their queue time (a backlog sent on at once would only wait in the
+engines' queues instead, where later interactive requests would wait behind it). Requests sent on
+hold none of the room's slots (`Slot.over`, counted in `over`), so an instance whose engine has room
+is not kept idle for them. The limiter learns from latency and failures, which also rise when an
+instance is faulty or its host is busy rather than when its queue is long: at a rate the pool has
+served before, a cut limit says the pool got slower, not that more is asked of it than it can do,
+and holding back or shedding would delay or fail requests it serves directly. In a flood, standard
+and batch requests are queued and shed as ever; interactive ones are never shed on a guess (a limit
+cut late, while the engines' queues grew, leaves more in flight than it allows for seconds: one that
+waited out its short queue time then is sent on, not failed). The engine's own account, a limit the
+policy sets, or a token budget hold back and shed as always.
 Counted as `overflow`, not `shed`.
 
 Within a class, tenants (`admission.tenants`: the client's API key, or a header the policy
@@ -208,6 +211,7 @@ class PoolAdmission:
             "shed": dict(queues.shed),
             "overflow": dict(queues.overflow),
             "flood": self.flood,
+            "engine_refused": self.refused_lately(now),
             "weights": queues.weights(now),
             "tenants": {
                 "queued": {name: self.tenants_queued(name) for name in CLASSES},
@@ -274,11 +278,12 @@ class PoolAdmission:
         queues.arrived(priority, now)
         self.arrivals.arrive(now)
         if not len(queues):
-            if self.running < self.room() and self._place(tokens) is not None:
+            busy = self.running + self._over_held(now) if self.over else self.running
+            if busy < self.room() and self._place(tokens) is not None:
                 self.running += 1
                 self.waits[priority].observe(0.0)
                 return Slot(self._reserve(tokens))
-            if self._held_by_guess(tokens) and not self.flooded(now):
+            if self._held_by_guess(tokens) and not self._holding(now):
                 queues.sent_over(priority)
                 return self._go_over(priority, tokens)
         if not any(i.breaker.state == ADMITTING for i in self.pool.routable):
@@ -307,7 +312,7 @@ class PoolAdmission:
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
                 retry_after_s=self._retry_after_s(),
             )
-        if self.running < self.room():
+        if self.running + self._over_held(now) < self.room():
             self.dispatch()  # slots free, yet others wait for tokens: this one may fit now
         else:
             self._arm()
@@ -359,6 +364,8 @@ class PoolAdmission:
         now = self._loop.time()
         room = self.room()
         queues = self.queues
+        if self.over:
+            room -= self._over_held(now)
         while self.running < room:
             entry = queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
@@ -398,12 +405,42 @@ class PoolAdmission:
             self._flood_seen_at = now
         return self.flood
 
+    def refused_lately(self, now: float) -> bool:
+        """Whether an engine of the pool whose room is a learned limit refused a request for
+        load lately (`Limiter.refused_lately`): that limit is then the engine's word."""
+        return any(
+            inst.room_guessed and inst.limiter is not None and inst.limiter.refused_lately(now)
+            for inst in self.pool.routable
+        )
+
+    def _over_held(self, now: float) -> int:
+        """The requests sent on past the room that count against it now: while an engine
+        refuses requests for load, as many as the learned limits allow (sent before the
+        refusals showed, they are still in those engines and part of why), none otherwise. Never
+        against the room of an engine whose own account paces it: it has room whatever was sent
+        past a guess elsewhere. (A flood alone does not count them: what a learned limit let
+        past was served at the pool's usual rate, and the flood's own queue holds the rest.)"""
+        if not self.refused_lately(now):
+            return 0
+        guessed = sum(
+            inst.room()
+            for inst in self.pool.routable
+            if inst.room_guessed and inst.breaker.state == ADMITTING
+        )
+        return min(self.over, guessed)
+
+    def _holding(self, now: float) -> bool:
+        """Whether learned limits hold requests back now: in a flood, or while an engine says
+        it is full by refusing requests (an out-of-memory error, 429, 503, 529)."""
+        return self.refused_lately(now) or self.flooded(now)
+
     def _guessing(self, priority: Priority, tokens: int) -> bool:
         """Whether a request about to be answered 429 is sent on instead: an instance that would
-        take it is held back only by a guess, and it is interactive or the pool not flooded."""
+        take it is held back only by a guess, and it is interactive or the limits do not hold
+        now."""
         if not self._held_by_guess(tokens):
             return False
-        return priority == CLASSES[0] or not self.flooded(self._loop.time())
+        return priority == CLASSES[0] or not self._holding(self._loop.time())
 
     def _send_anyway(self, entry: Entry[_Waiter]) -> bool:
         """Send a queued request on, past the room, instead of refusing it, where only a guess

@@ -53,6 +53,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="per-token time x (1 + this x running / max-running) as a request starts",
     )
     parser.add_argument(
+        "--oom-above",
+        type=int,
+        default=0,
+        help="no batch bound; a request starting past this many running fails as OOM (0: never)",
+    )
+    parser.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="GET /metrics answers 404, as a server that exports no load gauges",
+    )
+    parser.add_argument(
         "--echo-prefill",
         action="store_true",
         help="stream an Anthropic prefill again before its continuation (llama.cpp's server)",
@@ -94,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--max-running", args.max_running),
         ("--kv-tokens", args.kv_tokens),
         ("--batch-slowdown", args.batch_slowdown),
+        ("--oom-above", args.oom_above),
     ):
         if value < 0:
             print(f"{flag} must be >= 0", file=sys.stderr)
@@ -109,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_running=args.max_running,
         kv_tokens=args.kv_tokens,
         batch_slowdown=args.batch_slowdown,
+        oom_above=args.oom_above,
+        metrics=not args.no_metrics,
         record_credentials=args.record_credentials,
         echo_prefill=args.echo_prefill,
     )

@@ -63,7 +63,9 @@ class FakeVllm:
         # None keeps the fake as it was: every request generates at once, without limits.
         self.engine: Engine | None = None
         if config.engine_enabled:
-            self.engine = Engine(config.max_running, config.kv_tokens, config.batch_slowdown)
+            self.engine = Engine(
+                config.max_running, config.kv_tokens, config.batch_slowdown, config.oom_above
+            )
         self._model_json = {m: json.dumps(m) for m in config.models}
         self._id_prefix = secrets.token_hex(4)
         self._seq = 0
@@ -363,6 +365,9 @@ class FakeVllm:
         await respond(send, status, b"", content_type=b"text/plain; charset=utf-8")
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.config.metrics:
+            await respond(send, 404, b"Not Found", content_type=b"text/plain; charset=utf-8")
+            return
         engine = self.engine
         if engine is None:
             body = r.metrics_text(self.config.models, self.running, self.success)

@@ -42,6 +42,11 @@ class FakeConfig:
     kv_tokens: int = 0
     # Per-token time grows by this fraction of the batch's fullness as a request starts.
     batch_slowdown: float = 0.0
+    # No batch bound, and a GPU out-of-memory error for a request starting past this many
+    # running (0: never), as an engine run without a safe `max_num_seqs`.
+    oom_above: int = 0
+    # False: GET /metrics is a 404, as from a server that exports no load gauges.
+    metrics: bool = True
     # Log the exact `x-api-key` and `authorization` of Anthropic requests (`credentials` field);
     # off, the log shows only whether they were present and a short hash of the key.
     record_credentials: bool = False
@@ -51,7 +56,12 @@ class FakeConfig:
     @property
     def engine_enabled(self) -> bool:
         """False keeps the fake as it was before the engine: no queue, no KV limit."""
-        return self.max_running > 0 or self.kv_tokens > 0 or self.batch_slowdown > 0
+        return (
+            self.max_running > 0
+            or self.kv_tokens > 0
+            or self.batch_slowdown > 0
+            or self.oom_above > 0
+        )
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,17 @@ class Engine:
     """One engine per fake process, shared by every model it serves. 0 means unlimited."""
 
     def __init__(
-        self, max_running: int = 0, kv_tokens: int = 0, batch_slowdown: float = 0.0
+        self,
+        max_running: int = 0,
+        kv_tokens: int = 0,
+        batch_slowdown: float = 0.0,
+        oom_above: int = 0,
     ) -> None:
         self.max_running = max_running
         self.kv_tokens = kv_tokens
+        # An engine with no batch bound of its own that runs out of GPU memory past this many
+        # requests at once: the one that would start beyond it fails (0: never).
+        self.oom_above = oom_above
         self.batch_slowdown = batch_slowdown
         self.running = 0
         self.kv_used = 0
@@ -77,8 +84,10 @@ class Engine:
         return self.kv_used / self.kv_tokens if self.kv_tokens > 0 else None
 
     def slowdown(self, running: int) -> float:
-        """The per-token time multiplier of a request starting as the `running`-th in the batch."""
-        return 1.0 + self.batch_slowdown * running / (self.max_running or UNLIMITED_BATCH)
+        """The per-token time multiplier of a request starting as the `running`-th in the batch
+        (a full batch: `max_running`, else `oom_above`, else `UNLIMITED_BATCH`)."""
+        full = self.max_running or self.oom_above or UNLIMITED_BATCH
+        return 1.0 + self.batch_slowdown * running / full
 
     def submit(self, need: int) -> Slot:
         """Start a request needing `need` KV tokens now if there is room, else queue it."""
@@ -96,6 +105,8 @@ class Engine:
         """Wait for `slot` to start; its per-token multiplier, or EngineOOM if it failed."""
         await slot.started
         if slot.state == FAILED:
+            if self.oom_above > 0 and self.running >= self.oom_above:
+                raise EngineOOM(f"{self.running} requests already running")
             raise EngineOOM(f"needed {slot.need} of {self.kv_tokens} KV tokens")
         return slot.factor
 
@@ -138,7 +149,9 @@ class Engine:
 
     def _start(self, slot: Slot) -> None:
         # As vLLM on a GPU out-of-memory error: the request fails rather than waits for room.
-        if self.kv_tokens > 0 and self.kv_used + slot.need > self.kv_tokens:
+        if (self.kv_tokens > 0 and self.kv_used + slot.need > self.kv_tokens) or (
+            self.oom_above > 0 and self.running >= self.oom_above
+        ):
             slot.state = FAILED
             self.ooms += 1
         else:
