@@ -213,6 +213,7 @@ def _instance_state(
             for (phase, blamed), count in sorted(inst.stats.timeouts.items())
         ],
         "peak_ewma_s": inst.peak.peek(now),
+        "penalty_s": inst.penalty.peek(now) if inst.penalty is not None else None,
         "retry_after_remaining_s": max(0.0, inst.not_before - now),
         "health": {
             "healthy": inst.health.healthy,

@@ -6,6 +6,7 @@ virtual times of events."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.routes import CHAT
+from gateway.core.balancer import PENALTY_TAU_S
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
 from gateway.errors import GatewayError, Shed
 from gateway.pipeline.admit import PoolAdmission
@@ -267,6 +269,42 @@ def test_a_queued_attempt_moves_once_another_instance_has_room() -> None:
     outcome = run(scenario())
     assert (outcome.status, outcome.instance, outcome.attempts) == (200, "b", 2)
     assert 1.9 < outcome.at < 3.0
+
+
+def test_failure_penalties_do_not_price_each_other_up() -> None:
+    """a and b fail, c is held out by an operator: the isolation cap keeps a and b in rotation
+    and the balancer steers by penalties instead, each priced at twice the dearest other
+    instance's cost. Priced on each other's penalties, they doubled at each failure, to
+    estimates of hours in which latency no longer counted (seen in chaos runs: every instance
+    of a pool at about an hour, the slowest one taking the most traffic)."""
+
+    async def scenario() -> tuple[Pipeline, list[Outcome], list[float], float]:
+        p = await pipeline(
+            {"a": always(Answer(status=503)), "b": always(Answer(status=503)),
+             "c": always(Answer())},
+            settings="    breaker: {consecutive_failures: 2, isolation: 30s}",
+        )()  # fmt: skip
+        loop = asyncio.get_running_loop()
+        try:
+            a, b, c = (p.pool.instance_named(name) for name in "abc")
+            assert a is not None and b is not None and c is not None
+            c.breaker.isolate(loop.time(), p.pool.rng, reason="operator")
+            outcomes = [await p.request() for _ in range(30)]
+            now = loop.time()
+            priced = [a.cost_latency(now), b.cost_latency(now)]
+            await asyncio.sleep(20.0)  # they stop being asked: the penalties fade
+            later = loop.time()
+            return p, outcomes, priced, max(a.cost_latency(later), b.cost_latency(later))
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, priced, later = run(scenario())
+    assert all(o.status == 503 for o in outcomes)
+    suppressed = [t for _, t in p.transitions if t.suppressed]
+    assert {t.instance for t in suppressed} == {"a", "b"} and len(suppressed) >= 10
+    # Each penalty is twice the other's cost on its own answers (none yet: the initial 1 s).
+    assert max(priced) <= 2.0 * (1 + 1) + 0.01, priced
+    assert later <= max(priced) * math.exp(-20.0 / PENALTY_TAU_S) + 1.0
 
 
 def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:

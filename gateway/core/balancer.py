@@ -91,12 +91,20 @@ def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
     return latency_s * (in_flight + 1) / weight
 
 
+# How fast a failure penalty fades: each failure under the cap renews it, so only an instance
+# that stopped failing sees it go, within seconds rather than the tens a peak EWMA's time
+# constant would take from a price many times its peers' latency.
+PENALTY_TAU_S = 2.0
+
+
 def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float]) -> float:
     """The latency sample the balancer takes for a failure the breaker could not act on (the
     pool's isolation cap held): twice the dearest other instance's load cost, and never less
     than the attempt's own time. An instance that fails fast would otherwise look the cheapest
     (little latency, nothing in flight) and draw ever more traffic; priced so, power of two
-    choices passes it over until its estimate decays and it is tried again."""
+    choices passes it over until its estimate decays and it is tried again. The others'
+    costs must be priced on their own answers, never on a penalty of theirs (see
+    `InstanceState.penalize`)."""
     return max(elapsed_s, 2.0 * max(others_costs, default=0.0))
 
 

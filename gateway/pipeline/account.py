@@ -153,7 +153,7 @@ def _record(
             others = (
                 load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
             )
-            instance.peak.observe(now, failure_penalty_s(elapsed_s, others))
+            instance.penalize(now, failure_penalty_s(elapsed_s, others))
         elif transition.to == ADMITTING:
             pool.rejoined(instance, now)  # its probe answered well
         if transition.displaced is not None:

@@ -106,7 +106,7 @@ def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> In
         if slow_start_s and inst.health.healthy_since is not None:
             weight = slow_start_weight(now, inst.health.healthy_since, slow_start_s)
         if inst.requests > inst.in_flight:
-            latency = inst.peak.get(now)
+            latency = inst.peak.get(now) if inst.penalty is None else inst.cost_latency(now)
         else:
             # No finished attempt yet, so no latency of its own: costed at its peers' average,
             # neither shunned (a made-up high guess) nor flooded (a guess of zero).

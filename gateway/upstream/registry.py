@@ -13,7 +13,7 @@ from yarl import URL
 from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.config.models import TokenBudgetPolicy
 from gateway.config.routes import KNOWN_ROUTES
-from gateway.core.balancer import PeakEwma
+from gateway.core.balancer import PENALTY_TAU_S, PeakEwma
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
@@ -77,6 +77,7 @@ class InstanceState:
         "name_header",
         "not_before",
         "peak",
+        "penalty",
         "pool_name",
         "progress_at",
         "races_lost",
@@ -143,6 +144,9 @@ class InstanceState:
         self.breaker = breaker
         # Peak-EWMA of attempt durations: the balancer's latency, quick to see a slowdown.
         self.peak = PeakEwma(now)
+        # The price of failures the isolation cap kept in rotation (`penalize`), apart from
+        # `peak` so that it never prices another instance's failure (None: none now).
+        self.penalty: PeakEwma | None = None
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
         self.stats = InstanceStats()
@@ -175,8 +179,33 @@ class InstanceState:
 
     def start_afresh(self, now: float, latency_s: float) -> None:
         """Back in traffic: the balancer's latency estimate starts again at `latency_s`
-        (`PoolState.rejoined` says why and how much)."""
+        (`PoolState.rejoined` says why and how much), and any penalty is lifted."""
         self.peak = PeakEwma(now, initial_s=latency_s)
+        self.penalty = None
+
+    def penalize(self, now: float, latency_s: float) -> None:
+        """A failure its breaker could not act on (the isolation cap held): the balancer
+        prices it at `latency_s` (`failure_penalty_s`) until that fades, with a time constant
+        of `PENALTY_TAU_S`: each further such failure renews it, and one that stops failing is
+        soon priced by its own answers again. Kept apart from `peak`, which prices the other
+        instances' penalties: priced on a penalty, one penalty would beget a larger one at
+        each failure elsewhere, until every estimate is hours and latency no longer counts."""
+        if self.penalty is None:
+            self.penalty = PeakEwma(now, initial_s=latency_s, tau_s=PENALTY_TAU_S)
+        else:
+            self.penalty.observe(now, latency_s)
+
+    def cost_latency(self, now: float) -> float:
+        """The latency the balancer prices it at: its peak EWMA, or its penalty while that is
+        higher (then dropped once it is not)."""
+        latency = self.peak.get(now)
+        penalty = self.penalty
+        if penalty is not None:
+            priced = penalty.get(now)
+            if priced > latency:
+                return priced
+            self.penalty = None
+        return latency
 
     def serving_a_queue(self, now: float, since: float, quiet_s: float) -> bool:
         """Whether an attempt sent at `since` that has no first byte yet waits in this
