@@ -121,7 +121,7 @@ def test_real_engine_short_run_on_the_tiny_model(tmp_path: Path) -> None:
         ]
         meta = json.loads((run_dir / mode / "meta.json").read_text())
         assert meta["requests_sent"] == 20 and not meta["timeline_errors"], meta
-        assert meta["engine"] == {"engine": "llama.cpp", "preset": "tiny", "slots": 4}
+        assert meta["engine"] == {"engine": "llama.cpp", "preset": "tiny", "slots": 4, "nice": {}}
         assert "time_compression" not in meta
         assert len(meta["instances"]["llama-1"]["starts"]) == 2
         # Each start of an engine has its own log; the second one served on the same port.
@@ -131,3 +131,49 @@ def test_real_engine_short_run_on_the_tiny_model(tmp_path: Path) -> None:
     report = (run_dir / "report.md").read_text()
     for section in ("## Summary", "## Per instance", "## Fault timeline"):
         assert section in report
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_real_engine_chaos_short_run_on_the_tiny_model(tmp_path: Path) -> None:
+    """`real-engine-chaos` on three tiny engines: one frozen then thawed, one killed then
+    started again, one at a lower CPU priority; both modes end every request once."""
+    engine_model("tiny")
+    scenario = load_scenario("real-engine-chaos")
+    assert scenario.engine is not None and scenario.engine.nice == {"llama-2": 10}
+    data = yaml.safe_load((ROOT / "loadtests/scenarios/real-engine-chaos.yaml").read_text())
+    data["backend"]["preset"] = "tiny"
+    data["rate"] = 10
+    path = tmp_path / "real-engine-chaos-tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "loadtests.chaos", str(path)),
+            *("--requests", "30", "--out", str(run_dir)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for mode in ("direct", "gateway"):
+        records = list(read_records(run_dir / mode / "ledger.jsonl"))
+        assert sorted(r.seq for r in records) == list(range(30))
+        assert any(r.ok for r in records), mode
+        assert sorted(
+            (e.action, e.target) for e in read_events(run_dir / mode / "events.jsonl")
+        ) == [
+            ("freeze", "llama-0"),
+            ("kill", "llama-1"),
+            ("start", "llama-1"),
+            ("thaw", "llama-0"),
+        ]
+        meta = json.loads((run_dir / mode / "meta.json").read_text())
+        assert meta["engine"]["nice"] == {"llama-2": 10}
+    gateway = list(read_records(run_dir / "gateway" / "ledger.jsonl"))
+    # Nothing the gateway relays is cut short: a failure, if any, is a proper error answer.
+    assert not [r for r in gateway if r.status == 200 and not r.proper]
+    report = (run_dir / "report.md").read_text()
+    assert "failures per 100k" in report and "niceness 10" in report

@@ -252,6 +252,7 @@ def test_summary_exact_figures(full_run: tuple[Path, str]) -> None:
     assert row(report, "HTTP 4xx") == ["0", "0"]
     assert row(report, "OOM errors") == ["20", "2"]
     assert row(report, "**OOM errors per 100k requests**") == ["**1,000.0**", "**100.0**"]
+    assert row(report, "failures per 100k requests") == ["5,150.0", "3,000.0"]
     assert row(report, "retries (requests retried)") == ["n/a", "28 (24)"]
     assert row(report, "isolations") == ["n/a", "1"]
     assert row(report, "cold start c") == ["3.12 s", "2.12 s"]
@@ -264,14 +265,20 @@ def test_per_model_rows(full_run: tuple[Path, str]) -> None:
     _, report = full_run
     a = rows(report, "`model-a`")
     b = rows(report, "`model-b`")
-    assert [r[:5] for r in a] == [
-        ["direct", "1,000", "2.800 %", "2,000.0", "n/a"],
-        ["gateway", "1,000", "1.000 %", "200.0", "n/a"],
+    assert [r[:6] for r in a] == [
+        ["direct", "1,000", "2.800 %", "2,800.0", "2,000.0", "n/a"],
+        ["gateway", "1,000", "1.000 %", "1,000.0", "200.0", "n/a"],
     ]
-    assert [r[:5] for r in b] == [
-        ["direct", "1,000", "7.500 %", "0.0", "3.12 s"],
-        ["gateway", "1,000", "5.000 %", "0.0", "2.12 s"],
+    assert [r[:6] for r in b] == [
+        ["direct", "1,000", "7.500 %", "7,500.0", "0.0", "3.12 s"],
+        ["gateway", "1,000", "5.000 %", "5,000.0", "0.0", "2.12 s"],
     ]
+    # The succeeded-only figures: model-a's requests are whole answers (no TTFB); model-b's
+    # are streams, whose first byte comes before their end (0.3 of it in this run).
+    assert all(r[-4:-2] == ["n/a", "n/a"] and r[-2] != "n/a" for r in a)
+    for r in b:
+        ttfb_p50, _, total_p50, _ = (float(c.replace(",", "")) for c in r[-4:])
+        assert ttfb_p50 == pytest.approx(0.3 * total_p50, rel=0.01), r
 
 
 def test_per_instance_and_timeline(full_run: tuple[Path, str]) -> None:

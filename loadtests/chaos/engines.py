@@ -40,6 +40,7 @@ class EngineLauncher:
             alias=self.alias,
             log_path=self.log_dir / f"{self.name}-{self.starts}.llama-server.log",
             ready_timeout_s=READY_TIMEOUT_S,
+            niceness=self.spec.nice.get(self.name, 0),
             # threads: engine_argv's one thread per engine, so that engines on a small machine
             # do not fight over cores and runs stay comparable.
         )

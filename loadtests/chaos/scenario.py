@@ -148,6 +148,9 @@ class EngineBackendSpec(_Strict):
     engine: Literal["llama.cpp"]
     preset: str = "slow"  # a model of loadtests.engine.model.PRESETS
     slots: Annotated[int, Field(ge=1, le=64)] = 4  # --parallel: sequences decoded together
+    # Instances whose engine runs at a lower CPU priority (niceness 1-19): on a machine whose
+    # cores the engines share, one slower than its peers, as on a host with busier neighbours.
+    nice: dict[str, Annotated[int, Field(ge=1, le=19)]] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -157,7 +160,7 @@ class EngineBackendSpec(_Strict):
         if fake:
             raise ValueError(
                 f"{', '.join(fake)}: knob(s) of the fake backend; an engine backend runs at its "
-                "real speed and takes only `preset` and `slots`"
+                "real speed and takes only `preset`, `slots` and `nice`"
             )
         return data
 
@@ -232,6 +235,9 @@ class Scenario(_Strict):
             if step.target not in names:
                 raise ValueError(f"fault target {step.target!r} is not an instance of the scenario")
         if self.engine is not None:
+            for name in self.engine.nice:
+                if name not in names:
+                    raise ValueError(f"`nice` names {name!r}, not an instance of the scenario")
             for step in self.faults:
                 if step.action in KNOB_ACTIONS or (step.target != REDIS and step.set):
                     raise ValueError(

@@ -140,12 +140,15 @@ def start_engine(
     log_path: str | os.PathLike[str] | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 60.0,
+    niceness: int = 0,
 ) -> Engine:
     """Start llama-server and return once its /health answers 200.
 
     `port` 0 lets the kernel pick one (`Engine.port` tells which); a fixed port restarts an
     engine where a gateway already expects it. The log goes to `log_path`, or to a new file in
-    the temp directory. Raises EngineMissing when llama-server is not installed and ProcessFailed
+    the temp directory. `niceness` (0-19) lowers its CPU priority, as a machine shared with busier
+    neighbours would: on a contended machine it then runs slower than its peers. Raises
+    EngineMissing when llama-server is not installed and ProcessFailed
     (with the log) when it exits or does not become healthy within `ready_timeout_s`.
     """
     argv = engine_argv(
@@ -164,7 +167,11 @@ def start_engine(
     log = Path(log_path)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
         )
     try:
         bound = _wait_for_port(proc, log, ready_timeout_s)

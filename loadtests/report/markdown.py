@@ -154,10 +154,15 @@ def header(run: Run) -> list[str]:
 
 def engine_text(value: dict[str, Any]) -> str:
     name = value.get("engine") or NA
-    return (
+    text = (
         f"real engine {name}, `{value.get('preset', NA)}` model, {value.get('slots', NA)} slots "
         "per instance (no time compression)"
     )
+    nice = value.get("nice") or {}
+    if isinstance(nice, dict) and nice:
+        lowered = ", ".join(f"`{name}` at niceness {level}" for name, level in sorted(nice.items()))
+        text += f"; lower CPU priority: {lowered}"
+    return text
 
 
 def compression_text(value: Any) -> str:
@@ -214,6 +219,7 @@ def summary_section(run: Run, summaries: dict[str, Summary]) -> list[str]:
     if any(s.status_other for s in summaries.values()):
         row("other statuses", lambda m, s: count(s.status_other))
     row("OOM errors", lambda m, s: count(s.ooms))
+    row("failures per 100k requests", lambda m, s: per_100k(s.failures_per_100k))
     row("**OOM errors per 100k requests**", lambda m, s: f"**{per_100k(s.oom_per_100k)}**")
     for key in ("p50", "p95", "p99", "max"):
         row(f"total latency {key} (ms)", _percentile_text(key, lambda s: s.latency))
@@ -320,7 +326,7 @@ def model_section(run: Run) -> list[str]:
         label = f"`{model}` (Messages API)" if model in anthropic else f"`{model}`"
         for mode in modes:
             if model not in mode.models:
-                rows.append([label, mode.name, "0", NA, NA, NA, NA, NA])
+                rows.append([label, mode.name, "0", *[NA] * 10])
                 continue
             s = summarize(mode, mode.model == mode.models.index(model))
             colds = cold_starts(mode)
@@ -335,10 +341,15 @@ def model_section(run: Run) -> list[str]:
                     mode.name,
                     count(s.requests),
                     pct(s.failure_rate),
+                    per_100k(s.failures_per_100k),
                     per_100k(s.oom_per_100k),
                     f"{max(w for w in worst if w is not None):.2f} s" if worst else NA,
                     ms(s.latency["p50"]),
                     ms(s.latency["p99"]),
+                    ms(s.ttfb_ok.get("p50")),
+                    ms(s.ttfb_ok.get("p95")),
+                    ms(s.latency_ok_p50),
+                    ms(s.latency_ok_p99),
                 ]
             )
     lines += table(
@@ -347,14 +358,24 @@ def model_section(run: Run) -> list[str]:
             "mode",
             "requests",
             "failure rate",
+            "failures per 100k",
             "OOM per 100k",
             "cold start (max)",
             "p50 (ms)",
             "p99 (ms)",
+            "ok: TTFB p50 (ms)",
+            "ok: TTFB p95 (ms)",
+            "ok: p50 (ms)",
+            "ok: p99 (ms)",
         ],
         rows,
         left=2,
     )
+    lines += [
+        "",
+        "p50 and p99 cover every request, failures included; the `ok:` columns only the "
+        "requests that succeeded (TTFB: streams).",
+    ]
     return [*lines, ""]
 
 

@@ -106,10 +106,17 @@ class Summary:
     retried_requests: int
     lag_p99: float | None
     lag_max: float | None
+    # Of the requests that succeeded only: what a client that got its answer waited.
+    latency_ok_p50: float | None = None
+    ttfb_ok: dict[str, float | None] = field(default_factory=dict)  # p50, p95, streams only
 
     @property
     def failure_rate(self) -> float | None:
         return 100.0 * self.failed / self.requests if self.requests else None
+
+    @property
+    def failures_per_100k(self) -> float | None:
+        return 100_000.0 * self.failed / self.requests if self.requests else None
 
     @property
     def oom_per_100k(self) -> float | None:
@@ -126,7 +133,8 @@ def summarize(mode: ModeData, mask: Bools | None = None) -> Summary:
     ok = pick(mode.ok)
     total = pick(mode.total)
     attempts = pick(mode.attempts)
-    ttfb = pick(mode.ttfb)[pick(mode.stream)]
+    stream = pick(mode.stream)
+    ttfb = pick(mode.ttfb)[stream]
     requests = int(status.size)
     improper = (status == 200) & ~ok
     has_attempts = attempts > 0
@@ -156,6 +164,8 @@ def summarize(mode: ModeData, mask: Bools | None = None) -> Summary:
         retried_requests=int((attempts > 1).sum()),
         lag_p99=percentile(lag, 99),
         lag_max=percentile(lag, 100),
+        latency_ok_p50=percentile(total[ok], 50),
+        ttfb_ok={q: percentile(pick(mode.ttfb)[stream & ok], float(q[1:])) for q in ("p50", "p95")},
     )
 
 
