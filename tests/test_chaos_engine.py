@@ -30,6 +30,30 @@ def engine_scenario(**extra: Any) -> dict[str, Any]:
     return {"name": "x", "backend": ENGINE, "pools": {"llama": {"models": ["m"]}}, **extra}
 
 
+def run_tiny(name: str, requests: int, tmp_path: Path) -> Path:
+    """Run the shipped scenario `name` in both modes on the tiny model at 10 requests a
+    second; the run's folder."""
+    data = yaml.safe_load((ROOT / f"loadtests/scenarios/{name}.yaml").read_text())
+    data["backend"]["preset"] = "tiny"
+    data["rate"] = 10
+    path = tmp_path / f"{name}-tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "loadtests.chaos", str(path)),
+            *("--requests", str(requests), "--out", str(run_dir)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir
+
+
 def test_real_engine_scenario_loads_with_an_engine_backend() -> None:
     scenario = load_scenario("real-engine")
     assert scenario.engine == EngineBackendSpec(engine="llama.cpp", preset="slow", slots=4)
@@ -93,24 +117,7 @@ def test_bad_engine_backends_are_refused(backend: dict[str, Any], message: str) 
 def test_real_engine_short_run_on_the_tiny_model(tmp_path: Path) -> None:
     """Both modes on two tiny engines, one killed and started again on its port."""
     engine_model("tiny")  # written once, before the run (and a missing engine fails here)
-    data = yaml.safe_load((ROOT / "loadtests/scenarios/real-engine.yaml").read_text())
-    data["backend"]["preset"] = "tiny"
-    data["rate"] = 10
-    path = tmp_path / "real-engine-tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "loadtests.chaos", str(path)),
-            *("--requests", "20", "--out", str(run_dir)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_tiny("real-engine", 20, tmp_path)
     for mode in ("direct", "gateway"):
         records = list(read_records(run_dir / mode / "ledger.jsonl"))
         assert sorted(r.seq for r in records) == list(range(20))  # each request exactly once
@@ -140,24 +147,7 @@ def test_real_engine_chaos_short_run_on_the_tiny_model(tmp_path: Path) -> None:
     engine_model("tiny")
     scenario = load_scenario("real-engine-chaos")
     assert scenario.engine is not None and scenario.engine.nice == {"llama-2": 10}
-    data = yaml.safe_load((ROOT / "loadtests/scenarios/real-engine-chaos.yaml").read_text())
-    data["backend"]["preset"] = "tiny"
-    data["rate"] = 10
-    path = tmp_path / "real-engine-chaos-tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "loadtests.chaos", str(path)),
-            *("--requests", "30", "--out", str(run_dir)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = run_tiny("real-engine-chaos", 30, tmp_path)
     for mode in ("direct", "gateway"):
         records = list(read_records(run_dir / mode / "ledger.jsonl"))
         assert sorted(r.seq for r in records) == list(range(30))
