@@ -191,4 +191,9 @@ def _rebuilt(scenario: Scenario, size: int, faults: list[FaultStep]) -> Scenario
     for pool in data["pools"].values():
         pool["instances"] = size
     data["faults"] = [step.model_dump(mode="json", by_alias=True) for step in faults]
+    nice = data["backend"].get("nice")
+    if nice:
+        # A slower engine the smaller pool does not have is left out, as its faults are.
+        names = {f"{pool}-{i}" for pool in data["pools"] for i in range(size)}
+        data["backend"]["nice"] = {name: level for name, level in nice.items() if name in names}
     return Scenario.model_validate(data)
