@@ -24,6 +24,7 @@ from loadtests.chaos.cluster import Cluster
 from loadtests.chaos.scenario import SCENARIO_DIR, Scenario, load_scenario
 from loadtests.chaos.timeline import STOP_BOUND_S, Timeline
 from loadtests.ledger import JsonlWriter, read_events, read_records
+from tests.chaos_cli import run_chaos
 
 SHIPPED = sorted(SCENARIO_DIR.glob("*.yaml"))
 REQUIRED = {
@@ -271,19 +272,9 @@ def test_anthropic_pool_declares_its_models() -> None:
 @pytest.mark.timeout(ANTHROPIC_MIX_TIMEOUT_S + 60)
 def test_anthropic_mix_short_run(tmp_path: Path) -> None:
     """Both pools side by side, the Anthropic one called with /v1/messages in both modes."""
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "loadtests.chaos", shorter("anthropic-mix", tmp_path)),
-            *("--requests", "600", "--out", str(run_dir)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=ANTHROPIC_MIX_TIMEOUT_S,
-        check=False,
+    run_dir = run_chaos(
+        shorter("anthropic-mix", tmp_path), 600, tmp_path / "run", ANTHROPIC_MIX_TIMEOUT_S
     )
-    assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("direct", "gateway"):
         records = list(read_records(run_dir / mode / "ledger.jsonl"))
         assert sorted(r.seq for r in records) == list(range(600))

@@ -5,8 +5,6 @@ server, restarted on its port after a kill) leaves the ledgers and the report in
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from pydantic import ValidationError
 from loadtests.chaos.scenario import BackendSpec, EngineBackendSpec, Scenario, load_scenario
 from loadtests.ledger import read_events, read_records
 from loadtests.matrix.resize import resize
+from tests.chaos_cli import run_chaos
 from tests.engine import engine_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,20 +37,7 @@ def run_tiny(name: str, requests: int, tmp_path: Path) -> Path:
     data["rate"] = 10
     path = tmp_path / f"{name}-tiny.yaml"
     path.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "loadtests.chaos", str(path)),
-            *("--requests", str(requests), "--out", str(run_dir)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir
+    return run_chaos(path, requests, tmp_path / "run", RUN_TIMEOUT_S)
 
 
 def test_real_engine_scenario_loads_with_an_engine_backend() -> None:

@@ -37,13 +37,14 @@ class EngineOOM(Exception):
 class Slot:
     """One request's place in the engine."""
 
-    __slots__ = ("factor", "need", "started", "state")
+    __slots__ = ("factor", "failure", "need", "started", "state")
 
     def __init__(self, need: int) -> None:
         self.need = need
         self.state = QUEUED
         # The per-token time multiplier, fixed when the request starts.
         self.factor = 1.0
+        self.failure = ""  # why it could not start (FAILED), for the OOM message
         # Resolved when the slot leaves the queue (to run or to fail); `state` says which.
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -105,9 +106,7 @@ class Engine:
         """Wait for `slot` to start; its per-token multiplier, or EngineOOM if it failed."""
         await slot.started
         if slot.state == FAILED:
-            if self.oom_above > 0 and self.running >= self.oom_above:
-                raise EngineOOM(f"{self.running} requests already running")
-            raise EngineOOM(f"needed {slot.need} of {self.kv_tokens} KV tokens")
+            raise EngineOOM(slot.failure)
         return slot.factor
 
     def finish(self, slot: Slot) -> None:
@@ -149,9 +148,11 @@ class Engine:
 
     def _start(self, slot: Slot) -> None:
         # As vLLM on a GPU out-of-memory error: the request fails rather than waits for room.
-        if (self.kv_tokens > 0 and self.kv_used + slot.need > self.kv_tokens) or (
-            self.oom_above > 0 and self.running >= self.oom_above
-        ):
+        if self.kv_tokens > 0 and self.kv_used + slot.need > self.kv_tokens:
+            slot.failure = f"needed {slot.need} of {self.kv_tokens} KV tokens"
+        elif self.oom_above > 0 and self.running >= self.oom_above:
+            slot.failure = f"{self.running} requests already running"
+        if slot.failure:
             slot.state = FAILED
             self.ooms += 1
         else:

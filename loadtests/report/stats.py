@@ -134,7 +134,8 @@ def summarize(mode: ModeData, mask: Bools | None = None) -> Summary:
     total = pick(mode.total)
     attempts = pick(mode.attempts)
     stream = pick(mode.stream)
-    ttfb = pick(mode.ttfb)[stream]
+    all_ttfb = pick(mode.ttfb)
+    ttfb = all_ttfb[stream]
     requests = int(status.size)
     improper = (status == 200) & ~ok
     has_attempts = attempts > 0
@@ -165,7 +166,7 @@ def summarize(mode: ModeData, mask: Bools | None = None) -> Summary:
         lag_p99=percentile(lag, 99),
         lag_max=percentile(lag, 100),
         latency_ok_p50=percentile(total[ok], 50),
-        ttfb_ok={q: percentile(pick(mode.ttfb)[stream & ok], float(q[1:])) for q in ("p50", "p95")},
+        ttfb_ok={q: percentile(all_ttfb[stream & ok], float(q[1:])) for q in ("p50", "p95")},
     )
 
 
