@@ -78,7 +78,7 @@ bench-operations: install
 SCENARIO ?= chaos-mix
 loadtest: install
 	$(BIN)/python -m loadtests.chaos $(SCENARIO) $(if $(REQUESTS),--requests $(REQUESTS)) \
-		$(if $(RATE),--rate $(RATE))
+		$(if $(RATE),--rate $(RATE)) $(if $(CPUS),--cpus $(CPUS))
 
 # Every scenario at pools of 1, 2 and 3 instances, direct vs gateway, in one table (~300 requests
 # per cell); in loadtests/out/matrix-<time>/. SCENARIOS=a,b and SIZES=1,2 narrow it.

@@ -18,6 +18,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ class ManagedProcess:
         ready_timeout_s: float = 20.0,
         cwd: str | None = None,
         stop_signal: int = signal.SIGTERM,
+        cpus: frozenset[int] | None = None,
     ) -> None:
+        """`cpus`: the only CPUs the child may run on (None: this process's own)."""
         self.argv = list(argv)
         self.stop_signal = stop_signal
         self.lines: deque[str] = deque(maxlen=2000)
@@ -74,6 +77,7 @@ class ManagedProcess:
             cwd=cwd,
             text=True,
             bufsize=1,
+            preexec_fn=None if cpus is None else partial(os.sched_setaffinity, 0, cpus),
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
         try:
@@ -161,14 +165,19 @@ def terminate(
 
 
 def gateway_process(
-    policy_path: str | Path, env: dict[str, str] | None = None, *extra: str
+    policy_path: str | Path,
+    env: dict[str, str] | None = None,
+    *extra: str,
+    cpus: frozenset[int] | None = None,
 ) -> ManagedProcess:
-    """`gateway run` on a policy file. Stopped by SIGINT, the gateway's quick stop: a test or
-    benchmark has nobody to drain for (SIGTERM would wait out `drain.delay`)."""
+    """`gateway run` on a policy file (on `cpus` only, when given). Stopped by SIGINT, the
+    gateway's quick stop: a test or benchmark has nobody to drain for (SIGTERM would wait out
+    `drain.delay`)."""
     return ManagedProcess(
         python_module("gateway", "run", "--policy", str(policy_path), *extra),
         env=env,
         stop_signal=signal.SIGINT,
+        cpus=cpus,
     )
 
 

@@ -16,6 +16,8 @@ def run_chaos(scenario: str | Path, requests: int, out: Path, timeout_s: float) 
         [
             *(sys.executable, "-m", "loadtests.chaos", str(scenario)),
             *("--requests", str(requests), "--out", str(out)),
+            # Tests run side by side: a split would pile both workers' engines onto one CPU.
+            *("--cpus", "shared"),
         ],
         cwd=ROOT,
         capture_output=True,

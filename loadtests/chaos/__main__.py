@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from loadtests.chaos.placement import CHOICES
 from loadtests.chaos.runner import MODES, run_scenario
 from loadtests.chaos.scenario import load_scenario
 
@@ -21,6 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated: direct, gateway (both)"
     )
+    parser.add_argument(
+        "--cpus",
+        choices=CHOICES,
+        default="auto",
+        help="split: the gateway gets a CPU of its own, the engines and the load generator the "
+        "rest (both modes); shared: every process on every CPU; auto (default): split for fake "
+        "engines on four CPUs or more, shared otherwise",
+    )
     parser.add_argument("--out", type=Path, help="run directory (default: loadtests/out/...)")
     args = parser.parse_args(argv)
     scenario = load_scenario(args.scenario).with_load(args.requests, args.rate)
@@ -29,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
     run_dir = args.out or OUT / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = run_scenario(scenario, run_dir, modes)
+    report = run_scenario(scenario, run_dir, modes, args.cpus)
     print(f"report: {report}")
     return 0
 

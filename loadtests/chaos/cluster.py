@@ -35,6 +35,7 @@ import httpx
 import yaml
 
 from loadtests.chaos.engines import EngineLauncher
+from loadtests.chaos.placement import SHARED, CpuPlacement
 from loadtests.chaos.scenario import EngineBackendSpec, Scenario
 from loadtests.engine.server import Engine
 from loadtests.ports import PortHold, close_all, hold_port
@@ -95,9 +96,10 @@ class Instance:
 
 
 class Cluster:
-    def __init__(self, scenario: Scenario, workdir: Path) -> None:
+    def __init__(self, scenario: Scenario, workdir: Path, placement: CpuPlacement = SHARED) -> None:
         self.scenario = scenario
         self.workdir = workdir
+        self.placement = placement
         self.instances: dict[str, Instance] = {}
         self.gateway: ManagedProcess | None = None
         self.redis: RedisServer | None = None
@@ -192,7 +194,7 @@ class Cluster:
     def start_gateway(self) -> str:
         policy_path = self.workdir / "gateway-policy.yaml"
         policy_path.write_text(yaml.safe_dump(self.gateway_policy(), sort_keys=False))
-        self.gateway = gateway_process(policy_path)
+        self.gateway = gateway_process(policy_path, cpus=self.placement.gateway)
         return f"http://{self.gateway.ready['data']}"
 
     def gateway_policy(self) -> dict[str, Any]:

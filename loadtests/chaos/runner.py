@@ -10,19 +10,23 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvloop
 import yaml
 
 from loadtests.chaos.cluster import Cluster
+from loadtests.chaos.placement import SHARED, Choice, CpuPlacement, plan
 from loadtests.chaos.scenario import EngineBackendSpec, Scenario
 from loadtests.chaos.timeline import Timeline
 from loadtests.ledger import JsonlWriter
 from loadtests.loadgen import LoadStats, Progress, Target, WorkloadSpec, run_load
 
 MODES = ("direct", "gateway")
+STATE_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,16 @@ class ModeResult:
     timeline_errors: list[str]
 
 
-async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
+async def run_mode(
+    scenario: Scenario, mode: str, run_dir: Path, placement: CpuPlacement = SHARED
+) -> ModeResult:
     out = run_dir / mode
     out.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(scenario, out)
+    cluster = Cluster(scenario, out, placement)
     ledger = JsonlWriter(out / "ledger.jsonl")
     events = JsonlWriter(out / "events.jsonl", flush_every=1)
     timeline_task: asyncio.Task[None] | None = None
+    sampler_task: asyncio.Task[None] | None = None
     try:
         await cluster.launch_all()
         targets = _targets(scenario, cluster, mode)
@@ -68,6 +75,10 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
             events=events,
         )
         timeline_task = asyncio.create_task(timeline.run(progress))
+        if mode == "gateway":
+            sampler_task = asyncio.create_task(
+                _sample_state(cluster, out / "state.jsonl", progress.elapsed)
+            )
         stats = await run_load(
             spec,
             targets,
@@ -82,17 +93,34 @@ async def run_mode(scenario: Scenario, mode: str, run_dir: Path) -> ModeResult:
             progress=progress,
         )
         timeline_task.cancel()
+        if sampler_task is not None:
+            sampler_task.cancel()
         state = await cluster.gateway_state()
         _write_meta(out, scenario, cluster, mode, stats, state, timeline.errors)
         return ModeResult(mode, stats, timeline.errors)
     finally:
         try:
-            if timeline_task is not None:
-                timeline_task.cancel()
+            for task in (timeline_task, sampler_task):
+                if task is not None:
+                    task.cancel()
             ledger.close()
             events.close()
         finally:
             await cluster.close()
+
+
+async def _sample_state(cluster: Cluster, path: Path, elapsed: Callable[[], float]) -> None:
+    """The gateway's /admin/state every STATE_EVERY_S while the load runs, one JSON line each
+    (`{"t": seconds since the load began, "state": ...}`): where the requests waited, what the
+    limits and breakers were, read after the run beside the ledger."""
+    with path.open("w", encoding="utf-8") as lines:
+        while True:
+            t = elapsed()
+            state = await cluster.gateway_state()
+            if state is not None:
+                lines.write(json.dumps({"t": round(t, 3), "state": state}) + "\n")
+                lines.flush()
+            await asyncio.sleep(STATE_EVERY_S)
 
 
 def _targets(scenario: Scenario, cluster: Cluster, mode: str) -> dict[str, list[Target]]:
@@ -130,6 +158,7 @@ def _write_meta(
             for inst in cluster.instances.values()
         },
         "timeline_errors": timeline_errors,
+        "cpus": cluster.placement.describe(),
     }
     if cluster.redis is not None:
         # Not under "instances": Redis serves no requests, the report's per-instance tables
@@ -182,17 +211,25 @@ def gateway_counters(state: dict[str, Any]) -> dict[str, Any]:
     return counters
 
 
-def run_scenario(scenario: Scenario, run_dir: Path, modes: tuple[str, ...] = MODES) -> Path:
-    """Run every mode, one after the other, then render the report; returns report.md."""
+def run_scenario(
+    scenario: Scenario, run_dir: Path, modes: tuple[str, ...] = MODES, cpus: Choice = "shared"
+) -> Path:
+    """Run every mode, one after the other, then render the report; returns report.md.
+    `cpus`: where the gateway and the rest run (`loadtests.chaos.placement`)."""
     from loadtests.report import build_report
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "scenario.yaml").write_text(
         yaml.safe_dump(scenario.model_dump(mode="json", by_alias=True), sort_keys=False)
     )
+    placement = plan(cpus, real_engines=isinstance(scenario.backend, EngineBackendSpec))
+    print(f"[{scenario.name}] CPUs: {placement.describe()}")
     for mode in modes:
         print(f"[{scenario.name}] {mode}: {scenario.requests} requests at {scenario.rate:g}/s")
-        result = asyncio.run(run_mode(scenario, mode, run_dir))
+        with placement.applied():
+            # uvloop, as the gateway and the fake engines run: the generator's own CPU is
+            # spent beside the engines', and must not starve them.
+            result = uvloop.run(run_mode(scenario, mode, run_dir, placement))
         stats = result.stats
         print(
             f"[{scenario.name}] {mode}: sent {stats.sent}, ok {stats.ok}, "

@@ -43,6 +43,7 @@ class ModeData:
     models: list[str]  # model index -> name
     instances: list[str]  # instance index -> name (NO_INSTANCE included when seen)
     t: Floats
+    seq: Ints  # the request's order of sending: the same request in every mode
     total: Floats  # NaN when the record has none
     ttfb: Floats  # NaN when the record has none
     lag: Floats
@@ -156,7 +157,9 @@ def load_mode(name: str, directory: Path) -> ModeData:
             instances.setdefault(str(inst), len(instances))
 
     col_f: dict[str, array[float]] = {k: array("d") for k in ("t", "total", "ttfb", "lag")}
-    col_i: dict[str, array[int]] = {k: array("q") for k in ("status", "attempts", "model", "inst")}
+    col_i: dict[str, array[int]] = {
+        k: array("q") for k in ("seq", "status", "attempts", "model", "inst")
+    }
     col_b: dict[str, array[int]] = {
         k: array("b") for k in ("ok", "stream", "oom", "proper", "error_event")
     }
@@ -171,6 +174,7 @@ def load_mode(name: str, directory: Path) -> ModeData:
                     rec = Record.from_json(line)
                     t = float(rec.t)
                     status = int(rec.status or 0)
+                    int(rec.seq)
                 except (ValueError, TypeError, AttributeError):
                     skipped += 1
                     continue
@@ -181,6 +185,7 @@ def load_mode(name: str, directory: Path) -> ModeData:
                 col_f["total"].append(_float_or_nan(rec.total))
                 col_f["ttfb"].append(_float_or_nan(rec.ttfb))
                 col_f["lag"].append(_float_or_nan(rec.lag))
+                col_i["seq"].append(int(rec.seq))
                 col_i["status"].append(status)
                 col_i["attempts"].append(int(rec.attempts) if rec.attempts else 0)
                 col_i["model"].append(models.setdefault(model, len(models)))
@@ -213,6 +218,7 @@ def load_mode(name: str, directory: Path) -> ModeData:
         models=list(models),
         instances=list(instances),
         t=floats("t"),
+        seq=ints("seq"),
         total=floats("total"),
         ttfb=floats("ttfb"),
         lag=floats("lag"),

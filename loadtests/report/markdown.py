@@ -19,6 +19,8 @@ from loadtests.report.stats import (
     instance_pool,
     model_instances,
     number,
+    percentile,
+    succeeded_everywhere,
     summarize,
 )
 
@@ -113,6 +115,9 @@ def header(run: Run) -> list[str]:
     else:
         compression = compression_text(_first_meta(run, "time_compression"))
         lines.append(f"- **Time compression**: {compression}")
+    cpus = _first_meta(run, "cpus")
+    if cpus:
+        lines.append(f"- **CPUs**: {cpus}")
     modes = list(run.modes.values())
     if not modes:
         lines += ["", "**No mode was run**: neither `direct/` nor `gateway/` exists.", ""]
@@ -375,8 +380,58 @@ def model_section(run: Run) -> list[str]:
         "",
         "p50 and p99 cover every request, failures included; the `ok:` columns only the "
         "requests that succeeded (TTFB: streams).",
+        "",
+        *_like_for_like(modes, models),
     ]
     return [*lines, ""]
+
+
+def _like_for_like(modes: Sequence[ModeData], models: list[str]) -> list[str]:
+    """Per model, the latencies of the requests that succeeded in every mode."""
+    if len(modes) < 2:
+        return []
+    masks = succeeded_everywhere(modes)
+    rows = []
+    for model in models:
+        for mode, mask in zip(modes, masks, strict=True):
+            if model not in mode.models:
+                continue
+            mine = mask & (mode.model == mode.models.index(model))
+            streams = mine & mode.stream
+            rows.append(
+                [
+                    f"`{model}`",
+                    mode.name,
+                    count(int(mine.sum())),
+                    ms(percentile(mode.ttfb[streams], 50)),
+                    ms(percentile(mode.ttfb[streams], 95)),
+                    ms(percentile(mode.total[mine], 50)),
+                    ms(percentile(mode.total[mine], 99)),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "### Like for like: the requests that succeeded both ways",
+        "",
+        *table(
+            [
+                "model",
+                "mode",
+                "requests",
+                "TTFB p50 (ms)",
+                "TTFB p95 (ms)",
+                "p50 (ms)",
+                "p99 (ms)",
+            ],
+            rows,
+            left=2,
+        ),
+        "",
+        "The same requests in each mode (by their order of sending). The `ok:` columns above "
+        "compare different sets: the requests direct failed at once are the ones the gateway "
+        "served through a retry or a resume, and only the gateway's figures include them.",
+    ]
 
 
 def instance_section(run: Run) -> list[str]:

@@ -13,7 +13,7 @@ Definitions (the report states them too):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,19 @@ def summarize(mode: ModeData, mask: Bools | None = None) -> Summary:
         latency_ok_p50=percentile(total[ok], 50),
         ttfb_ok={q: percentile(all_ttfb[stream & ok], float(q[1:])) for q in ("p50", "p95")},
     )
+
+
+def succeeded_everywhere(modes: Sequence[ModeData]) -> list[Bools]:
+    """Per mode, the records of the requests that succeeded in every mode (by `seq`): the same
+    requests, so their latencies compare like for like. The `ok:` figures alone do not: the
+    requests direct failed at once (a 503, a refused connection) are the ones the gateway
+    served through a retry or a resume, which its `ok:` figures include and direct's do not."""
+    common: set[int] | None = None
+    for mode in modes:
+        done = set(mode.seq[mode.ok].tolist())
+        common = done if common is None else common & done
+    wanted = np.array(sorted(common or ()), dtype=np.int64)
+    return [np.isin(mode.seq, wanted) & mode.ok for mode in modes]
 
 
 def model_instances(mode: ModeData, model: str) -> set[str]:
