@@ -129,15 +129,23 @@ class Gateway:
 
     def _on_transition(self, pool: str, transition: Transition, operator: bool = False) -> None:
         """Share a breaker's transition; one back to ADMITTING makes room for waiting requests;
-        an isolation moves the instance's streams that can go on elsewhere (when another
-        instance can take them: a pool of one keeps its streams where they are)."""
+        an operator's isolation, or one for timeouts (`silent`), moves the instance's streams
+        that can go on elsewhere (when another instance can take them: a pool of one keeps its
+        streams where they are). An isolation for failures the instance answered (errors, out
+        of memory) leaves its flowing streams where they are: moving one costs its client a
+        new prefill elsewhere, and one that then slows or stalls moves anyway (the relay's
+        pace and idle watch)."""
         self.decisions.record(pool, transition, operator)
         state = self.registry.pools.get(pool)  # None: dropped by a reload meanwhile
         if state is None:
             return
         if transition.to == ADMITTING and transition.state_from != ADMITTING:
             state.capacity_changed()
-        elif transition.to == ISOLATED and not transition.suppressed:
+        elif (
+            transition.to == ISOLATED
+            and not transition.suppressed
+            and (operator or transition.silent)
+        ):
             instance = state.instance_named(transition.instance)
             if instance is not None and not state.alone(instance, self._clock()):
                 self.data_app.streams.migrate(instance)

@@ -101,6 +101,35 @@ def test_failing_instance_is_isolated_then_probed_back_in(
     assert state_of(gateway, "b0")["isolations"] >= 1
 
 
+def test_a_streamed_probe_lets_the_instance_back_at_its_first_byte(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """A probe that is a long stream must not keep its instance out of rotation for the
+    stream's whole length: it answered, so its breaker admits again at once."""
+    backends["b0"].set_faults(error_rate=1.0, error_status=500)
+    sent = 0
+    while state_of(gateway, "b0")["state"] != "ISOLATED" and sent < 60:
+        send(gateway, 1)
+        sent += 1
+    assert state_of(gateway, "b0")["state"] == "ISOLATED"
+    backends["b0"].reset()
+    assert wait_until(lambda: state_of(gateway, "b0")["isolation_remaining_s"] == 0, 6.0)
+    # 20,000 tokens at 1 ms each: the stream is still going long after the checks below.
+    body = {"model": "bm", "max_tokens": 20_000, "stream": True}
+    with (
+        httpx.Client(base_url=gateway.url, timeout=20) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as stream,
+    ):
+        assert stream.status_code == 200
+        assert stream.headers["x-gateway-instance"] == "b0", "the probe goes first"
+        chunks = stream.iter_bytes()
+        first = next(chunks)
+        assert first.startswith(b"data: ")
+        state = state_of(gateway, "b0")
+        assert state["state"] == "ADMITTING", "held out of rotation while its probe streams"
+        assert state["streaming"] == 1, "the probe's stream ended before the check"
+
+
 def test_hung_instance_is_isolated_after_three_timeouts(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from gateway.core.balancer import (
+    PENALTY_TAU_S,
     PeakEwma,
     choose,
     failure_penalty_s,
@@ -181,3 +182,14 @@ def test_a_failure_the_cap_kept_admitting_is_priced_above_every_other_instance()
     assert failure_penalty_s(0.001, [0.2, 0.5, 0.1]) == pytest.approx(1.0)
     assert failure_penalty_s(3.0, [0.2]) == 3.0  # never below the attempt's own time
     assert failure_penalty_s(0.01, []) == 0.01  # nobody else to compare with
+
+
+def test_a_failure_penalty_counts_the_failing_instances_own_load_once() -> None:
+    # Its streams still flowing: the price per attempt is divided by its load, so its cost
+    # (the price times that load) is twice the dearest other's, not thirty times that.
+    others = [load_cost(4.0, 250), load_cost(4.0, 30)]
+    price = failure_penalty_s(0.01, others, in_flight=30)
+    assert load_cost(price, 30) == pytest.approx(2.0 * load_cost(4.0, 250))
+    # Back in the running once the penalty has halved: about 1.4 s with PENALTY_TAU_S = 2 s.
+    fading = PeakEwma(0.0, initial_s=price, tau_s=PENALTY_TAU_S)
+    assert load_cost(fading.get(1.5), 30) < load_cost(4.0, 250)

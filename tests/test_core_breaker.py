@@ -54,7 +54,9 @@ def test_three_consecutive_timeouts_isolate() -> None:
     assert b.try_admit(0.0)
     assert timeout(b, 0.1) is None
     assert timeout(b, 0.2) is None
-    assert timeout(b, 0.3) == Transition("a", ADMITTING, ISOLATED, "3 consecutive timeouts", 5.3)
+    assert timeout(b, 0.3) == Transition(
+        "a", ADMITTING, ISOLATED, "3 consecutive timeouts", 5.3, silent=True
+    )
     assert b.state == ISOLATED
     assert (b.streak, b.isolations, b.isolated_until) == (1, 1, 5.3)
 

@@ -17,11 +17,15 @@ from gateway.config import parse_policy
 from gateway.config.routes import CHAT
 from gateway.core.balancer import PENALTY_TAU_S
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
+from gateway.core.outcome import Outcome as AttemptOutcome
+from gateway.core.outcome import Phase
 from gateway.errors import GatewayError, Shed
+from gateway.pipeline.account import _record
 from gateway.pipeline.admit import PoolAdmission
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.request_path import build_pipeline
 from gateway.runtime import Cancellation
+from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.registry import PoolState, Registry
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.watchdog import Watchdog
@@ -518,3 +522,36 @@ def test_work_after_a_response_runs_once_in_order_and_past_a_failing_step() -> N
     first, after_second = run(scenario())
     assert first == ["span", "account", "slot"]
     assert after_second == first
+
+
+def test_stalled_streams_isolate_only_an_instance_that_stopped_sending_on_all() -> None:
+    """Three idle timeouts in a row isolate an instance that went silent (and move its streams):
+    not one that kept sending on its other streams meanwhile (a burst of prefills slowing
+    some, a stall of one stream's own), whose stalls count in its error rate instead."""
+    idle = AttemptOutcome.from_error("timeout", Phase.IDLE)
+    for flowing, isolated in ((True, []), (False, ["a"])):
+        registry = Registry(parse_policy(policy_text(["a", "b"])), now=0.0, rng=random.Random(1))
+        pool = registry.pools["chat"]
+        (instance,) = [i for i in pool.instances if i.name == "a"]
+        transitions: list[Transition] = []
+
+        def seen(_pool: str, transition: Transition, into: list[Transition] = transitions) -> None:
+            into.append(transition)
+
+        for at in (10.0, 10.1, 10.2):
+            _record(
+                LogThrottle(10.0),
+                pool,
+                instance,
+                idle,
+                at,
+                5.0,
+                False,
+                seen,
+                others_flowing=flowing,
+            )
+        assert [t.instance for t in transitions if t.to == ISOLATED] == isolated
+        if isolated:
+            assert transitions[-1].silent, "a silent instance's streams are moved"
+        else:
+            assert instance.failures == 3 and instance.breaker.state == ADMITTING

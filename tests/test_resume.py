@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def backends() -> Iterator[dict[str, Backend]]:
     try:
         for name in ("a", "b", "solo"):
             started[name] = start_backend(
-                name, ["m", "mv", "t"] if name != "solo" else ["s"], *FAST
+                name, ["m", "mv", "t", "f"] if name != "solo" else ["s"], *FAST
             )
         for name in ("ea", "eb"):
             started[name] = start_backend(name, ["e"], *FAST, "--echo-prefill")
@@ -79,6 +80,11 @@ pools:
     instances: [{{name: ta, url: "{url("a")}"}}, {{name: tb, url: "{url("b")}"}}]
     retries: {{budget: {{ratio: 1.0, min_per_second: 100}}}}
     resume: {{max_text: 64}}
+  brittle:
+    models: [f]
+    instances: [{{name: fa, url: "{url("a")}"}}, {{name: fb, url: "{url("b")}"}}]
+    breaker: {{consecutive_failures: 1}}
+    hedging: false
   noresume:
     models: [o]
     instances: [{{name: quiet, url: "{url("off")}"}}]
@@ -387,6 +393,58 @@ def test_a_stream_on_an_instance_being_isolated_moves_to_another(
     finally:
         httpx.post(f"{gateway.admin_url}/admin/instances/pair/a/restore", timeout=5)
         httpx.post(f"{gateway.admin_url}/admin/instances/pair/b/restore", timeout=5)
+
+
+def test_a_flowing_stream_stays_when_its_instance_is_isolated_for_errors(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    # A slow, healthy stream on each instance; one of them then fails a new request, which
+    # isolates it (one failure is enough in this pool). The stream it is still sending well
+    # stays there: moving it would cost a new prefill elsewhere for nothing.
+    for name in ("a", "b"):
+        backends[name].set_faults(per_token=0.02)
+    body = {"model": "f", "messages": MESSAGES, "max_tokens": 60, "stream": True}
+    backend_of = {"fa": "a", "fb": "b"}
+    state_url = f"{gateway.admin_url}/admin/state"
+
+    def states() -> dict[str, str]:
+        pools = httpx.get(state_url, timeout=5).json()["pools"]
+        return {i["name"]: i["state"] for i in pools["brittle"]["instances"]}
+
+    def read(response: httpx.Response) -> str:
+        pieces = []
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                pieces.append(chunk["choices"][0]["delta"].get("content") or "")
+        return "".join(pieces)
+
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http, ExitStack() as open_streams:
+            streams: list[httpx.Response] = []
+            while len({r.headers["x-gateway-instance"] for r in streams}) < 2:
+                assert len(streams) < 6, "the balancer never used the idle instance"
+                request = http.stream("POST", "/v1/chat/completions", json=body)
+                streams.append(open_streams.enter_context(request))
+            faulty = streams[0].headers["x-gateway-instance"]
+            backends[backend_of[faulty]].set_faults(error_rate=1.0, error_status=500)
+            short = {"model": "f", "messages": MESSAGES, "max_tokens": 1}
+            for _ in range(30):
+                if states()[faulty] == "ISOLATED":
+                    break
+                assert http.post("/v1/chat/completions", json=short).status_code == 200
+            assert states()[faulty] == "ISOLATED"
+            assert [read(r) for r in streams] == [text(60)] * len(streams)
+        sent = [
+            r for r in backends[backend_of[faulty]].requests(wait_for=1) if r["max_tokens"] == 60
+        ]
+        assert sent and all(r["outcome"] == "ok" for r in sent), "a stream was moved or cut"
+        metrics = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+        line = f'gateway_stream_resumes_total{{backend="{faulty}",pool="brittle"'
+        assert not any(row.startswith(line) for row in metrics.splitlines())
+    finally:
+        for name in ("fa", "fb"):
+            httpx.post(f"{gateway.admin_url}/admin/instances/brittle/{name}/restore", timeout=5)
 
 
 def test_a_stream_in_a_pool_of_one_stays_when_its_instance_is_isolated(

@@ -97,15 +97,20 @@ def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
 PENALTY_TAU_S = 2.0
 
 
-def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float]) -> float:
+def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float], in_flight: int = 0) -> float:
     """The latency sample the balancer takes for a failure the breaker could not act on (the
-    pool's isolation cap held): twice the dearest other instance's load cost, and never less
-    than the attempt's own time. An instance that fails fast would otherwise look the cheapest
-    (little latency, nothing in flight) and draw ever more traffic; priced so, power of two
-    choices passes it over until its estimate decays and it is tried again. The others'
-    costs must be priced on their own answers, never on a penalty of theirs (see
+    pool's isolation cap held): one that puts the failing instance's load cost (with its
+    `in_flight` attempts) at twice the dearest other instance's, and never less than the
+    attempt's own time. An instance that fails fast would otherwise look the cheapest (little
+    latency, nothing in flight) and draw ever more traffic; priced so, power of two choices
+    passes it over until its estimate decays (twice the dearest fades below it within
+    `PENALTY_TAU_S · ln 2`) and it is tried again. Its own load divides the price because the
+    cost multiplies it again: priced at twice the dearest cost per attempt in flight, an
+    instance with 30 streams still flowing would stay shunned for 8 s after a one-second
+    burst of errors, and its peers would take its share meanwhile. The others' costs must be
+    priced on their own answers, never on a penalty of theirs (see
     `InstanceState.penalize`)."""
-    return max(elapsed_s, 2.0 * max(others_costs, default=0.0))
+    return max(elapsed_s, 2.0 * max(others_costs, default=0.0) / (in_flight + 1))
 
 
 def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:

@@ -49,6 +49,10 @@ class Transition:
     suppressed: bool = False
     # An isolation that took another one's place: that one's lift, to apply and share first.
     displaced: Transition | None = None
+    # An isolation for timeouts: the instance stopped answering, so its open streams may
+    # have stopped too. One for failures it answered (errors, out of memory, refusals) says
+    # nothing of the streams it is still sending.
+    silent: bool = False
 
 
 def isolation_cap(fraction: float, size: int) -> int:
@@ -276,7 +280,11 @@ class BreakerState:
             self.consecutive_timeouts += 1
             if self.consecutive_timeouts >= self._timeout_limit:
                 return self._trip(
-                    now, rng, f"{self.consecutive_timeouts} consecutive timeouts", in_a_row=True
+                    now,
+                    rng,
+                    f"{self.consecutive_timeouts} consecutive timeouts",
+                    in_a_row=True,
+                    silent=True,
                 )
         else:
             self.consecutive_timeouts = 0
@@ -436,7 +444,12 @@ class BreakerState:
     # -- internals ----------------------------------------------------------------------------
 
     def _trip(
-        self, now: float, rng: random.Random, reason: str, in_a_row: bool = False
+        self,
+        now: float,
+        rng: random.Random,
+        reason: str,
+        in_a_row: bool = False,
+        silent: bool = False,
     ) -> Transition:
         guard = self._guard
         if guard is not None and not guard(now, self.instance):
@@ -444,17 +457,22 @@ class BreakerState:
             if in_a_row and make_room is not None:
                 displaced = make_room(now, self)
                 if displaced is not None and guard(now, self.instance):
-                    isolated = self._isolate(now, rng, reason, ADMITTING)
+                    isolated = self._isolate(now, rng, reason, ADMITTING, silent)
                     return replace(isolated, displaced=displaced)
             # Counters stay: the next failure asks again, and isolates once there is room.
             self.suppressed_isolations += 1
             return Transition(
                 self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
             )
-        return self._isolate(now, rng, reason, ADMITTING)
+        return self._isolate(now, rng, reason, ADMITTING, silent)
 
     def _isolate(
-        self, now: float, rng: random.Random, reason: str, state_from: StateName
+        self,
+        now: float,
+        rng: random.Random,
+        reason: str,
+        state_from: StateName,
+        silent: bool = False,
     ) -> Transition:
         if state_from == ADMITTING and self.streak:
             forgiven = (now - self._admitting_since) // self._max_isolation_s
@@ -470,14 +488,16 @@ class BreakerState:
         self.changed_at = now
         self.isolated_until = now + duration
         self.isolations += 1
-        return Transition(self.instance, state_from, ISOLATED, reason, self.isolated_until)
+        return Transition(
+            self.instance, state_from, ISOLATED, reason, self.isolated_until, silent=silent
+        )
 
     def _probe_result(
         self, now: float, failed: bool, timeout: bool, rng: random.Random
     ) -> Transition:
         if failed:
             reason = "probe timed out" if timeout else "probe failed"
-            return self._isolate(now, rng, reason, PROBING)
+            return self._isolate(now, rng, reason, PROBING, silent=timeout)
         self._clear()
         self.streak = max(0, self.streak - 1)
         self.state = ADMITTING

@@ -100,6 +100,7 @@ def _record(
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
     modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
+    others_flowing: bool = False,  # the instance sent on other attempts while this one waited
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
@@ -144,25 +145,40 @@ def _record(
             instance.health_wanted.set()  # its checker looks at once, not at the next round
     elif outcome.kind != "ok" and not probe:
         return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
-    transition = instance.breaker.record(
-        now, failed, outcome.kind == "timeout", pool.rng, probe=probe
-    )
+    # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
+    # isolate it at once, and move its streams): not when it kept sending on its other
+    # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
+    silent = outcome.kind == "timeout" and not others_flowing
+    transition = instance.breaker.record(now, failed, silent, pool.rng, probe=probe)
     if transition is not None:
-        if transition.suppressed:
-            # The cap keeps it admitting: the balancer steers around it instead.
-            others = (
-                load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
-            )
-            instance.penalize(now, failure_penalty_s(elapsed_s, others))
-        elif transition.to == ADMITTING:
-            pool.rejoined(instance, now)  # its probe answered well
-        if transition.displaced is not None:
-            displaced = transition.displaced
-            back = pool.instance_named(displaced.instance)
-            if back is not None:
-                pool.rejoined(back, now)  # let back for a worse one
-            on_transition(pool.name, displaced)
-        on_transition(pool.name, transition)
+        _transitioned(pool, instance, transition, now, elapsed_s, on_transition)
+
+
+def _transitioned(
+    pool: PoolState,
+    instance: InstanceState,
+    transition: Transition,
+    now: float,
+    elapsed_s: float,
+    on_transition: OnTransition,
+) -> None:
+    """What follows a change of the instance's breaker (`transition`), after an attempt that
+    took `elapsed_s`."""
+    if transition.suppressed:
+        # The cap keeps it admitting: the balancer steers around it instead.
+        others = (
+            load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
+        )
+        instance.penalize(now, failure_penalty_s(elapsed_s, others, instance.in_flight))
+    elif transition.to == ADMITTING:
+        pool.rejoined(instance, now)  # its probe answered well
+    if transition.displaced is not None:
+        displaced = transition.displaced
+        back = pool.instance_named(displaced.instance)
+        if back is not None:
+            pool.rejoined(back, now)  # let back for a worse one
+        on_transition(pool.name, displaced)
+    on_transition(pool.name, transition)
 
 
 def _abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: float) -> None:
@@ -215,8 +231,6 @@ class Account:
         _end(instance, response.tokens)
         instance.streaming -= 1
         if error is not None and not error.counted:
-            if response.probe:
-                instance.breaker.release_probe(self._clock())
             return  # moved elsewhere by the gateway: neither a success nor a failure
         outcome = error.outcome if error is not None else response.outcome
         if outcome.kind == "ok" and _STREAM_ERROR_EVENT in response.tail:
@@ -224,7 +238,6 @@ class Account:
             # passed through to the client as it came, counted against the instance.
             outcome = _STREAM_ERROR
         now = self._clock()
-        probe = response.probe
         _record(
             self._timeout_log,
             self._pools[instance.pool_name],
@@ -232,11 +245,16 @@ class Account:
             outcome,
             now,
             now - response.started_at,
-            probe,
+            False,  # a probe that streams was settled at its first byte
             self._on_transition,
             response.first_at - response.started_at,
             sent_with=response.sent_with,
             modelled=response.route.modelled,
+            # A stream cut for its silence while the instance went on sending on its other
+            # streams (in the later half of that silence: an instance that froze sent its
+            # last bytes around when this stream did): a stall of its own, or a burst of
+            # prefills there, not a frozen instance.
+            others_flowing=instance.progress_at > (response.last_at + now) / 2,
         )
         if outcome.kind == "ok" and error is None and response.route.modelled:
             pool = self._pools[instance.pool_name]
@@ -251,6 +269,17 @@ class Account:
                 response.queued,
             )
             _learning(pool, instance)
+
+    def _probe_streamed(self, pool: PoolState, instance: InstanceState, waited_s: float) -> None:
+        """A probe that is a stream is settled by its first byte: the instance answered, and
+        takes traffic again now rather than once the answer ends (a long generation would
+        keep it out of rotation for its whole length). How the stream goes on counts as any
+        other attempt's: one that breaks later is a failure while admitting."""
+        now = self._clock()
+        instance.stats.probe_settled(succeeded=True)
+        transition = instance.breaker.record(now, False, False, pool.rng, probe=True)
+        if transition is not None:
+            _transitioned(pool, instance, transition, now, waited_s, self._on_transition)
 
     def _refused(self, pool: PoolState, instance: InstanceState, now: float, reason: str) -> None:
         """Nothing listens on the instance's port (stopped, crashed, restarting): it leaves
@@ -355,7 +384,8 @@ class Account:
             raise
         route = call.route
         if response.body is None:
-            response.probe = call.probe
+            if call.probe:
+                self._probe_streamed(call.pool, instance, response.first_at - started)
             response.tokens = tokens
             response.queued = queued
             response.sent_with = sent_with

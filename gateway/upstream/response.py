@@ -107,7 +107,6 @@ class UpstreamResponse:
         "last_at",
         "max_gap_s",
         "outcome",
-        "probe",
         "prompt_tokens",
         "queued",
         "route",
@@ -162,7 +161,6 @@ class UpstreamResponse:
         # Made on the first `after`: whole answers (most) register none.
         self._after: list[FinishHook] | None = None
         self._after_request: list[FinishHook] | None = None
-        self.probe = False  # this attempt is its isolated instance's probe
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
         self.queued = False  # it was sent to an instance already full (waited for a slot)

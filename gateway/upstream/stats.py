@@ -52,8 +52,12 @@ class InstanceStats:
         label = outcome_label(outcome)
         self.attempts[label] = self.attempts.get(label, 0) + 1
         if probe:
-            result = "failed" if outcome.counts_as_failure else "succeeded"
-            self.probes[result] = self.probes.get(result, 0) + 1
+            self.probe_settled(not outcome.counts_as_failure)
+
+    def probe_settled(self, succeeded: bool) -> None:
+        """A probe's result (a stream's is known at its first byte, before its attempt ends)."""
+        result = "succeeded" if succeeded else "failed"
+        self.probes[result] = self.probes.get(result, 0) + 1
 
 
 class PoolStats:
