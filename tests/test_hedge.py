@@ -6,10 +6,15 @@ events and the pool's hedge counts."""
 from __future__ import annotations
 
 import asyncio
+import random
 
+from gateway.config import parse_policy
+from gateway.core.balancer import PeakEwma
+from gateway.pipeline.hedge import _in_its_turn
+from gateway.upstream.registry import Registry
 from loadtests.virtual_time import run
 from tests.memory_upstream import Answer, Hang, Script, always
-from tests.test_request_path import Outcome, Pipeline, pipeline
+from tests.test_request_path import Outcome, Pipeline, pipeline, policy_text
 
 LEARN = 12  # answers each instance gives fast first: more than `timeouts.min_samples`
 FAST_S = 0.01
@@ -156,3 +161,34 @@ def test_hedges_leave_half_the_retry_budget_to_retries() -> None:
     assert hedges.get("won", 0) + hedges.get("lost", 0) == 1
     assert hedges.get("no_budget", 0) >= 1
     assert retry_allowed
+
+
+def test_only_an_attempt_stuck_queued_or_on_a_silent_or_slow_instance_is_hedged() -> None:
+    """An attempt its instance serves in its turn (the instance sends, has a slot for it, has
+    answered nothing sent after it, and is about as fast as its peers) waits: a hedge would
+    start over from nothing. Each of the other cases gets its hedge."""
+    registry = Registry(parse_policy(policy_text(["a", "b", "c"])), now=0.0, rng=random.Random(3))
+    pool = registry.pools["chat"]
+    a, b, c = pool.instances
+    for inst in (a, b, c):
+        inst.peak.observe(1.0, 0.5)
+        inst.capacity_seen = 4
+    a.in_flight = 2
+    sent = 10.0
+
+    def in_turn() -> bool:
+        return _in_its_turn(pool, a, sent, 10.5)
+
+    a.first_byte(9.0, 9.5)  # sent before this attempt: nothing since, nobody overtook it
+    assert not in_turn(), "silent since it was sent"
+    a.first_byte(9.8, 10.3)  # an earlier one answered while this one waits: its turn comes
+    assert in_turn()
+    a.in_flight = 6
+    assert not in_turn(), "more in flight than it was seen serving: queued"
+    a.in_flight = 2
+    a.peak.observe(10.4, 5.0)
+    assert not in_turn(), "ten times slower than its peers"
+    a.peak = PeakEwma(10.4, initial_s=0.5)
+    assert in_turn()
+    a.first_byte(10.1, 10.4)  # one sent after this attempt answered first: this one is stuck
+    assert not in_turn()

@@ -52,6 +52,7 @@ class InstanceState:
     __slots__ = (
         "_base_path",
         "_base_url",
+        "answered_sent_at",
         "base_url",
         "breaker",
         "budget",
@@ -125,6 +126,9 @@ class InstanceState:
         self.ghosts_until = 0.0
         # Event-loop time of the last byte it sent on any attempt: proof that it works.
         self.progress_at = -1.0
+        # When the latest-sent attempt that has had its first byte was sent: an attempt sent
+        # before it and still waiting was overtaken (stuck, not waiting its turn).
+        self.answered_sent_at = -1.0
         # Prompts sent to it whose prefill will pause its running streams (`holds` of them in
         # flight, the latest first-byte deadline among them), and when the last one ended:
         # idle deadlines of its streams wait for those pauses (`Watchdog`).
@@ -206,6 +210,17 @@ class InstanceState:
                 return priced
             self.penalty = None
         return latency
+
+    def first_byte(self, sent_at: float, now: float) -> None:
+        """An attempt sent at `sent_at` got its first byte at `now`."""
+        self.progress_at = now
+        if sent_at > self.answered_sent_at:
+            self.answered_sent_at = sent_at
+
+    def overtaken(self, sent_at: float) -> bool:
+        """Whether an attempt sent after `sent_at` got its first byte: one sent at `sent_at`
+        and still waiting is stuck there (a hung request), not waiting its turn."""
+        return self.answered_sent_at > sent_at
 
     def serving_a_queue(self, now: float, since: float, quiet_s: float) -> bool:
         """Whether an attempt sent at `since` that has no first byte yet waits in this

@@ -143,7 +143,8 @@ class UpstreamResponse:
         self._watchdog = watchdog
         self._loop_time = clock
         self.started_at = started_at
-        self.first_at = self.last_at = instance.progress_at = clock()
+        self.first_at = self.last_at = now = clock()
+        instance.first_byte(started_at, now)
         self.max_gap_s: float | None = None
         self.gaps = 0  # gaps measured: chunks after the first
         # Its idle timeout is a static guess (`AttemptTimeouts.idle_guessed`): set by the transport.

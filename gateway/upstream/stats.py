@@ -30,7 +30,7 @@ _CLASSES = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
 # How a hedged first attempt ended (`pipeline.hedge`): a bounded label set, all exported.
-HEDGE_RESULTS = ("won", "lost", "failed", "no_budget", "no_room")
+HEDGE_RESULTS = ("won", "lost", "failed", "no_budget", "no_room", "in_order")
 
 
 class InstanceStats:
@@ -91,7 +91,8 @@ class PoolStats:
         self.resumes: dict[tuple[str, str], int] = {}  # (instance, reason)
         self.resume_refusals: dict[str, int] = {}
         # Hedged first attempts by how they ended: won, lost, failed (both failed), or not
-        # sent: no_budget (the retry budget refused it), no_room (every other instance full).
+        # sent: no_budget (the retry budget refused it), no_room (every other instance full),
+        # in_order (its instance serves it in its turn: `pipeline.hedge`).
         self.hedges: dict[str, int] = {}
         # Attempts sent while no instance was healthy and admitting (the pool panicked).
         self.panics = 0
