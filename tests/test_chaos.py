@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from gateway.config.models import Policy
+from loadtests.chaos import cluster as cluster_module
 from loadtests.chaos.cluster import Cluster
 from loadtests.chaos.scenario import SCENARIO_DIR, Scenario, load_scenario
 from loadtests.chaos.timeline import STOP_BOUND_S, Timeline
@@ -374,3 +375,47 @@ async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_en
     assert restarted_at == pytest.approx(until + (back - 1.0))
     assert logged[1].t >= until + (back - 1.0)
     assert not inst.running
+
+
+async def test_a_kill_longer_than_a_start_may_take_still_brings_the_instance_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replacement of a killed fake backend announces itself only once it serves, at the
+    end of the kill: a kill longer than the wait for a start (a long run's 8 % is 40 s) must not
+    count as a start that failed."""
+    monkeypatch.setattr(cluster_module, "READY_S", 2.0)
+    scenario = Scenario.model_validate(
+        {
+            "name": "x",
+            "pools": {"chat": {"models": ["m"], "instances": 1}},
+            "faults": [{"target": "chat-0", "action": "kill", "at": "0s", "for": "4s"}],
+        }
+    )
+    cluster = Cluster(scenario, tmp_path)
+    events = JsonlWriter(tmp_path / "events.jsonl", flush_every=1)
+    try:
+        await asyncio.to_thread(cluster.start_all)
+        timeline = _timeline_from_now(cluster, scenario, events, planned_s=10.0)
+        await asyncio.wait_for(timeline.run(_NoRequests()), timeout=30)
+        assert not timeline.errors
+        assert cluster.instances["chat-0"].running
+    finally:
+        events.close()
+        await cluster.close()
+    logged = list(read_events(tmp_path / "events.jsonl"))
+    assert [e.action for e in logged] == ["kill", "start"]
+
+
+def _timeline_from_now(
+    cluster: Cluster, scenario: Scenario, events: JsonlWriter, planned_s: float
+) -> Timeline:
+    """The scenario's fault timeline on `cluster`, its clock starting now."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    return Timeline(
+        cluster,
+        scenario.faults,
+        planned_s=planned_s,
+        clock=lambda: loop.time() - started,
+        events=events,
+    )

@@ -25,6 +25,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from loadtests.procs import ManagedProcess, gateway_process, python_module
 from loadtests.redis_server import RedisServer
 
 REDIS_KEY_PREFIX = "chaos"
+READY_S = 20.0  # how long a fake backend may take to start and announce that it serves
 
 
 # Transport failures after which a control request is sent again, on a new connection, up to
@@ -341,7 +343,10 @@ class Cluster:
             if inst.launcher is not None:
                 inst.engine = inst.launcher.start()
             else:
-                inst.proc = ManagedProcess(argv)
+                # It announces itself once it serves: a kill lasting longer than the usual
+                # wait for that (8 % of a 100,000-request run is 40 s) must not fail its start.
+                wait = 0.0 if serve_at is None else max(0.0, serve_at - time.time())
+                inst.proc = ManagedProcess(argv, ready_timeout_s=READY_S + wait)
 
         await self._launch(launch)
         inst.starts.append(now)
