@@ -9,9 +9,7 @@ import pytest
 
 from gateway.core.balancer import (
     PENALTY_TAU_S,
-    REFERENCE_TOKENS,
     PeakEwma,
-    balance_sample_s,
     choose,
     failure_penalty_s,
     load_cost,
@@ -195,17 +193,3 @@ def test_a_failure_penalty_counts_the_failing_instances_own_load_once() -> None:
     # Back in the running once the penalty has halved: about 1.4 s with PENALTY_TAU_S = 2 s.
     fading = PeakEwma(0.0, initial_s=price, tau_s=PENALTY_TAU_S)
     assert load_cost(fading.get(1.5), 30) < load_cost(4.0, 250)
-
-
-def test_the_balancer_prices_an_answer_at_a_reference_length_not_its_own() -> None:
-    # Same instance speed (0.1 s to the first token, 1 ms a token), answers of different
-    # lengths: priced alike, so the instance left with the longest streams is not shunned.
-    short = balance_sample_s(0.1 + 0.255, 0.1, REFERENCE_TOKENS)
-    long = balance_sample_s(0.1 + 19.999, 0.1, 20_000)
-    assert long == pytest.approx(short, rel=0.01)
-    assert balance_sample_s(0.3, 0.1, 40) == 0.3  # a short answer as it took
-    assert balance_sample_s(0.3, 0.1, None) == 0.3  # length unknown: as it took
-    assert balance_sample_s(20.0, None, 20_000) == pytest.approx(0.256)  # a whole answer
-    # A slower pace is still a higher price: 50 times the time per token.
-    slow = balance_sample_s(0.1 + 50 * 19.999, 0.1, 20_000)
-    assert slow > 30 * short

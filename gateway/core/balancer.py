@@ -97,25 +97,6 @@ def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
 PENALTY_TAU_S = 2.0
 
 
-# The answer length the balancer prices instances at (`balance_sample_s`).
-REFERENCE_TOKENS = 256
-
-
-def balance_sample_s(elapsed_s: float, first_byte_s: float | None, tokens: int | None) -> float:
-    """The latency the balancer learns from one answer that took `elapsed_s`, its first byte
-    after `first_byte_s` (a stream's; None: a whole answer's, whose head comes with its end),
-    with `tokens` output tokens (None: not known): the time it would have taken to answer
-    `REFERENCE_TOKENS` at the pace it did. An answer's length is the client's choice, not the
-    instance's speed: priced on raw durations, the instance left holding a run's longest
-    streams (20 s each) looks twenty times slower than its peers while it answers as fast,
-    and gets no new traffic until they end. Answers no longer than that are priced as they
-    took (their time is mostly the first token's: queueing and prefill)."""
-    if not tokens or tokens <= REFERENCE_TOKENS:
-        return elapsed_s
-    head = first_byte_s if first_byte_s is not None else 0.0
-    return head + (elapsed_s - head) * REFERENCE_TOKENS / tokens
-
-
 def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float], in_flight: int = 0) -> float:
     """The latency sample the balancer takes for a failure the breaker could not act on (the
     pool's isolation cap held): one that puts the failing instance's load cost (with its

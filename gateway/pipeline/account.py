@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gateway.core.balancer import balance_sample_s, failure_penalty_s, load_cost
+from gateway.core.balancer import failure_penalty_s, load_cost
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.core.usage import EDGE_BYTES, usage_of
@@ -101,7 +101,6 @@ def _record(
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
     modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
     others_flowing: bool = False,  # the instance sent on other attempts while this one waited
-    tokens: int | None = None,  # the answer's output tokens, when known
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
@@ -137,7 +136,7 @@ def _record(
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it.
         if modelled:
-            instance.peak.observe(now, balance_sample_s(elapsed_s, first_byte_s, tokens))
+            instance.peak.observe(now, elapsed_s)
         if instance.health.healthy is not True:
             instance.health_wanted.set()  # answering while held down: its checker looks now
     if failed:
@@ -239,10 +238,6 @@ class Account:
             # passed through to the client as it came, counted against the instance.
             outcome = _STREAM_ERROR
         now = self._clock()
-        usage = None
-        if outcome.kind == "ok" and error is None and response.route.modelled:
-            end = response.before_tail + response.tail
-            usage = usage_of(end, response.first_chunk, response.route.protocol)
         _record(
             self._timeout_log,
             self._pools[instance.pool_name],
@@ -260,10 +255,11 @@ class Account:
             # last bytes around when this stream did): a stall of its own, or a burst of
             # prefills there, not a frozen instance.
             others_flowing=instance.progress_at > (response.last_at + now) / 2,
-            tokens=usage.output_tokens if usage is not None else None,
         )
-        if usage is not None:
+        if outcome.kind == "ok" and error is None and response.route.modelled:
             pool = self._pools[instance.pool_name]
+            end = response.before_tail + response.tail
+            usage = usage_of(end, response.first_chunk, response.route.protocol)
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
                 response.max_gap_s,
@@ -424,7 +420,6 @@ class Account:
             per_token_s=(now - started) / generated if generated else None,
             sent_with=sent_with,
             modelled=route.modelled,
-            tokens=output_tokens,
         )
         if outcome.kind == "ok" and route.modelled:
             instance.latency.observe_whole(response.first_at - response.started_at, output_tokens)
