@@ -6,11 +6,12 @@ client request's, or a resumed stream's continuation) and another instance could
 timer is set at its instance's predicted first byte plus `hedging.k` deviations
 (`PoolState.hedge_delay`: near its 95th percentile, plus the wait behind the gateway's own
 queue there), never sooner than `hedging.min_delay`. Most attempts answer before it and only
-cancel the timer. When it fires, if another instance has a free slot (the gateway holds fewer
-attempts there than it was seen serving at once) and the first half of the pool's retry budget
-allows (`HEDGE_SHARE`: hedges bet on latency, and leave the rest to retries, which rescue
-failures), a hedge
-picks another instance (the pick layer, avoiding this one) and is sent from a task of its own:
+cancel the timer. When it fires, unless its instance serves the attempt in its turn
+(`_in_its_turn`: a hedge would start a long prefill over from nothing), if another instance
+has a free slot (the gateway holds fewer attempts there than it was seen serving at once) and
+the first half of the pool's retry budget allows (`HEDGE_SHARE`: hedges bet on latency, and
+leave the rest to retries, which rescue failures), a hedge picks another instance (the pick
+layer, avoiding this one) and is sent from a task of its own:
 
 - the hedge answers first (a status below 400, read to the commit point): the first attempt
   is cancelled at once (`SUPERSEDED`: its connection closes, so vLLM frees the sequence), the
@@ -45,6 +46,8 @@ from gateway.upstream.response import UpstreamResponse
 
 # The part of the pool's retry budget hedges may spend: the rest is the retries'.
 HEDGE_SHARE = 0.5
+# How much slower than the fastest other instance one may be for a hedge to wait its turn there.
+SLOWER_THAN_PEERS = 2.0
 
 log = logging.getLogger("gateway.hedge")
 
@@ -273,10 +276,6 @@ class Hedge:
         if hedge is not None and hedge.attempts > main.attempts:
             main.hedges += hedge.attempts - main.attempts
             main.attempts = hedge.attempts
-
-
-# How much slower than the fastest other instance one may be for a hedge to wait its turn there.
-SLOWER_THAN_PEERS = 2.0
 
 
 def _in_its_turn(pool: PoolState, instance: InstanceState, sent_at: float, now: float) -> bool:
