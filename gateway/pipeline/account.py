@@ -149,21 +149,24 @@ def _record(
     # isolate it at once, and move its streams): not when it kept sending on its other
     # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
     silent = outcome.kind == "timeout" and not others_flowing
-    transition = instance.breaker.record(now, failed, silent, pool.rng, probe=probe)
-    if transition is not None:
-        _transitioned(pool, instance, transition, now, elapsed_s, on_transition)
+    _to_breaker(pool, instance, now, failed, silent, probe, elapsed_s, on_transition)
 
 
-def _transitioned(
+def _to_breaker(
     pool: PoolState,
     instance: InstanceState,
-    transition: Transition,
     now: float,
+    failed: bool,
+    timeout: bool,
+    probe: bool,
     elapsed_s: float,
     on_transition: OnTransition,
 ) -> None:
-    """What follows a change of the instance's breaker (`transition`), after an attempt that
-    took `elapsed_s`."""
+    """One result for the instance's breaker (`BreakerState.record`), after an attempt that
+    took `elapsed_s`, and what follows when it changes the breaker's state."""
+    transition = instance.breaker.record(now, failed, timeout, pool.rng, probe=probe)
+    if transition is None:
+        return
     if transition.suppressed:
         # The cap keeps it admitting: the balancer steers around it instead.
         others = (
@@ -277,9 +280,7 @@ class Account:
         other attempt's: one that breaks later is a failure while admitting."""
         now = self._clock()
         instance.stats.probe_settled(succeeded=True)
-        transition = instance.breaker.record(now, False, False, pool.rng, probe=True)
-        if transition is not None:
-            _transitioned(pool, instance, transition, now, waited_s, self._on_transition)
+        _to_breaker(pool, instance, now, False, False, True, waited_s, self._on_transition)
 
     def _refused(self, pool: PoolState, instance: InstanceState, now: float, reason: str) -> None:
         """Nothing listens on the instance's port (stopped, crashed, restarting): it leaves
@@ -337,7 +338,7 @@ class Account:
         # Sent behind as many attempts as the instance was ever seen serving at once: it
         # waits for a slot, and its first byte is no measure of the instance's speed.
         started = self._clock()
-        queued = instance.in_flight + instance.ghosts_at(started) > max(1, instance.capacity_seen)
+        queued = instance.over_capacity(started)
         try:
             response = await next_handler(call)
         except UpstreamError as error:

@@ -289,7 +289,7 @@ def _in_its_turn(pool: PoolState, instance: InstanceState, sent_at: float, now: 
     """
     if instance.overtaken(sent_at) or instance.progress_at <= sent_at:
         return False
-    if instance.in_flight + instance.ghosts_at(now) > max(1, instance.capacity_seen):
+    if instance.over_capacity(now):
         return False
     fastest = min(
         (

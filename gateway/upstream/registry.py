@@ -222,6 +222,11 @@ class InstanceState:
         and still waiting is stuck there (a hung request), not waiting its turn."""
         return self.answered_sent_at > sent_at
 
+    def over_capacity(self, now: float) -> bool:
+        """Whether it holds more attempts (those given up on but still in its engine included)
+        than it was ever seen serving at once: one more waits for a slot there."""
+        return self.in_flight + self.ghosts_at(now) > max(1, self.capacity_seen)
+
     def serving_a_queue(self, now: float, since: float, quiet_s: float) -> bool:
         """Whether an attempt sent at `since` that has no first byte yet waits in this
         instance's queue while the instance works through it: more attempts on it (that one
@@ -229,7 +234,7 @@ class InstanceState:
         then and within the last `quiet_s`, and it still takes traffic (healthy, admitting).
         An engine that stopped sending anything is stalled, not queueing."""
         return (
-            self.in_flight + self.ghosts_at(now) > max(1, self.capacity_seen)
+            self.over_capacity(now)
             and since < self.progress_at
             and now - self.progress_at < quiet_s
             and self.health.healthy is True
