@@ -121,3 +121,28 @@ def spend_all_at_share(budget: RetryBudget, share: float) -> int:
     while granted < 100 and budget.try_spend(0.0, share):
         granted += 1
     return granted
+
+
+def test_an_answered_retry_is_given_back_and_one_that_fails_again_stays_counted() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_second=0.3, window_s=10)  # 3 retries per window
+    assert spend_all(budget, 1.2) == 3
+    budget.refund(1.2, 2.5)  # answered: it added no load that served no one
+    assert budget.counts(2.5) == (0, 2)
+    assert budget.try_spend(2.5)  # room again for exactly one
+    assert not budget.try_spend(2.5)
+    # The refund came out of second 1, where it was spent: when second 1 leaves the window,
+    # only its two retries that were not given back leave with it.
+    assert budget.counts(11.0) == (0, 1)
+    assert budget.counts(11.9) == (0, 1)
+    assert budget.counts(12.0) == (0, 0)
+
+
+def test_a_refund_for_a_retry_the_window_forgot_changes_nothing() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_second=0.2, window_s=10)  # 2 per window
+    assert budget.try_spend(0.5)
+    assert spend_all(budget, 12.0) == 2  # second 0 left the window: the old retry is gone
+    budget.refund(0.5, 12.5)  # its bucket was emptied: nothing to take back
+    assert budget.counts(12.5) == (0, 2)
+    assert not budget.try_spend(12.5)
+    budget.refund(7.0, 12.5)  # nothing was spent at 7 either
+    assert budget.counts(12.5) == (0, 2)

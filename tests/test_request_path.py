@@ -160,6 +160,44 @@ def test_a_failed_attempt_is_retried_on_another_instance() -> None:
     assert any(o.attempts == 2 for o in outcomes)
 
 
+def test_retries_that_are_answered_do_not_use_up_the_retry_budget() -> None:
+    """A budget of 2 retries per 10 s (no ratio) and an instance that refuses a third of its
+    requests with an OOM (fast, no work done) while its peer answers: every such request is
+    retried on the peer and answered, far more than twice, because each answered retry gives
+    its budget back. A retry that fails again stays counted: with both instances failing, the
+    budget holds after its 2."""
+    oom = Answer(status=500, body=b'{"error": {"message": "CUDA out of memory."}}', after_s=0.001)
+
+    def sometimes_oom(n: int) -> Answer:
+        return oom if n % 3 == 0 else Answer()
+
+    # The breaker is held off: what is tested is the budget, not the isolation that would end
+    # the failures here.
+    settings = (
+        "    retries: {budget: {ratio: 0.0, min_per_second: 0.2}}\n"
+        "    breaker: {consecutive_failures: 100, error_rate: 1.0}\n"
+        "    hedging: false"
+    )
+
+    async def scenario(scripts: dict[str, Script]) -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(scripts, settings)()
+        try:
+            return p, [await p.request() for _ in range(40)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario({"a": sometimes_oom, "b": always(Answer())}))
+    assert all(o.status == 200 for o in outcomes)
+    assert sum(1 for o in outcomes if o.attempts == 2) > 2
+    assert p.pool.stats.budget_exhausted == 0
+
+    p, outcomes = run(scenario({"a": always(oom), "b": always(oom)}))
+    assert all(o.status == 500 for o in outcomes)
+    assert sum(o.attempts - 1 for o in outcomes) == 2  # within one window of virtual time
+    assert outcomes[-1].at < 10.0
+    assert p.pool.stats.budget_exhausted >= 1
+
+
 def test_an_instance_that_keeps_failing_is_isolated_and_gets_no_more_requests() -> None:
     async def scenario() -> tuple[Pipeline, list[Outcome], int]:
         p = await pipeline(

@@ -19,6 +19,9 @@ class RetryBudget:
     Without retries capped this way, a struggling pool gets up to `1 + max_retries` times its
     load exactly when it can least take it.
 
+    A retry that is answered is given back (`refund`): what the budget holds back is retries
+    that fail again.
+
     Every call is O(1): a call that moves the window clears at most `window_s` buckets, and a
     jump of a whole window or more clears them all at once. A `now` earlier than the newest
     bucket (a clock that went back) counts in the newest bucket.
@@ -58,6 +61,18 @@ class RetryBudget:
             return False
         window.add_second(slot)
         return True
+
+    def refund(self, spent_at: float, now: float) -> None:
+        """Give back a retry spent at `spent_at` whose attempt succeeded.
+
+        The budget bounds the work retries add that serves no one: a retry that is answered
+        replaces its request's failed attempt with the one answer that request needed, where
+        one that fails again is pure extra load. Counting only retries that fail again keeps a
+        retry storm on a failing pool as bounded as ever, and lets a pool whose one instance
+        fails fast (OOM refusals, 503s) while its others answer send every such request on.
+        """
+        self._window.advance(now)
+        self._window.remove_second(spent_at)
 
     def counts(self, now: float) -> tuple[int, int]:
         """`(requests, retries)` in the window that ends at `now` (for metrics and admin)."""

@@ -55,6 +55,20 @@ class WindowPair:
         self._second[slot] += 1
         self.second_total += 1
 
+    def remove_second(self, at: float) -> bool:
+        """Take back one `second` event counted at `at`, if its bucket is still in the window
+        (an event whose bucket has left it is already forgotten). Returns whether it did."""
+        head = self._head
+        second = math.floor(at)
+        if second > head or second <= head - self._size:
+            return False
+        slot = second % self._size
+        if self._second[slot] == 0:
+            return False
+        self._second[slot] -= 1
+        self.second_total -= 1
+        return True
+
     def clear(self) -> None:
         for slot in range(self._size):
             self._first[slot] = 0

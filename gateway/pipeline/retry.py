@@ -1,24 +1,25 @@
 """The retry loop: re-sends a failed attempt, before the commit point only.
 
-Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`);
-an attempt whose outcome `retries.on` lists is retried on another instance when one is left,
-after exponential backoff with full jitter, if the retry budget and the request's deadline
-allow (a refused connection is sent elsewhere without spending the budget: it cost no
-instance any work; a request the gateway's own connection limit refused is answered at once
-when no other instance has room). A lone instance (a pool of one, or one whose other
-instances cannot take traffic) is retried itself after a transient failure (an error status,
-an OOM, a reset before the first byte), up to the most retries any tier allows: the tiers
-hold retries back when a high failure rate says failing over would land on other failing
-instances, but a transient failure of the only instance left is best met by asking it again
-(never by giving up while going direct would have worked). An instance that let the request's
-first byte time out is not asked again for it while it has sent nothing to anyone since: when
-nothing else is left, the timeout is the answer. A Retry-After from a backend keeps new
-attempts off that instance until it passes. The upstream's own error answer is relayed
-unchanged when no retry is allowed. A request that could do something twice (`Call.acts`: a
-route the gateway does not know, a Responses API request running in the background or with
-the server's own tools) is sent again only after a refused connection, when it never left.
-Everything here happens before a byte reaches the client: the transport returns at the first
-byte, and the relay (the commit point) starts only after this loop has returned.
+Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`); an
+attempt whose outcome `retries.on` lists is retried on another instance when one is left, after
+exponential backoff with full jitter, if the retry budget and the request's deadline allow (a
+refused connection is sent elsewhere without spending the budget: it cost no instance any work;
+a retry that is answered gives its budget back: the budget bounds retries that fail again, the
+load that serves no one; a request the gateway's own connection limit refused is answered at
+once when no other instance has room). A lone instance (a pool of one, or one whose other
+instances cannot take traffic) is retried itself after a transient failure (an error status, an
+OOM, a reset before the first byte), up to the most retries any tier allows: the tiers hold
+retries back when a high failure rate says failing over would land on other failing instances,
+but a transient failure of the only instance left is best met by asking it again (never by
+giving up while going direct would have worked). An instance that let the request's first byte
+time out is not asked again for it while it has sent nothing to anyone since: when nothing else
+is left, the timeout is the answer. A Retry-After from a backend keeps new attempts off that
+instance until it passes. The upstream's own error answer is relayed unchanged when no retry is
+allowed. A request that could do something twice (`Call.acts`: a route the gateway does not
+know, a Responses API request running in the background or with the server's own tools) is sent
+again only after a refused connection, when it never left. Everything here happens before a
+byte reaches the client: the transport returns at the first byte, and the relay (the commit
+point) starts only after this loop has returned.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Retry:
         call.k = tier.k
         call.last_attempt = tier.max_retries + 1
         retries_policy = pool.policy.retries
+        spent_at: float | None = None  # when the retry under way spent the budget
         while True:
             response: UpstreamResponse | None = None
             failure: UpstreamError | None = None
@@ -71,6 +73,8 @@ class Retry:
                 response = await next_handler(call)
                 outcome = response.outcome
                 if outcome.kind == "ok":
+                    if spent_at is not None:
+                        pool.budget.refund(spent_at, clock())
                     return response
             except UpstreamError as error:
                 failure = error
@@ -116,13 +120,17 @@ class Retry:
                 # A refused connection did no work anywhere: sending the request elsewhere
                 # adds no load (Finagle's requeues), and each instance refuses it once at most.
                 requeue = outcome.kind == "connect_failure"
-                if allowed and not requeue and not pool.budget.try_spend(now):
-                    allowed = False
-                    pool.stats.budget_exhausted += 1
-                    if self._traced:
-                        trace.get_current_span().add_event(
-                            "retry budget exhausted", {"gateway.attempt": call.attempts}
-                        )
+                spent_at = None
+                if allowed and not requeue:
+                    if pool.budget.try_spend(now):
+                        spent_at = now  # given back if this retry is answered
+                    else:
+                        allowed = False
+                        pool.stats.budget_exhausted += 1
+                        if self._traced:
+                            trace.get_current_span().add_event(
+                                "retry budget exhausted", {"gateway.attempt": call.attempts}
+                            )
             if not allowed:
                 if response is not None:
                     return response  # the backend's own answer, unchanged
