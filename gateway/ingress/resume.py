@@ -53,7 +53,10 @@ SLOW_WINDOWS = 2
 
 # Sends a continuation through the request path; returns its response and the idle timeout
 # of its stream.
-Start = Callable[[bytes, InstanceState], Awaitable[tuple[UpstreamResponse, float]]]
+# How a continuation is sent: given the resume it is for, its body and the instance that broke
+# the stream. The resume is an argument rather than something the function holds: a resume
+# that held a function holding it would be a reference cycle, freed by the collector only.
+Start = Callable[["StreamResume", bytes, InstanceState], Awaitable[tuple[UpstreamResponse, float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +138,7 @@ class StreamResume:
         self._refusal = refusal
         self._policy = policy
         self._pool = pool
-        self.start = start
+        self._start = start
         self._clock = clock
         self._deadline = deadline
         pool.resume_budget.record_request(clock())  # a stream past its first byte
@@ -150,6 +153,11 @@ class StreamResume:
         # For a whole answer: how it starts again when it cannot be continued (None: a stream,
         # whose client already has part of it).
         self.restart = restart
+
+    async def start(self, body: bytes, broken: InstanceState) -> tuple[UpstreamResponse, float]:
+        """Sends a continuation (`body`) after `broken` broke the stream: its response, at its
+        first byte, and the idle timeout of its stream."""
+        return await self._start(self, body, broken)
 
     @property
     def moves(self) -> bool:

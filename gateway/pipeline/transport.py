@@ -20,7 +20,7 @@ from typing import Protocol
 from yarl import URL
 
 from gateway.core.outcome import Phase
-from gateway.errors import UpstreamTimeout, map_upstream_exception
+from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
 from gateway.runtime import Clock
 from gateway.upstream.response import ResponseHead, UpstreamResponse
@@ -173,6 +173,9 @@ class Transport:
                 phase = deadline.phase
                 raise UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase) from None
             raise
+        except UpstreamError:
+            self._abandon(raw, deadline)
+            raise  # the client's own, as it is (`from` itself would make a cycle)
         except Exception as exc:
             self._abandon(raw, deadline)
             raise map_upstream_exception(exc, phase=deadline.phase) from exc

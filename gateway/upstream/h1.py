@@ -162,10 +162,13 @@ class _Connection(asyncio.Protocol):
         self._pool = pool
         self._loop = pool.loop
         self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        # It holds this connection's callbacks, and so this connection: dropped when the
+        # connection is lost, or the two would be a cycle only the collector frees.
+        parser = httptools.HttpResponseParser(self)
         # A header value with a control character is dropped on the way to the client
         # (`response_headers`), not a reason to fail the whole answer.
-        self._parser.set_dangerous_leniencies(lenient_headers=True)
+        parser.set_dangerous_leniencies(lenient_headers=True)
+        self._parser: httptools.HttpResponseParser | None = parser
         # The response being read.
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._status = 0  # of the head being read, or read
@@ -232,8 +235,11 @@ class _Connection(asyncio.Protocol):
             self._framing += len(data)
         else:
             self._head_bytes += len(data)
+        parser = self._parser
+        if parser is None:  # lost: nothing more is read
+            return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("the upstream switched protocols"))
             return
@@ -261,13 +267,17 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self._pool.forget(self)
-        if self.complete or self._head is None:
-            return  # idle, or its response was whole: nothing lost
-        if self._until_close and self._head.done() and exc is None and self._eof:
-            self.on_message_complete()
-            return
-        phase = Phase.BODY if self._head.done() else Phase.FIRST_BYTE
-        self._fail(UpstreamReset(f"the upstream closed the connection ({phase})"), close=False)
+        try:
+            if self.complete or self._head is None:
+                return  # idle, or its response was whole: nothing lost
+            if self._until_close and self._head.done() and exc is None and self._eof:
+                self.on_message_complete()
+                return
+            phase = Phase.BODY if self._head.done() else Phase.FIRST_BYTE
+            error = UpstreamReset(f"the upstream closed the connection ({phase})")
+            self._fail(error, close=False)
+        finally:
+            self._parser = None
 
     def eof_received(self) -> None:
         """The stream ended: over TCP a FIN, over TLS either a close_notify or a cut without
@@ -310,6 +320,7 @@ class _Connection(asyncio.Protocol):
         self._raw_headers.append((name, value))  # how many: counted once the head is in
 
     def on_headers_complete(self) -> None:
+        assert self._parser is not None  # called back from its `feed_data`
         status = self._parser.get_status_code()
         if not 100 <= status <= 599:
             raise UpstreamProtocolError("the upstream sent an invalid status code")
@@ -365,7 +376,10 @@ class _Connection(asyncio.Protocol):
             self._head_bytes = 0
             return
         # Asked now: once the message is complete the parser readies for the next one.
-        self.keep_alive = self._parser.should_keep_alive() and not self._until_close
+        parser = self._parser
+        self.keep_alive = (
+            parser is not None and parser.should_keep_alive() and not self._until_close
+        )
         self.complete = True
         head = self._head
         if head is not None and not head.done():  # a response with no body: headers done too
@@ -479,6 +493,9 @@ class _Connection(asyncio.Protocol):
         """Done with it: a FIN after an answer that ended whole with nothing left to send, else
         an abort (an RST: no unsent bytes linger, no half-open socket stays behind)."""
         self._pool.forget(self)  # at once: its pool no longer counts it
+        # Its error was raised to a reader, whose frames (holding this connection) its
+        # traceback keeps: a cycle only the collector would free.
+        self.error = None
         transport = self.transport
         if transport is None:
             return

@@ -202,6 +202,8 @@ class UpstreamResponse:
             if expired(deadline):
                 raise self.timeout() from None
             raise
+        except UpstreamError:
+            raise  # the client's own, as it is (`from` itself would make a cycle)
         except Exception as exc:
             raise map_upstream_exception(exc, phase=Phase.BODY) from exc
         finally:
