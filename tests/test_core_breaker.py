@@ -653,3 +653,37 @@ def test_no_place_is_taken_when_the_pool_would_still_be_over_its_cap() -> None:
     marker = trip_on_timeouts(b, 2.0)
     assert marker.suppressed and marker.displaced is None
     assert (a.state, b.state) == (ISOLATED, ADMITTING)
+
+
+def test_only_an_isolation_for_answered_failures_may_end_early_for_a_probe() -> None:
+    failures = BreakerPolicy(consecutive_failures=2, isolation=30.0)
+    answered = breaker(failures)
+    fail(answered, 0.0)
+    assert fail(answered, 0.5) is not None and answered.state == ISOLATED
+    assert not answered.try_admit(1.0)  # not due: 30 s
+    assert answered.try_admit(1.0, early=True) and answered.state == PROBING
+    # The early probe fails: isolated again, the next isolation longer; no second early probe
+    # within a second of the first.
+    transition = fail(answered, 1.2, probe=True)
+    assert transition is not None and transition.to == ISOLATED
+    assert answered.isolated_until == pytest.approx(1.2 + 60.0)
+    assert not answered.try_admit(1.9, early=True)
+    assert answered.try_admit(2.0, early=True)
+    assert ok(answered, 2.1, probe=True) is not None and answered.state == ADMITTING
+
+    silent = breaker()  # three timeouts: silent, maybe hung
+    for t in (0.0, 0.1, 0.2):
+        timeout(silent, t)
+    assert silent.state == ISOLATED and not silent.try_admit(2.0, early=True)
+
+    forced = breaker(failures)
+    forced.isolate(0.0, RNG)  # the operator
+    assert not forced.try_admit(2.0, early=True)
+
+    down = breaker(failures)
+    down.isolate(0.0, RNG, "refused", forced=False, capped=False)  # known down
+    assert not down.try_admit(2.0, early=True)
+
+    shared = breaker(failures)
+    shared.adopt(0.0, 30.0, "another replica")
+    assert not shared.try_admit(2.0, early=True)

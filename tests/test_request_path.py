@@ -222,6 +222,44 @@ def test_an_instance_that_keeps_failing_is_isolated_and_gets_no_more_requests() 
     assert outcomes[-1].at < 30.0  # virtual: still inside the isolation
 
 
+def test_an_instance_isolated_for_errors_is_probed_early_once_the_others_are_full() -> None:
+    """a answers five errors and is isolated for 30 s. While b has room, a stays out. Once b
+    holds more than it was seen serving at once, the next request probes a before its
+    isolation ends, and a, which recovered, is back at once."""
+    settings = (
+        "    breaker: {consecutive_failures: 5, isolation: 30s}\n"
+        "    hedging: false\n"
+        "    retries: {budget: {ratio: 1.0, min_per_second: 10}}"
+    )
+    errors_first = lambda n: Answer(status=500) if n < 5 else Answer()  # noqa: E731
+
+    async def scenario() -> tuple[Pipeline, list[Outcome], list[Outcome], str]:
+        p = await pipeline({"a": errors_first, "b": always(Answer(after_s=0.5))}, settings)()
+        try:
+            [a, b] = p.pool.instances
+            quiet: list[Outcome] = []
+            for _ in range(40):  # one at a time: b always has room
+                quiet.append(await p.request())
+                if a.breaker.state != ADMITTING and len(quiet) >= 10:
+                    break
+            held = a.breaker.state
+            b.capacity_seen = 1  # what b was seen serving at once
+            busy = await asyncio.gather(*(p.request() for _ in range(3)))
+            return p, quiet, list(busy), held
+        finally:
+            await p.watchdog.close()
+
+    p, quiet, busy, held = run(scenario())
+    assert p.isolations() == ["a"]
+    assert held == ISOLATED  # ten requests later, b having room all along
+    assert all(o.status == 200 for o in quiet + busy)
+    assert [o.instance for o in busy].count("a") == 1  # the one early probe
+    [a, _] = p.pool.instances
+    assert a.breaker.state == ADMITTING
+    assert busy[-1].at < 30.0  # virtual: well before the isolation's end
+    assert p.transitions[-1][1].reason == "probe succeeded"
+
+
 def test_an_instance_that_refuses_connections_leaves_rotation_past_the_isolation_cap() -> None:
     """Pool of three, so at most one may be isolated, and an operator holds c out. A refusing
     b would be kept in rotation by that cap as a suspected outlier: a refused connection says

@@ -29,6 +29,9 @@ _INF = math.inf
 _EPSILON = 1e-9
 # 2**62 * any sane isolation is far past max_isolation; the cap keeps the power finite.
 _MAX_DOUBLINGS = 62
+# At most one early probe (`try_admit(early=True)`) per instance this often: each one is a real
+# request, retried elsewhere when it fails.
+EARLY_PROBE_GAP_S = 1.0
 PROBE_RELEASED: Final = "probe released"
 
 
@@ -105,6 +108,10 @@ class BreakerState:
     - success → ADMITTING, window and `consecutive_timeouts` cleared, `streak = max(0, n - 1)`;
     - failure → ISOLATED again with streak n + 1 (the next, longer isolation).
 
+    An isolation for failures the instance answered (errors, OOMs: it is up) may end early:
+    `try_admit(now, early=True)`, which the caller asks only while every instance still
+    admitting is full, probes it before `isolated_until`, at most once per `EARLY_PROBE_GAP_S`.
+
     The streak also decays with time, as Envoy's ejection multiplier does: at a trip, one step
     is forgiven per whole `max_isolation` spent ADMITTING since the last return to ADMITTING
     (`streak = max(0, streak - ⌊admitting time / max_isolation⌋)` before adding 1). Without it
@@ -154,6 +161,7 @@ class BreakerState:
         "changed_at",
         "consecutive_failures",
         "consecutive_timeouts",
+        "early_probe",
         "instance",
         "isolated_until",
         "isolations",
@@ -177,6 +185,10 @@ class BreakerState:
         self.instance = instance
         self.state: StateName = ADMITTING
         self.isolated_until = 0.0
+        # Whether the isolation under way may end early for a probe (`try_admit(early=True)`):
+        # one for failures the instance answered (errors, OOMs), not a silence, a refusal, a
+        # failed health check, another replica's or an operator's decision.
+        self.early_probe = False
         self.probe_started_at = 0.0
         # When the state last changed (monotonic), for the operator's view.
         self.changed_at = -_INF
@@ -230,13 +242,23 @@ class BreakerState:
 
     # -- the request path ---------------------------------------------------------------------
 
-    def try_admit(self, now: float) -> bool:
-        """May this instance take a new request at `now`? (Rules in the class docstring.)"""
+    def try_admit(self, now: float, early: bool = False) -> bool:
+        """May this instance take a new request at `now`? (Rules in the class docstring.)
+
+        `early`: the pool's admitting instances are all full, so an isolation for failures
+        the instance answered may end before its time with a probe, one a second at most: it
+        answered, so it is up, and a fault that made it answer errors (a burst of them, an OOM
+        spell) is often over well before the isolation is; meanwhile its share queues on the
+        others. A failed early probe isolates it again as any failed probe does."""
         state = self.state
         if state == ADMITTING:
             return True
         if state == ISOLATED:
-            if now < self.isolated_until or now >= self.lease_until:
+            if now >= self.lease_until:
+                return False
+            if now < self.isolated_until and not (
+                early and self.early_probe and now - self.probe_started_at >= EARLY_PROBE_GAP_S
+            ):
                 return False
             self.state = PROBING
             self.probe_started_at = now
@@ -290,7 +312,11 @@ class BreakerState:
             self.consecutive_timeouts = 0
         if self.consecutive_failures >= self._failure_limit:
             return self._trip(
-                now, rng, f"{self.consecutive_failures} consecutive failures", in_a_row=True
+                now,
+                rng,
+                f"{self.consecutive_failures} consecutive failures",
+                in_a_row=True,
+                answered=not timeout,
             )
         results = window.first_total
         if results >= self._min_requests:
@@ -303,6 +329,7 @@ class BreakerState:
                     now,
                     rng,
                     f"error rate {rate:.2f} over {self._window_s:g} s ({failures}/{results})",
+                    answered=not timeout,
                 )
         return None
 
@@ -344,6 +371,7 @@ class BreakerState:
             return None
         state_from = self.state
         self.state = ISOLATED
+        self.early_probe = False
         self.changed_at = now
         self.isolated_until = _INF
         self.isolations += 1
@@ -393,6 +421,7 @@ class BreakerState:
                 self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
             )
         self.state = ISOLATED
+        self.early_probe = False
         self.changed_at = now
         self.isolated_until = until
         self.isolations += 1
@@ -450,6 +479,7 @@ class BreakerState:
         reason: str,
         in_a_row: bool = False,
         silent: bool = False,
+        answered: bool = False,
     ) -> Transition:
         guard = self._guard
         if guard is not None and not guard(now, self.instance):
@@ -457,14 +487,14 @@ class BreakerState:
             if in_a_row and make_room is not None:
                 displaced = make_room(now, self)
                 if displaced is not None and guard(now, self.instance):
-                    isolated = self._isolate(now, rng, reason, ADMITTING, silent)
+                    isolated = self._isolate(now, rng, reason, ADMITTING, silent, answered)
                     return replace(isolated, displaced=displaced)
             # Counters stay: the next failure asks again, and isolates once there is room.
             self.suppressed_isolations += 1
             return Transition(
                 self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
             )
-        return self._isolate(now, rng, reason, ADMITTING, silent)
+        return self._isolate(now, rng, reason, ADMITTING, silent, answered)
 
     def _isolate(
         self,
@@ -473,6 +503,7 @@ class BreakerState:
         reason: str,
         state_from: StateName,
         silent: bool = False,
+        answered: bool = False,
     ) -> Transition:
         if state_from == ADMITTING and self.streak:
             forgiven = (now - self._admitting_since) // self._max_isolation_s
@@ -485,6 +516,7 @@ class BreakerState:
         if jitter:
             duration *= 1.0 + jitter * (2.0 * rng.random() - 1.0)
         self.state = ISOLATED
+        self.early_probe = answered
         self.changed_at = now
         self.isolated_until = now + duration
         self.isolations += 1
@@ -497,7 +529,7 @@ class BreakerState:
     ) -> Transition:
         if failed:
             reason = "probe timed out" if timeout else "probe failed"
-            return self._isolate(now, rng, reason, PROBING, silent=timeout)
+            return self._isolate(now, rng, reason, PROBING, silent=timeout, answered=not timeout)
         self._clear()
         self.streak = max(0, self.streak - 1)
         self.state = ADMITTING

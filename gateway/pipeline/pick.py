@@ -14,24 +14,27 @@ from gateway.upstream.response import UpstreamResponse
 
 class Pick:
     """Power of two choices over the instances that may take this attempt, by peak-EWMA
-    latency x (in-flight + 1), so a slow-but-alive instance gets less traffic before any breaker
-    trips (as tower, Finagle and Linkerd balance).
+        latency x (in-flight + 1), so a slow-but-alive instance gets less traffic before any breaker
+        trips (as tower, Finagle and Linkerd balance).
 
-    May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
-    Retry-After; in pools with admission control also below its concurrency limit, with room in
-    its KV-token budget for the request, and, while its engine reports it saturated, below what
-    the engine has room for (and only when no unsaturated one may take it); past its limit only
-    where that limit is a learned guess (`room_guessed`: admission sends requests past it unless
-    they flood the pool) and nothing else may take it. An isolated instance whose isolation ran
-    out takes the attempt as its one probe (a real request) first. An instance that refused this
-    request's connection, dropped it or let it time out is not asked again while any other one
-    could take it. When every healthy instance was tried, is paused or is full, one of those is
-    used rather than failing. When none is healthy and admitting, the pool panics (the default,
-    `breaker.when_none_available: panic`, as Envoy's panic threshold): the attempt goes to the
-    least bad instance that still answers (healthy but isolated first, then unhealthy ones whose
-    health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
-    instance refused the request's connection or let it time out, the client is told at once
-    (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
+        May take it: healthy, breaker ADMITTING, not tried by this request yet, not waiting out a
+        Retry-After; in pools with admission control also below its concurrency limit, with room in
+        its KV-token budget for the request, and, while its engine reports it saturated, below what
+        the engine has room for (and only when no unsaturated one may take it); past its limit only
+        where that limit is a learned guess (`room_guessed`: admission sends requests past it unless
+        they flood the pool) and nothing else may take it. An isolated instance whose isolation ran
+        out takes the attempt as its one probe (a real request) first; so does one isolated for
+    failures it answered, before its isolation ends, while every admitting instance holds more than
+    it was seen serving at once (`BreakerState.try_admit(early=True)`): an isolation must not queue
+    its share on the others for longer than the fault needs it. An instance that refused this
+        request's connection, dropped it or let it time out is not asked again while any other one
+        could take it. When every healthy instance was tried, is paused or is full, one of those is
+        used rather than failing. When none is healthy and admitting, the pool panics (the default,
+        `breaker.when_none_available: panic`, as Envoy's panic threshold): the attempt goes to the
+        least bad instance that still answers (healthy but isolated first, then unhealthy ones whose
+        health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
+        instance refused the request's connection or let it time out, the client is told at once
+        (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
     """
 
     def __init__(self, clock: Clock) -> None:
@@ -48,6 +51,7 @@ class Pick:
         queueing: list[InstanceState] = []  # saturated, but with room for this one
         over: list[InstanceState] = []  # past its limit, which is only a learned guess
         admitting: list[InstanceState] = []
+        held_out: list[InstanceState] = []  # isolated, not due for a probe yet
         probe = None
         avoid = call.avoid
         for inst in pool.routable:
@@ -66,8 +70,16 @@ class Pick:
                         (queueing if inst.saturated else fresh).append(inst)
                     elif inst.room_guessed:
                         over.append(inst)
-            elif probe is None and breaker.try_admit(now):
-                probe = inst
+            elif probe is None:
+                if breaker.try_admit(now):
+                    probe = inst
+                else:
+                    held_out.append(inst)
+        if probe is None and held_out and admitting and _all_full(admitting, now):
+            for inst in held_out:
+                if inst.health.healthy is not False and inst.breaker.try_admit(now, early=True):
+                    probe = inst
+                    break
         if probe is not None:
             instance = probe
         elif admitting:
@@ -96,6 +108,12 @@ class Pick:
         tried.append(instance)
         call.attempts += 1
         return await next_handler(call)
+
+
+def _all_full(admitting: list[InstanceState], now: float) -> bool:
+    """Whether every admitting instance holds more attempts than it was seen serving at once
+    (and was seen serving some: a pool that has not learned it says nothing of being full)."""
+    return all(i.capacity_seen > 0 and i.over_capacity(now) for i in admitting)
 
 
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
