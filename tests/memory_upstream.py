@@ -40,7 +40,14 @@ class Hang:
     """Accepts the request and never answers."""
 
 
-Act = Answer | Refuse | Full | Hang
+@dataclass(frozen=True)
+class AnswerWhen:
+    """A whole JSON answer the moment `event` is set (at once if it is)."""
+
+    event: asyncio.Event
+
+
+Act = Answer | AnswerWhen | Refuse | Full | Hang
 # What an instance does with its n-th request (0-based).
 Script = Callable[[int], Act]
 
@@ -133,6 +140,9 @@ class MemoryUpstreams:
         self.sent.append(Sent(instance, asyncio.get_running_loop().time(), body))
         if isinstance(act, Hang):
             await asyncio.get_running_loop().create_future()  # until the deadline cancels it
+        if isinstance(act, AnswerWhen):
+            await act.event.wait()
+            return MemoryHead(Answer())
         assert isinstance(act, Answer)
         await asyncio.sleep(act.after_s)
         return MemoryHead(act)

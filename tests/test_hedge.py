@@ -12,7 +12,7 @@ from gateway.config import parse_policy
 from gateway.pipeline.hedge import _in_its_turn
 from gateway.upstream.registry import Registry
 from loadtests.virtual_time import run
-from tests.memory_upstream import Answer, Hang, Script, always
+from tests.memory_upstream import Answer, AnswerWhen, Hang, Script, always
 from tests.test_request_path import Outcome, Pipeline, pipeline, policy_text
 
 LEARN = 12  # answers each instance gives fast first: more than `timeouts.min_samples`
@@ -119,6 +119,42 @@ def test_the_first_answer_wins_and_the_other_attempt_is_dropped() -> None:
     assert hedged >= 1
     hedges = p.pool.stats.hedges
     assert hedges.get("won", 0) + hedges.get("lost", 0) == hedged
+
+
+def test_a_hedge_overtaken_before_it_left_is_late_and_gives_its_budget_back() -> None:
+    """The first attempt answers in the very moment its hedge's timer fires, before the hedge
+    chose an instance: nothing went out (no instance received a second request), so the race
+    is not a lost hedge (wasted work) but a late one, and its share of the retry budget
+    comes back."""
+
+    async def scenario() -> tuple[Pipeline, Outcome, int, int, int]:
+        answered = asyncio.Event()
+        p = await pipeline(
+            {"a": fast_then(AnswerWhen(answered)), "b": fast_then(AnswerWhen(answered))},
+            SETTINGS + "\n    hedging: {min_delay: 100ms}",
+        )()
+        try:
+            await learned(p)
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            delay = p.pool.policy.hedging.min_delay
+            for inst in p.pool.instances:  # the floor, not a prediction, times either hedge
+                predicted = p.pool.hedge_delay(inst, now, stream=False, max_tokens=16)
+                assert predicted is not None and predicted < delay
+            before = len(p.upstreams.sent)
+            # Set before the request, so it fires first at the instant the hedge's timer does.
+            loop.call_at(now + delay, answered.set)
+            outcome = await p.request()
+            _, spent = p.pool.budget.counts(loop.time())
+            return p, outcome, before, len(p.upstreams.sent), spent
+        finally:
+            await p.watchdog.close()
+
+    p, outcome, before, after, spent = run(scenario())
+    assert (outcome.status, outcome.attempts) == (200, 1)
+    assert after == before + 1, "the hedge never left"
+    assert p.pool.stats.hedges == {"late": 1}
+    assert spent == 0
 
 
 def test_hedges_stop_when_the_retry_budget_is_spent() -> None:

@@ -58,6 +58,7 @@ class _Race:
         "hedge_started",
         "main",
         "result",
+        "spent_at",
         "started",
         "task",
         "timer",
@@ -67,6 +68,7 @@ class _Race:
         self.main = call
         self.started = 0.0  # when each attempt was sent, for the loser's latency
         self.hedge_started = 0.0
+        self.spent_at = 0.0  # when the hedge spent its share of the retry budget
         self.first_done = False
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
@@ -142,8 +144,15 @@ class Hedge:
                     response.finish(ok=False)
                     return hedged
                 return response
-            pool.stats.hedged("lost")
-            self._slow(race.hedge, race.hedge_started)
+            hedge = race.hedge
+            if hedge is not None and hedge.instance is None:
+                # The first attempt answered as its hedge was leaving, before it chose an
+                # instance: nothing was sent, nothing was wasted, and the budget is given back.
+                pool.stats.hedged("late")
+                pool.budget.refund(race.spent_at, self._clock())
+            else:
+                pool.stats.hedged("lost")
+                self._slow(hedge, race.hedge_started)
             await self._abandon(race)
         except BaseException:
             response.finish(ok=False)  # the request ends while the race is settled
@@ -171,6 +180,7 @@ class Hedge:
         if not pool.budget.try_spend(now, HEDGE_SHARE):
             pool.stats.hedged("no_budget")
             return
+        race.spent_at = now
         hedge = dataclasses.replace(
             call,
             avoid=[call.instance, *call.avoid],

@@ -30,7 +30,7 @@ _CLASSES = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 
 # How a hedged first attempt ended (`pipeline.hedge`): a bounded label set, all exported.
-HEDGE_RESULTS = ("won", "lost", "failed", "no_budget", "no_room", "in_order")
+HEDGE_RESULTS = ("won", "lost", "failed", "late", "no_budget", "no_room", "in_order")
 
 
 class InstanceStats:
@@ -92,7 +92,8 @@ class PoolStats:
         self.resume_refusals: dict[str, int] = {}
         # Hedged first attempts by how they ended: won, lost, failed (both failed), or not
         # sent: no_budget (the retry budget refused it), no_room (every other instance full),
-        # in_order (its instance serves it in its turn: `pipeline.hedge`).
+        # in_order (its instance serves it in its turn: `pipeline.hedge`), late (the first
+        # attempt answered as its hedge was leaving, before the hedge chose an instance).
         self.hedges: dict[str, int] = {}
         # Attempts sent while no instance was healthy and admitting (the pool panicked).
         self.panics = 0
