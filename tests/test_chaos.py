@@ -324,8 +324,8 @@ async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_en
     tmp_path: Path, action: str, back: float
 ) -> None:
     """A kill with `for:` brings a fake backend back when the step says, not when a new
-    interpreter has finished starting: the replacement boots during the kill, with its port
-    closed until the end of the step, and serves from then on."""
+    interpreter has finished starting: the replacement boots ahead, with its port closed
+    until the end of the step, and serves from then on."""
     scenario = Scenario.model_validate(
         {
             "name": "x",
@@ -362,7 +362,7 @@ async def test_a_killed_fake_instance_is_booted_ahead_and_serves_again_at_the_en
         assert not timeline.errors
         assert during is False
         assert await serves_at(0.0)
-        assert inst.popen is not None and "--serve-at" in inst.popen.args
+        assert inst.popen is not None and "--serve-when" in inst.popen.args
         restarted_at = inst.starts[-1]
     finally:
         events.close()

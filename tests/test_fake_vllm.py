@@ -6,13 +6,15 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from loadtests.fake_vllm.responses import OOM_MESSAGE, text
-from loadtests.procs import ManagedProcess, python_module
+from loadtests.procs import ManagedProcess, ProcessFailed, python_module
 
 MODELS = ("m1", "m2")
 
@@ -460,17 +462,37 @@ async def test_engine_queues_beyond_max_running_and_fails_kv_overflow_as_oom(
         assert (await client.get("/_fake/engine")).json()["ooms"] == 0
 
 
-def test_serve_at_opens_the_port_no_earlier_than_asked() -> None:
-    serve_at = time.time() + 1.0
-    proc = ManagedProcess(
-        python_module("loadtests.fake_vllm", "--port", "0", "--serve-at", f"{serve_at:.3f}")
-    )
+def test_a_replacement_booted_ahead_serves_only_once_told_to(tmp_path: Path) -> None:
+    """`--serve-when PATH`: booted, it says so (PATH.booted) and waits with its port closed;
+    it serves once PATH exists, and READY comes then."""
+    trigger = tmp_path / "serve"
+    argv = python_module("loadtests.fake_vllm", "--port", "0", "--serve-when", str(trigger))
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(ManagedProcess, argv, ready_timeout_s=60)
+        booted = Path(f"{trigger}.booted")
+        for _ in range(600):  # bounded: 60 s
+            if booted.exists() or starting.done():
+                break
+            time.sleep(0.1)
+        assert booted.exists()
+        time.sleep(0.3)
+        assert not starting.done(), "it serves before it is told to"
+        trigger.touch()
+        proc = starting.result(timeout=30)
     try:
-        assert time.time() >= serve_at - 0.01  # READY comes once the port is open
         response = httpx.get(f"http://127.0.0.1:{proc.port()}/health", timeout=5)
         assert response.status_code == 200
     finally:
         proc.stop()
+
+
+def test_a_replacement_booted_ahead_and_never_needed_exits_when_cancelled(tmp_path: Path) -> None:
+    trigger = tmp_path / "serve"
+    Path(f"{trigger}.cancel").touch()
+    argv = python_module("loadtests.fake_vllm", "--port", "0", "--serve-when", str(trigger))
+    with pytest.raises(ProcessFailed):
+        ManagedProcess(argv, ready_timeout_s=60)
+    assert Path(f"{trigger}.booted").exists()  # it booted, then left without serving
 
 
 # --- continuation, as vLLM does it ------------------------------------------------------------

@@ -25,7 +25,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,6 +96,23 @@ class Instance:
         return popen is not None and popen.poll() is None
 
 
+@dataclass
+class Standby:
+    """A fake backend's replacement, booted ahead (`Cluster.boot_standby`): it serves once
+    `trigger` exists; `launch` ends once it serves (or has exited)."""
+
+    name: str
+    trigger: Path
+    launch: asyncio.Future[object]
+
+    @property
+    def booted(self) -> bool:
+        return Path(f"{self.trigger}.booted").exists()
+
+    def cancel(self) -> None:
+        Path(f"{self.trigger}.cancel").touch()
+
+
 class Cluster:
     def __init__(self, scenario: Scenario, workdir: Path, placement: CpuPlacement = SHARED) -> None:
         self.scenario = scenario
@@ -116,6 +132,8 @@ class Cluster:
         # Process starts still running in a thread: `close` waits for them, so that a start the
         # run's end cancelled still has its process stopped.
         self._launches: set[asyncio.Future[object]] = set()
+        self._standbys = 0  # replacements booted ahead so far (`boot_standby`) ...
+        self._unserved: list[Standby] = []  # ... and those not told to serve yet
         self._proxied = {step.target for step in scenario.faults if step.action == "network"}
         try:
             self._plan_instances()
@@ -246,6 +264,8 @@ class Cluster:
         """Stop every process of the run (even if stopping one fails), then let the ports go."""
         try:
             await self._http.aclose()
+            for standby in self._unserved:
+                standby.cancel()  # it exits, never having served: its launch fails at once
             if self._launches:
                 await asyncio.gather(*self._launches, return_exceptions=True)
             procs = [self.gateway] if self.gateway else []
@@ -326,27 +346,52 @@ class Cluster:
             await asyncio.to_thread(inst.proc.stop)
 
     def boots_ahead(self, name: str) -> bool:
-        """Whether `start` can boot the instance ahead of time and open its port at a given
-        moment (fake backends can; an engine loads its model only when started)."""
+        """Whether the instance's replacement can boot ahead of time and open its port at a
+        given moment (`boot_standby`: fake backends can; an engine loads its model only when
+        started)."""
         return self.instances[name].launcher is None
 
-    async def start(self, name: str, now: float, *, serve_at: float | None = None) -> None:
-        """Start the instance again (stopping it first if it runs); with `serve_at` (Unix
-        seconds, fake backends only), it opens its port at that moment, not when booted, so that
-        the direct and the gateway run of a scenario get it back at the same time."""
+    def boot_standby(self, name: str, wait_s: float) -> Standby:
+        """Boot a replacement for fake backend `name` now, to serve once `serve_standby` says
+        so: a new interpreter's start, seconds on a busy machine and more of them beside a
+        gateway, then no longer decides when a killed instance is back, nor differs between
+        the direct and the gateway run. It becomes the instance's process once it serves,
+        within `wait_s` plus a start's usual wait; one never served exits at `close`."""
+        inst = self._fake(name)
+        self._standbys += 1
+        trigger = self.workdir / f"standby-{self._standbys}-{name}"
+        argv = [*inst.argv, "--serve-when", str(trigger)]
+
+        def launch() -> object:
+            # It announces itself once it serves, at the end of a kill that may last longer
+            # than the usual wait for a start (8 % of a 100,000-request run is 40 s).
+            inst.proc = ManagedProcess(argv, ready_timeout_s=READY_S + wait_s)
+            return inst.proc
+
+        standby = Standby(name, trigger, asyncio.ensure_future(asyncio.to_thread(launch)))
+        self._launches.add(standby.launch)
+        standby.launch.add_done_callback(self._launches.discard)
+        self._unserved.append(standby)
+        return standby
+
+    async def serve_standby(self, standby: Standby, now: float) -> None:
+        """The replacement opens its port now (its instance stopped) and serves."""
+        self._unserved.remove(standby)
+        standby.trigger.touch()
+        await asyncio.shield(standby.launch)
+        self.instances[standby.name].starts.append(now)
+
+    async def start(self, name: str, now: float) -> None:
+        """Start the instance again (stopping it first if it runs)."""
         inst = self.instances[name]
         if inst.running:
             await self.stop(name, kill=False)
-        argv = inst.argv if serve_at is None else [*inst.argv, "--serve-at", f"{serve_at:.3f}"]
 
         def launch() -> None:
             if inst.launcher is not None:
                 inst.engine = inst.launcher.start()
             else:
-                # It announces itself once it serves: a kill lasting longer than the usual
-                # wait for that (8 % of a 100,000-request run is 40 s) must not fail its start.
-                wait = 0.0 if serve_at is None else max(0.0, serve_at - time.time())
-                inst.proc = ManagedProcess(argv, ready_timeout_s=READY_S + wait)
+                inst.proc = ManagedProcess(inst.argv, ready_timeout_s=READY_S)
 
         await self._launch(launch)
         inst.starts.append(now)

@@ -27,6 +27,8 @@ from loadtests.loadgen import LoadStats, Progress, Target, WorkloadSpec, run_loa
 
 MODES = ("direct", "gateway")
 STATE_EVERY_S = 0.5
+# How long the replacements booted ahead of the run's kills may take to boot (on a busy machine).
+STANDBY_BOOT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,6 @@ async def run_mode(
             long_prompt_tokens=workload.long_prompt_tokens,
         )
         progress = Progress()
-        progress.start_clock()
         timeline = Timeline(
             cluster,
             scenario.faults,
@@ -74,6 +75,10 @@ async def run_mode(
             clock=progress.elapsed,
             events=events,
         )
+        # Replacements for the instances the run kills boot before the load, not under it.
+        if not await timeline.booted(STANDBY_BOOT_S):
+            raise RuntimeError(f"the instances' replacements did not boot in {STANDBY_BOOT_S} s")
+        progress.start_clock()
         timeline_task = asyncio.create_task(timeline.run(progress))
         if mode == "gateway":
             sampler_task = asyncio.create_task(

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from gateway.server import bind_listener
 from loadtests.serving import rig_config, serve_announced
@@ -76,10 +77,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(also FAKE_VLLM_RECORD_CREDENTIALS=1); by default only presence and a short hash",
     )
     parser.add_argument(
-        "--serve-at",
-        type=float,
-        help="wall-clock time (Unix seconds) to open the port at: a restart that comes back at a "
-        "known moment, whatever the interpreter's start-up costs on a busy machine",
+        "--serve-when",
+        type=Path,
+        help="a replacement booted ahead of a restart: it makes PATH.booted once booted, opens "
+        "the port once PATH exists (a restart back at the moment it is made, whatever an "
+        "interpreter's start costs on a busy machine), and exits without serving once "
+        "PATH.cancel exists or the process that started it is gone",
     )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
@@ -90,6 +93,23 @@ class _IntendedAbort(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg != "ASGI callable returned without completing response."
+
+
+# How often a replacement booted ahead looks for its signal to serve.
+SERVE_WHEN_POLL_S = 0.005
+
+
+def _serve_when(trigger: Path) -> bool:
+    """Wait, booted, for `trigger` (True: serve) or `<trigger>.cancel` or the loss of the
+    parent process (False: exit)."""
+    parent = os.getppid()
+    Path(f"{trigger}.booted").touch()
+    cancel = Path(f"{trigger}.cancel")
+    while not trigger.exists():
+        if cancel.exists() or os.getppid() != parent:
+            return False
+        time.sleep(SERVE_WHEN_POLL_S)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,10 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         record_credentials=args.record_credentials,
         echo_prefill=args.echo_prefill,
     )
-    if args.serve_at is not None:
-        time.sleep(max(0.0, args.serve_at - time.time()))
-    sock = bind_listener(args.host, args.port)
     server_config = rig_config(build_app(config), args.log_level)
+    if args.serve_when is not None:
+        server_config.load()  # what it can do before it serves, done while it waits
+        if not _serve_when(args.serve_when):
+            return 0
+    sock = bind_listener(args.host, args.port)
     logging.getLogger("uvicorn.error").addFilter(_IntendedAbort())
     port = sock.getsockname()[1]
     serve_announced(server_config, sock, f"fake-vllm READY name={args.name} port={port}")
