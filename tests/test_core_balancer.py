@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from gateway.core.balancer import (
+    MIN_ANSWERED_SHARE,
     PENALTY_TAU_S,
     PeakEwma,
     choose,
@@ -178,18 +179,58 @@ def test_p2c_with_peak_ewma_and_in_flight_sheds_load_from_a_slow_instance() -> N
     assert picks["slow"] > 0  # it is not starved: its cost decays between samples
 
 
-def test_a_failure_the_cap_kept_admitting_is_priced_above_every_other_instance() -> None:
-    assert failure_penalty_s(0.001, [0.2, 0.5, 0.1]) == pytest.approx(1.0)
-    assert failure_penalty_s(3.0, [0.2]) == 3.0  # never below the attempt's own time
-    assert failure_penalty_s(0.01, []) == 0.01  # nobody else to compare with
+def test_a_failure_the_cap_kept_admitting_is_priced_per_answer_it_gives() -> None:
+    # Peers at 0.2 and 0.4 s, 0.3 s on average; answering half its attempts: 0.6 s per answer.
+    assert failure_penalty_s(0.001, [0.2, 0.4], 0.5) == pytest.approx(0.6)
+    assert failure_penalty_s(3.0, [0.2], 0.5) == pytest.approx(6.0)  # a timeout: its own time
+    assert failure_penalty_s(0.001, [0.3], 1.0) == pytest.approx(0.3 / MIN_ANSWERED_SHARE)
+    assert failure_penalty_s(0.01, [], 0.5) == 0.01  # nobody else to compare with
 
 
-def test_a_failure_penalty_counts_the_failing_instances_own_load_once() -> None:
-    # Its streams still flowing: the price per attempt is divided by its load, so its cost
-    # (the price times that load) is twice the dearest other's, not thirty times that.
-    others = [load_cost(4.0, 250), load_cost(4.0, 30)]
-    price = failure_penalty_s(0.01, others, in_flight=30)
-    assert load_cost(price, 30) == pytest.approx(2.0 * load_cost(4.0, 250))
-    # Back in the running once the penalty has halved: about 1.4 s with PENALTY_TAU_S = 2 s.
-    fading = PeakEwma(0.0, initial_s=price, tau_s=PENALTY_TAU_S)
-    assert load_cost(fading.get(1.5), 30) < load_cost(4.0, 250)
+def test_an_instance_failing_half_its_requests_fast_keeps_its_share_and_no_more() -> None:
+    """A fake clock: a request every 10 ms; a and b answer in 0.5 s; "bad" (kept in by the
+    isolation cap) fails half its attempts within 1 ms and answers the rest as they do, and
+    each failure prices it (`failure_penalty_s`, fading with `PENALTY_TAU_S`). It keeps
+    about its share (its failures, retried elsewhere, cost a millisecond), and neither
+    draws more for failing fast nor holds more at once than its peers: priced at twice the
+    dearest peer's load instead, it got almost nothing while its peers queued."""
+    rng = random.Random(5)
+    names = ["a", "b", "bad"]
+    ewma = {name: PeakEwma(0.0, initial_s=0.5) for name in names}
+    penalty: PeakEwma | None = None
+    in_flight = dict.fromkeys(names, 0)
+    most = dict.fromkeys(names, 0)
+    pending: list[tuple[float, str, bool]] = []
+    picks: Counter[str] = Counter()
+    requests = 6_000
+    for i in range(requests):
+        now = i * 0.01
+        while pending and pending[0][0] <= now:
+            done_at, name, answered = heapq.heappop(pending)
+            in_flight[name] -= 1
+            if answered:
+                ewma[name].observe(done_at, 0.5)
+                continue
+            peers = [ewma["a"].get(done_at), ewma["b"].get(done_at)]
+            price = failure_penalty_s(0.001, peers, 0.5)
+            if penalty is None:
+                penalty = PeakEwma(done_at, initial_s=price, tau_s=PENALTY_TAU_S)
+            else:
+                penalty.observe(done_at, price)
+
+        def cost(name: str, now: float = now, penalty: PeakEwma | None = penalty) -> float:
+            latency = ewma[name].get(now)
+            if name == "bad" and penalty is not None:
+                latency = max(latency, penalty.get(now))
+            return load_cost(latency, in_flight[name])
+
+        picked = choose(names, cost, rng)
+        assert picked is not None
+        picks[picked] += 1
+        in_flight[picked] += 1
+        most[picked] = max(most[picked], in_flight[picked])
+        answered = picked != "bad" or rng.random() < 0.5
+        heapq.heappush(pending, (now + (0.5 if answered else 0.001), picked, answered))
+    assert penalty is not None
+    assert 0.2 * requests < picks["bad"] < requests / 3
+    assert most["bad"] <= min(most["a"], most["b"])

@@ -687,3 +687,32 @@ def test_only_an_isolation_for_answered_failures_may_end_early_for_a_probe() -> 
     shared = breaker(failures)
     shared.adopt(0.0, 30.0, "another replica")
     assert not shared.try_admit(2.0, early=True)
+
+
+def test_the_share_it_fails_is_its_window_rate_or_its_run_of_failures() -> None:
+    b = breaker()  # a 60 s window; no trip on failures in a row
+    assert b.failure_share(0.0) == 1.0  # nothing known
+    for t in range(6):
+        ok(b, float(t))
+    for t in (6.0, 7.0):
+        fail(b, t)
+    assert b.failure_share(7.0) == pytest.approx(2 / 3)  # two in a row outweigh 2 of 8
+    ok(b, 8.0)
+    assert b.failure_share(8.0) == pytest.approx(2 / 9)  # the window's rate
+    for t in range(9, 18):
+        fail(b, float(t))
+    assert b.failure_share(17.0) == pytest.approx(0.9)  # nine in a row: 11 of 18 in the window
+
+
+def test_an_instance_back_up_by_its_health_checks_is_probed_at_once() -> None:
+    b = breaker(BreakerPolicy(consecutive_failures=2, isolation=30.0))
+    fail(b, 0.0)
+    fail(b, 0.1)
+    assert b.state == ISOLATED and not b.try_admit(5.0)
+    assert b.back_up(5.0)
+    assert b.try_admit(5.0) and b.state == PROBING  # the next request probes it
+    assert ok(b, 5.1, probe=True) is not None and b.state == ADMITTING
+    assert not b.back_up(6.0)  # admitting: nothing to end
+    forced = breaker()
+    forced.isolate(0.0, RNG)  # the operator's
+    assert not forced.back_up(1.0) and not forced.try_admit(1.0)

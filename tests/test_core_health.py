@@ -69,3 +69,15 @@ def test_a_refused_connection_before_any_verdict_leaves_it_unknown() -> None:
     state = HealthState(0.0, healthy_threshold=1, unhealthy_threshold=2)
     assert state.refused("refused") is None
     assert state.healthy is None
+
+
+def test_a_down_instance_with_nothing_answering_is_watched_an_answering_one_is_not() -> None:
+    state = HealthState(0.0, healthy_threshold=1, unhealthy_threshold=1)
+    state.record(1.0, True, "HTTP 200")
+    assert not state.watched  # healthy, no doubt: the regular interval
+    state.refused("refused")
+    assert state.watched  # down, nothing listening: a restart is looked for soon
+    state.record(2.0, False, "HTTP 503", answered=True)
+    assert not state.watched  # down but answering: it is not restarting
+    state.record(3.0, False, "ClientConnectorError", answered=False)
+    assert state.watched

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.routes import CHAT
-from gateway.core.balancer import PENALTY_TAU_S
+from gateway.core.balancer import MIN_ANSWERED_SHARE, PENALTY_TAU_S
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
 from gateway.core.outcome import Outcome as AttemptOutcome
 from gateway.core.outcome import Phase
@@ -353,8 +353,8 @@ def test_a_queued_attempt_moves_once_another_instance_has_room() -> None:
 
 def test_failure_penalties_do_not_price_each_other_up() -> None:
     """a and b fail, c is held out by an operator: the isolation cap keeps a and b in rotation
-    and the balancer steers by penalties instead, each priced at twice the dearest other
-    instance's cost. Priced on each other's penalties, they doubled at each failure, to
+    and the balancer steers by penalties instead, each priced on the other's latency. Priced
+    on each other's penalties, they doubled at each failure, to
     estimates of hours in which latency no longer counted (seen in chaos runs: every instance
     of a pool at about an hour, the slowest one taking the most traffic)."""
 
@@ -382,8 +382,9 @@ def test_failure_penalties_do_not_price_each_other_up() -> None:
     assert all(o.status == 503 for o in outcomes)
     suppressed = [t for _, t in p.transitions if t.suppressed]
     assert {t.instance for t in suppressed} == {"a", "b"} and len(suppressed) >= 10
-    # Each penalty is twice the other's cost on its own answers (none yet: the initial 1 s).
-    assert max(priced) <= 2.0 * (1 + 1) + 0.01, priced
+    # Each penalty is the other's latency on its own answers (none yet: the initial 1 s) per
+    # answer it gives (none: priced at the least answered share).
+    assert max(priced) <= 1.0 / MIN_ANSWERED_SHARE + 0.01, priced
     assert later <= max(priced) * math.exp(-20.0 / PENALTY_TAU_S) + 1.0
 
 

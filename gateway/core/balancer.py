@@ -97,20 +97,35 @@ def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
 PENALTY_TAU_S = 2.0
 
 
-def failure_penalty_s(elapsed_s: float, others_costs: Iterable[float], in_flight: int = 0) -> float:
+# The least share of its attempts a failing instance is priced as answering: one that answers
+# none is priced at twenty times its peers' latency, not out for good (the breaker's business).
+MIN_ANSWERED_SHARE = 0.05
+
+
+def failure_penalty_s(
+    elapsed_s: float, peers_latency: Iterable[float], failure_rate: float
+) -> float:
     """The latency sample the balancer takes for a failure the breaker could not act on (the
-    pool's isolation cap held): one that puts the failing instance's load cost (with its
-    `in_flight` attempts) at twice the dearest other instance's, and never less than the
-    attempt's own time. An instance that fails fast would otherwise look the cheapest (little
-    latency, nothing in flight) and draw ever more traffic; priced so, power of two choices
-    passes it over until its estimate decays (twice the dearest fades below it within
-    `PENALTY_TAU_S · ln 2`) and it is tried again. Its own load divides the price because the
-    cost multiplies it again: priced at twice the dearest cost per attempt in flight, an
-    instance with 30 streams still flowing would stay shunned for 8 s after a one-second
-    burst of errors, and its peers would take its share meanwhile. The others' costs must be
-    priced on their own answers, never on a penalty of theirs (see
-    `InstanceState.penalize`)."""
-    return max(elapsed_s, 2.0 * max(others_costs, default=0.0) / (in_flight + 1))
+    pool's isolation cap held): the average latency of its peers (their peak EWMAs, priced on
+    their own answers, never on a penalty of theirs: see `InstanceState.penalize`), or the
+    attempt's own time if longer (a timeout), divided by the share of its attempts it answers
+    (`1 - failure_rate`, at least `MIN_ANSWERED_SHARE`). That is the time per answer it
+    offers: an instance failing half its requests costs twice what its peers do per attempt
+    in flight, so power of two choices gives it about half their concurrency, where its fast
+    failures would otherwise make it look the cheapest of all and draw ever more traffic.
+    With no peer to compare with, the attempt's own time.
+
+    Priced on the peers' latency, not on their load: a price on their load (twice the dearest
+    peer's cost) rose as the failing instance's share moved to them, and again at each of its
+    failures, until it held almost nothing while its peers queued hundreds (seen under
+    chaos-mix: 255 attempts in flight on one instance, 2 on the one the cap kept in). The cap
+    keeps an instance in rotation so that the rest do not carry its share; a price that
+    follows the rest's load takes the share away all the same."""
+    latencies = list(peers_latency)
+    if not latencies:
+        return elapsed_s
+    answered = max(1.0 - failure_rate, MIN_ANSWERED_SHARE)
+    return max(elapsed_s, sum(latencies) / len(latencies)) / answered
 
 
 def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:

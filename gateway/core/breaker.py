@@ -427,6 +427,18 @@ class BreakerState:
         self.isolations += 1
         return Transition(self.instance, ADMITTING, ISOLATED, reason, until)
 
+    def back_up(self, now: float) -> bool:
+        """Its health checks pass again after they failed: an isolation under way (not an
+        operator's) ends now, for a probe. The failures behind it were most likely its going
+        down (refused connections, streams cut by a crash), which the checks have seen end;
+        held out for the rest of an isolation (5 s or more, longer at each trip), a restarted
+        instance idled while its peers carried its share. The probe, a real request, still
+        says whether it answers well. Whether it was isolated."""
+        if self.state != ISOLATED or self.forced:
+            return False
+        self.isolated_until = min(self.isolated_until, now)
+        return True
+
     def lift(self, now: float, reason: str, operator: bool = False) -> Transition | None:
         """Another replica found the instance good again (its probe succeeded, or an operator
         restored it there): back to ADMITTING as after a successful probe of our own.
@@ -458,6 +470,15 @@ class BreakerState:
         """`(results, failures)` in the window that ends at `now`."""
         self._window.advance(now)
         return self._window.first_total, self._window.second_total
+
+    def failure_share(self, now: float) -> float:
+        """The share of its attempts it fails now: its window's failure rate, and at least
+        `n / (n + 1)` after n failures in a row (a window long in successes says little of an
+        instance failing everything since). 1 with nothing in the window."""
+        results, failures = self.window_counts(now)
+        rate = failures / results if results else 1.0
+        streak = self.consecutive_failures
+        return max(rate, streak / (streak + 1))
 
     @property
     def forced(self) -> bool:

@@ -78,6 +78,15 @@ class HealthState:
         return self._passes > 0
 
     @property
+    def watched(self) -> bool:
+        """Whether its next check should come soon (`fast_interval`): the verdict is in doubt,
+        or it is down with nothing answering its checks (a refused port, a silence): a
+        restarted process listens again within seconds, and found at the next regular round
+        it would idle for up to an interval while its peers carry its share (HAProxy's
+        `downinter` can be set to the same end)."""
+        return self.in_doubt or (self.healthy is False and not self.answered)
+
+    @property
     def cold_start_s(self) -> float | None:
         return None if self.first_healthy is None else self.first_healthy - self.first_seen
 

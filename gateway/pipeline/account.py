@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gateway.core.balancer import failure_penalty_s, load_cost
+from gateway.core.balancer import failure_penalty_s
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.core.usage import EDGE_BYTES, usage_of
@@ -101,6 +101,7 @@ def _record(
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
     modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
     others_flowing: bool = False,  # the instance sent on other attempts while this one waited
+    judged: bool = True,  # its breaker counts it (not a refusal its health checks judge)
 ) -> None:
     """`queueing`: a timeout of an attempt that waited behind a full instance which kept
     working meanwhile: counted and logged as a timeout, retried, but not the instance's
@@ -148,6 +149,10 @@ def _record(
     # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
     # isolate it at once, and move its streams): not when it kept sending on its other
     # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
+    if not judged:
+        if probe:
+            instance.breaker.release_probe(now)  # it did not happen: the next one may
+        return
     silent = outcome.kind == "timeout" and not others_flowing
     _to_breaker(pool, instance, now, failed, silent, probe, elapsed_s, on_transition)
 
@@ -169,10 +174,13 @@ def _to_breaker(
         return
     if transition.suppressed:
         # The cap keeps it admitting: the balancer steers around it instead.
-        others = (
-            load_cost(i.peak.get(now), i.in_flight) for i in pool.instances if i is not instance
+        peers = (
+            i.peak.get(now)
+            for i in pool.routable
+            if i is not instance and i.breaker.state == ADMITTING
         )
-        instance.penalize(now, failure_penalty_s(elapsed_s, others, instance.in_flight))
+        share = instance.breaker.failure_share(now)
+        instance.penalize(now, failure_penalty_s(elapsed_s, peers, share))
     elif transition.to == ADMITTING:
         pool.rejoined(instance, now)  # its probe answered well
     if transition.displaced is not None:
@@ -356,6 +364,11 @@ class Account:
             )
             if outcome.kind == "timeout" and queued:
                 _abandoned(instance, outcome, now, now - started)
+            # A refused connection says the instance is down: with health checks, they take
+            # it out and bring it back (`_refused`); as the breaker's failure it would also be
+            # isolated, for seconds after its checks passed again.
+            refused = isinstance(error, UpstreamConnectError) and error.refused
+            judged = not (refused and call.pool.policy.health.enabled)
             _record(
                 self._timeout_log,
                 call.pool,
@@ -369,8 +382,9 @@ class Account:
                 backoff=call.timeouts.backoff if call.timeouts is not None else 0,
                 sent_with=sent_with,
                 modelled=call.route.modelled,
+                judged=judged,
             )
-            if isinstance(error, UpstreamConnectError) and error.refused:
+            if refused:
                 self._refused(call.pool, instance, now, error.message)
             raise
         except asyncio.CancelledError:

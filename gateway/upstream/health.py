@@ -3,7 +3,8 @@
 At start every instance is checked at once (`first_round`); then one task per instance checks it
 every `health.interval`, each check bounded by `health.timeout`; the verdicts
 (`gateway.core.health`) decide which instances take traffic. Checks come every
-`health.fast_interval` instead while the verdict is in doubt (a check disagreed with it), and
+`health.fast_interval` instead while the verdict is in doubt (a check disagreed with it) or
+the instance is down with nothing answering its checks (a restart is back within that), and
 one comes at once (no sooner than `fast_interval` after the last) when a request timed out on
 the instance or could not connect to it (`InstanceState.health_wanted`): HAProxy's `fastinter`
 and `on-error fastinter`. So a frozen instance is known down in about two check timeouts after
@@ -85,7 +86,7 @@ class HealthChecker:
         wanted = instance.health_wanted
         last = self._clock()  # `first_round` or `check_instances` has just checked it
         while True:
-            wait = fast if instance.health.in_doubt else policy.interval
+            wait = fast if instance.health.watched else policy.interval
             remaining = last + wait - self._clock()
             if remaining > 0 and not wanted.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -124,7 +125,9 @@ class HealthChecker:
         if change is not None:
             pool.refresh_routable()
             if change.healthy:
-                pool.rejoined(instance, self._clock())
+                now = self._clock()
+                instance.breaker.back_up(now)  # probed by the next request, not seconds later
+                pool.rejoined(instance, now)
             log_health_change(pool, instance, change)
 
 
