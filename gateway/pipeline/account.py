@@ -146,13 +146,13 @@ def _record(
             instance.health_wanted.set()  # its checker looks at once, not at the next round
     elif outcome.kind != "ok" and not probe:
         return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
-    # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
-    # isolate it at once, and move its streams): not when it kept sending on its other
-    # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
     if not judged:
         if probe:
             instance.breaker.release_probe(now)  # it did not happen: the next one may
         return
+    # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
+    # isolate it at once, and move its streams): not when it kept sending on its other
+    # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
     silent = outcome.kind == "timeout" and not others_flowing
     _to_breaker(pool, instance, now, failed, silent, probe, elapsed_s, on_transition)
 
@@ -174,11 +174,7 @@ def _to_breaker(
         return
     if transition.suppressed:
         # The cap keeps it admitting: the balancer steers around it instead.
-        peers = (
-            i.peak.get(now)
-            for i in pool.routable
-            if i is not instance and i.breaker.state == ADMITTING
-        )
+        peers = pool.peer_latencies(instance, now)
         share = instance.breaker.failure_share(now)
         instance.penalize(now, failure_penalty_s(elapsed_s, peers, share))
     elif transition.to == ADMITTING:

@@ -58,7 +58,6 @@ class _Race:
         "hedge_started",
         "main",
         "result",
-        "spent_at",
         "started",
         "task",
         "timer",
@@ -67,8 +66,7 @@ class _Race:
     def __init__(self, call: Call) -> None:
         self.main = call
         self.started = 0.0  # when each attempt was sent, for the loser's latency
-        self.hedge_started = 0.0
-        self.spent_at = 0.0  # when the hedge spent its share of the retry budget
+        self.hedge_started = 0.0  # also when the hedge spent its share of the retry budget
         self.first_done = False
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
@@ -149,7 +147,7 @@ class Hedge:
                 # The first attempt answered as its hedge was leaving, before it chose an
                 # instance: nothing was sent, nothing was wasted, and the budget is given back.
                 pool.stats.hedged("late")
-                pool.budget.refund(race.spent_at, self._clock())
+                pool.budget.refund(race.hedge_started, self._clock())
             else:
                 pool.stats.hedged("lost")
                 self._slow(hedge, race.hedge_started)
@@ -180,7 +178,6 @@ class Hedge:
         if not pool.budget.try_spend(now, HEDGE_SHARE):
             pool.stats.hedged("no_budget")
             return
-        race.spent_at = now
         hedge = dataclasses.replace(
             call,
             avoid=[call.instance, *call.avoid],
@@ -191,7 +188,7 @@ class Hedge:
             tokens=0,
         )
         race.hedge = hedge
-        race.hedge_started = self._clock()
+        race.hedge_started = now
         task = asyncio.get_running_loop().create_task(self._run(race, hedge, next_handler))
         hedge.cancellation = Cancellation(task)
         race.task = task

@@ -657,13 +657,19 @@ class PoolState:
         an instance with no finished attempt is costed: it gets its share at once, by what it
         has in flight, and its first answers take over (a slow one at once: the estimate is a
         peak). Alone in the pool, its estimate is compared with nothing and is left as it is."""
-        peers = [
+        peers = self.peer_latencies(instance, now)
+        if peers:
+            instance.start_afresh(now, sum(peers) / len(peers))
+
+    def peer_latencies(self, instance: InstanceState, now: float) -> list[float]:
+        """The balancer's latency estimates (peak EWMAs, on their own answers) of the other
+        instances that take traffic: what `instance` is priced against when it rejoins or
+        fails under the isolation cap."""
+        return [
             inst.peak.get(now)
             for inst in self.routable
             if inst is not instance and inst.breaker.state == ADMITTING
         ]
-        if peers:
-            instance.start_afresh(now, sum(peers) / len(peers))
 
     def refused(self, instance: InstanceState, reason: str) -> HealthChange | None:
         """A request's connection to `instance` was refused: with health checks, it leaves

@@ -368,9 +368,7 @@ class Cluster:
             inst.proc = ManagedProcess(argv, ready_timeout_s=READY_S + wait_s)
             return inst.proc
 
-        standby = Standby(name, trigger, asyncio.ensure_future(asyncio.to_thread(launch)))
-        self._launches.add(standby.launch)
-        standby.launch.add_done_callback(self._launches.discard)
+        standby = Standby(name, trigger, self._in_thread(launch))
         self._unserved.append(standby)
         return standby
 
@@ -400,10 +398,14 @@ class Cluster:
         """Run `start` (which records the process it starts) in a thread to its end, even when
         the step awaiting it is cancelled: the thread cannot be stopped, and a process it starts
         after the caller gave up would otherwise outlive the run."""
+        await asyncio.shield(self._in_thread(start))
+
+    def _in_thread(self, start: Callable[[], object]) -> asyncio.Future[object]:
+        """`start` under way in a thread, which `close` waits for."""
         launch = asyncio.ensure_future(asyncio.to_thread(start))
         self._launches.add(launch)
         launch.add_done_callback(self._launches.discard)
-        await asyncio.shield(launch)
+        return launch
 
     # --- the Redis of shared decisions ---------------------------------------------------
 

@@ -45,7 +45,7 @@ class Timeline:
         self.clock = clock  # seconds since the run started (the ledger's clock)
         self.events = events
         self.errors: list[str] = []
-        self._standbys: dict[int, Standby] | None = None  # by step: `boot_ahead`
+        self._standbys: dict[int, Standby] = {}  # by step: `boot_ahead`
 
     def boot_ahead(self) -> None:
         """Boot now the replacement of each fake backend a step kills or stops for a while
@@ -53,9 +53,8 @@ class Timeline:
         the step is carried out instead, under load, it took 5 to 10 s to serve again on two
         CPUs for a kill of 0.8 s, and longer beside the gateway than in the direct run. The
         runner calls this before the load starts (see `booted`); `run` does if nobody has."""
-        if self._standbys is not None:
-            return
-        self._standbys = {}
+        if self._standbys:
+            return  # booted already (with no step to boot for, looking again finds none)
         # Bounds a replacement's wait to be told to serve: a step may come late on a busy
         # machine, or wait for a request count rather than a time.
         wait_s = 3.0 * self.planned_s + STANDBY_SLACK_S
@@ -71,7 +70,6 @@ class Timeline:
     async def booted(self, timeout_s: float) -> bool:
         """Wait until every replacement `boot_ahead` started has booted (at most `timeout_s`)."""
         self.boot_ahead()
-        assert self._standbys is not None
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
         while not all(standby.booted for standby in self._standbys.values()):
@@ -146,7 +144,7 @@ class Timeline:
             cluster.signal(name, signal.SIGCONT)
         elif action in ("kill", "stop"):
             await cluster.stop(name, kill=action == "kill")
-            standby = self._standbys.get(index) if self._standbys is not None else None
+            standby = self._standbys.get(index)
             if until is not None and standby is not None:
                 # Booted ahead, serving at a planned moment: `until`, after a stop's bound on
                 # its graceful shutdown (it lasts as long as the streams it waits for, which
