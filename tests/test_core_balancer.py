@@ -10,10 +10,14 @@ import pytest
 from gateway.core.balancer import (
     MIN_ANSWERED_SHARE,
     PENALTY_TAU_S,
+    REFERENCE_TOKENS,
+    TIE_MARGIN,
     PeakEwma,
     choose,
     failure_penalty_s,
     load_cost,
+    priced_answer_s,
+    priced_first_byte_s,
     slow_start_weight,
 )
 
@@ -142,12 +146,42 @@ def test_ties_go_to_the_first_drawn_so_they_spread() -> None:
     assert 4_700 < picks["a"] < 5_300
 
 
+def test_costs_a_hair_apart_are_a_tie_and_a_clear_difference_is_not() -> None:
+    rng = random.Random(11)
+    hair = {"a": 1.0, "b": 1.0 - TIE_MARGIN / 2}  # b cheaper, by less than the margin
+    picks = Counter(choose(["a", "b"], hair.__getitem__, rng) for _ in range(10_000))
+    assert 4_700 < picks["a"] < 5_300
+    clear = {"a": 1.0, "b": 1.0 - 2 * TIE_MARGIN}
+    picks = Counter(choose(["a", "b"], clear.__getitem__, rng) for _ in range(1_000))
+    assert picks == {"b": 1_000}
+
+
 def test_a_ten_times_costlier_instance_gets_a_clearly_smaller_share() -> None:
     rng = random.Random(2024)
     costs = {"a": 1.0, "b": 1.0, "slow": 10.0}
     picks = Counter(choose(list(costs), costs.__getitem__, rng) for _ in range(10_000))
     assert picks["slow"] == 0  # any pair with it has a cheaper member
     assert 4_700 < picks["a"] < 5_300
+
+
+def test_an_answer_is_priced_as_a_short_one_whatever_its_length() -> None:
+    # 1,000 tokens at 10 ms after a 0.2 s first byte: priced as 64 tokens at that pace.
+    assert priced_answer_s(10.2, 0.2, 1000) == pytest.approx(0.2 + 10.0 * REFERENCE_TOKENS / 1000)
+    # The same instance's short answer costs the same: length no longer tells instances apart.
+    short = 0.2 + 0.01 * REFERENCE_TOKENS
+    assert priced_answer_s(short, 0.2, REFERENCE_TOKENS) == pytest.approx(short)
+    assert priced_answer_s(10.2, 0.2, 1000) == pytest.approx(short)
+    # Unknown length, or shorter than the reference: its whole time.
+    assert priced_answer_s(3.0, 0.2, None) == 3.0
+    assert priced_answer_s(0.5, 0.2, 20) == 0.5
+    # A first byte outside [0, total] (a whole answer priced on the usual one) is clamped.
+    assert priced_answer_s(1.0, 5.0, 1000) == 1.0
+    assert priced_answer_s(1.0, -1.0, 640) == pytest.approx(0.1)
+
+
+def test_a_first_byte_is_priced_with_the_usual_pace_after_it() -> None:
+    assert priced_first_byte_s(0.25, 0.01) == pytest.approx(0.25 + 0.01 * REFERENCE_TOKENS)
+    assert priced_first_byte_s(0.25, 0.0) == 0.25  # no pace learned yet: the wait alone
 
 
 def test_p2c_with_peak_ewma_and_in_flight_sheds_load_from_a_slow_instance() -> None:

@@ -6,6 +6,7 @@ virtual times of events."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 from collections.abc import Awaitable, Callable
@@ -15,7 +16,7 @@ import pytest
 
 from gateway.config import parse_policy
 from gateway.config.routes import CHAT
-from gateway.core.balancer import MIN_ANSWERED_SHARE, PENALTY_TAU_S
+from gateway.core.balancer import MIN_ANSWERED_SHARE, PENALTY_TAU_S, REFERENCE_TOKENS
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
 from gateway.core.outcome import Outcome as AttemptOutcome
 from gateway.core.outcome import Phase
@@ -419,6 +420,46 @@ def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:
     assert all(o.status == 200 and o.attempts == 1 for o in after)
     # Both answer alike now: power of two choices splits them (ties go to the first drawn).
     assert 5 <= sum(o.instance == "a" for o in after) <= 15
+
+
+def _usage(tokens: int) -> bytes:
+    return json.dumps({"choices": [], "usage": {"completion_tokens": tokens}}).encode()
+
+
+def test_a_long_answer_prices_its_instance_as_a_short_one_at_the_same_pace() -> None:
+    """Both instances generate at 10 ms a token; `a` happened to get an answer of 1,000
+    tokens (10 s), `b` one of 64 (0.64 s). Priced on whole times, `a` would cost fifteen
+    times `b` for tens of seconds, and lose every draw of power of two choices to it; the
+    length was the client's, not the instance's."""
+
+    async def scenario() -> tuple[float, float]:
+        p = await pipeline(
+            {
+                "a": always(Answer(body=_usage(1000), after_s=10.0)),
+                "b": always(Answer(body=_usage(REFERENCE_TOKENS), after_s=0.64)),
+            }
+        )()
+        try:
+            a, b = (p.pool.instance_named(name) for name in "ab")
+            assert a is not None and b is not None
+            now = asyncio.get_running_loop().time()
+            for inst in (a, b):  # as learned before: a short answer's time at their pace
+                inst.start_afresh(now, 0.64)
+            priced = {}
+            for _ in range(10):  # until each has answered once; its price read at once
+                outcome = await p.request()
+                assert outcome.status == 200
+                answered = a if outcome.instance == "a" else b
+                priced.setdefault(answered.name, answered.peak.peek(outcome.at))
+                if len(priced) == 2:
+                    return priced["a"], priced["b"]
+            raise AssertionError("a single instance took every request")
+        finally:
+            await p.watchdog.close()
+
+    a_priced, b_priced = run(scenario())
+    assert a_priced == pytest.approx(0.64, rel=0.01)
+    assert b_priced == pytest.approx(0.64, rel=0.01)
 
 
 def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:

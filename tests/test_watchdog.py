@@ -240,3 +240,41 @@ async def test_patience_is_not_asked_past_the_first_byte() -> None:
     assert watchdog.sweep(now=2.0) == 1
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_tick_fires_only_what_had_expired_by_the_tick_before() -> None:
+    # The loop was held from 9.0 to 10.5 (a pause of the process): the upstream's answer,
+    # sent at 9.5, waits in the socket. The tick that runs after the pause must not cut the
+    # attempt before the loop has read it; the next one fires what is still late then.
+    watchdog = Watchdog(tick_s=0.025)
+    answered = asyncio.Event()
+
+    async def attempt() -> str:
+        deadline = watchdog.arm(Cancellation(task), 10.0, "first_byte")
+        try:
+            await answered.wait()
+        except asyncio.CancelledError:
+            if expired(deadline):
+                return "timed out"
+            raise
+        deadline.move(20.0, "idle")  # the relay goes on with its next wait
+        return "answered"
+
+    task = asyncio.get_running_loop().create_task(attempt())
+    await asyncio.sleep(0)  # let it arm
+    assert watchdog.tick(9.0) == 0
+    assert watchdog.tick(10.5) == 0  # expired after the last tick: the loop reads first
+    answered.set()  # what the socket held, read in the loop's turn before the next tick
+    assert await task == "answered"
+    assert watchdog.tick(10.525) == 0
+
+
+async def test_a_deadline_still_late_at_the_next_tick_fires_there() -> None:
+    watchdog = Watchdog(tick_s=0.025)
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    watchdog.arm(Cancellation(task), 10.0, "first_byte")
+    assert watchdog.tick(9.99) == 0
+    assert watchdog.tick(10.01) == 0
+    assert watchdog.tick(10.035) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await task

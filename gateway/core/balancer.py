@@ -82,6 +82,34 @@ class PeakEwma:
         return f"PeakEwma(value={self._value:.6g}, stamp={self._stamp:.6g}, tau={self._tau_s:g})"
 
 
+# The answer the balancer prices every instance by: its first byte, then this many tokens.
+# An exchange's whole time grows with the tokens it was asked for, which say nothing of the
+# instance: priced on whole times, one long answer made its instance look many times dearer
+# than the rest for tens of seconds (a peak fades with `DEFAULT_TAU_S`), however fast it was.
+# Few enough tokens that the wait for a first byte (a queue, a slow prefill) still weighs.
+REFERENCE_TOKENS = 64
+
+
+def priced_answer_s(total_s: float, first_byte_s: float, tokens: int | None) -> float:
+    """The balancer's latency sample for an answer of `tokens` output tokens that took
+    `total_s`, `first_byte_s` of it before its first token: its time as if it had generated
+    at most `REFERENCE_TOKENS` (`first + (total - first) * REFERENCE_TOKENS / tokens`). An
+    answer of unknown or fewer tokens is priced at its whole time."""
+    if tokens is None or tokens <= REFERENCE_TOKENS:
+        return total_s
+    first = min(max(first_byte_s, 0.0), total_s)
+    return first + (total_s - first) * REFERENCE_TOKENS / tokens
+
+
+def priced_first_byte_s(first_byte_s: float, per_token_s: float) -> float:
+    """The balancer's latency sample at a stream's first byte (or for an attempt still
+    without one after `first_byte_s`): that wait, then `REFERENCE_TOKENS` at the instance's
+    usual `per_token_s`. Taken at once rather than when the stream ends: an instance that
+    turned slow is priced so within one first byte, and one that recovered is not priced for
+    seconds more on the streams it began while slow."""
+    return first_byte_s + per_token_s * REFERENCE_TOKENS
+
+
 def load_cost(latency_s: float, in_flight: int, weight: float = 1.0) -> float:
     """The cost P2C compares: `latency_s * (in_flight + 1) / weight`.
 
@@ -128,12 +156,20 @@ def failure_penalty_s(
     return max(elapsed_s, sum(latencies) / len(latencies)) / answered
 
 
+# Two costs this close (relative to the dearer) are a tie for `choose`.
+TIE_MARGIN = 0.02
+
+
 def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:
     """Power of two choices: draw two distinct candidates uniformly, keep the cheaper one.
 
     Ties go to the first drawn (not the first in the sequence: that would send every tie to
-    the same instance). One candidate: it, without calling `cost` or the rng. None: None.
-    `cost` is called exactly twice otherwise. The caller filters out isolated and tried ones.
+    the same instance), and costs within `TIE_MARGIN` of each other are a tie: estimates that
+    close say nothing of which instance is faster, and with two candidates the cheaper by a
+    hair would otherwise take every request, one after another, until the hair moved (the
+    other instance neither learning its timing nor sharing the load). One candidate: it,
+    without calling `cost` or the rng. None: None. `cost` is called exactly twice otherwise.
+    The caller filters out isolated and tried ones.
     """
     count = len(candidates)
     if count < 2:
@@ -146,7 +182,7 @@ def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Rand
         second += 1  # skip `first`: the pair is distinct and every pair equally likely
     a = candidates[first]
     b = candidates[second]
-    return b if cost(b) < cost(a) else a
+    return b if cost(b) < cost(a) * (1.0 - TIE_MARGIN) else a
 
 
 def slow_start_weight(

@@ -96,6 +96,7 @@ def _record(
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
     per_token_s: float | None = None,  # of a whole answer: its latency over its output tokens
+    tokens: int | None = None,  # of a whole answer: its output tokens, when known
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
@@ -135,9 +136,11 @@ def _record(
     if outcome.kind == "ok":
         instance.races_lost = 0
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
-        # out) is the breaker's business, which needs those attempts to reach it.
-        if modelled:
-            instance.peak.observe(now, elapsed_s)
+        # out) is the breaker's business, which needs those attempts to reach it. A stream was
+        # priced at its first byte: at its end, its time would tell of the instance as it was
+        # when the stream began, seconds or minutes ago (and its length, of the client).
+        if modelled and first_byte_s is None:
+            instance.price_answer(now, elapsed_s, tokens)
         if instance.health.healthy is not True:
             instance.health_wanted.set()  # answering while held down: its checker looks now
     if failed:
@@ -395,6 +398,9 @@ class Account:
             raise
         route = call.route
         if response.body is None:
+            if route.modelled and response.outcome.kind == "ok":
+                waited_s = response.first_at - response.started_at
+                instance.price_first_byte(response.first_at, waited_s)
             if call.probe:
                 self._probe_streamed(call.pool, instance, response.first_at - started)
             response.tokens = tokens
@@ -429,6 +435,7 @@ class Account:
             call.probe,
             self._on_transition,
             per_token_s=(now - started) / generated if generated else None,
+            tokens=generated,
             sent_with=sent_with,
             modelled=route.modelled,
         )

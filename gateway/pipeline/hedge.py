@@ -271,7 +271,7 @@ class Hedge:
         if loser is None or loser.instance is None:
             return
         now = self._clock()
-        loser.instance.peak.observe(now, now - started)
+        loser.instance.price_first_byte(now, now - started)
 
     @staticmethod
     def _count_attempts(race: _Race) -> None:

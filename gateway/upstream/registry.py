@@ -13,7 +13,12 @@ from yarl import URL
 from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.config.models import TokenBudgetPolicy
 from gateway.config.routes import KNOWN_ROUTES
-from gateway.core.balancer import PENALTY_TAU_S, PeakEwma
+from gateway.core.balancer import (
+    PENALTY_TAU_S,
+    PeakEwma,
+    priced_answer_s,
+    priced_first_byte_s,
+)
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
 from gateway.core.concurrency import Limiter, TokenBudget, limiter_for
@@ -146,7 +151,9 @@ class InstanceState:
         # connection): its health checker checks it early.
         self.health_wanted = asyncio.Event()
         self.breaker = breaker
-        # Peak-EWMA of attempt durations: the balancer's latency, quick to see a slowdown.
+        # Peak-EWMA of its answers' times, each priced as a short answer's: a stream's at its
+        # first byte (`price_first_byte`), a whole answer's at its end (`price_answer`). The
+        # balancer's latency, quick to see a slowdown.
         self.peak = PeakEwma(now)
         # The price of failures the isolation cap kept in rotation (`penalize`), apart from
         # `peak` so that it never prices another instance's failure (None: none now).
@@ -186,6 +193,21 @@ class InstanceState:
         (`PoolState.rejoined` says why and how much), and any penalty is lifted."""
         self.peak = PeakEwma(now, initial_s=latency_s)
         self.penalty = None
+
+    def price_first_byte(self, now: float, waited_s: float) -> None:
+        """A stream's first byte came after `waited_s` (or an attempt cancelled without one
+        had waited that long): what the balancer learns of it now (`priced_first_byte_s`)."""
+        per_token = self.latency.per_token
+        rate = per_token.mean if per_token.samples else 0.0
+        self.peak.observe(now, priced_first_byte_s(waited_s, rate))
+
+    def price_answer(self, now: float, total_s: float, tokens: int | None) -> None:
+        """A whole (not streamed) answer of `tokens` output tokens took `total_s`: what the
+        balancer learns of it (`priced_answer_s`; its first byte was its end, so its usual
+        time to a first byte stands for that part)."""
+        ttfb = self.latency.ttfb
+        first_byte_s = ttfb.mean if ttfb.samples else 0.0
+        self.peak.observe(now, priced_answer_s(total_s, first_byte_s, tokens))
 
     def penalize(self, now: float, latency_s: float) -> None:
         """A failure its breaker could not act on (the isolation cap held): the balancer

@@ -4,12 +4,20 @@ A timer per request, and aiohttp's read timeout re-armed on every chunk, cost mo
 the chunk itself. Instead each attempt holds a `Deadline` whose `at` it moves as it progresses
 (an attribute write), and one sweep every `tick_s` cancels the tasks whose deadline has passed.
 The owner turns that cancellation into an `UpstreamTimeout` for the phase that ran out.
-Deadlines fire up to one tick late; LLM timeouts are hundreds of milliseconds and up.
+
+A sweep fires only the deadlines that had passed by the sweep before it (`Watchdog.tick`), so
+deadlines fire up to two ticks late; LLM timeouts are hundreds of milliseconds and up. Between
+two sweeps the event loop always reads its sockets once, so what an upstream sent before a
+deadline ran out has reached its attempt by then. A gateway process that falls behind (CPU
+taken by its neighbours or throttled by its cgroup quota, a long garbage collection) would
+otherwise wake its sweep after the pause and before reading what arrived meanwhile: every
+attempt waiting then would be cut at once, and the instances behind them taken for stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -144,6 +152,8 @@ class Watchdog:
         self._live: set[Deadline] = set()
         self._task: asyncio.Task[None] | None = None
         self._armed = asyncio.Event()  # lets an idle process sleep instead of ticking
+        # When the last tick ran: what had expired by then is what the next tick fires.
+        self._ticked_at = -math.inf
 
     def start(self) -> None:
         if self._task is None:
@@ -199,14 +209,22 @@ class Watchdog:
             deadline.cancellation.cancel(DEADLINE)
         return fired
 
+    def tick(self, now: float) -> int:
+        """One periodic sweep at `now`: fires the deadlines that had passed at the previous
+        tick (see the module's docstring); returns how many fired."""
+        fired = self.sweep(self._ticked_at)
+        self._ticked_at = now
+        return fired
+
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._live:
                 self._armed.clear()
                 await self._armed.wait()
+                self._ticked_at = loop.time()  # nothing was live to expire while it slept
             await asyncio.sleep(self._tick_s)
-            self.sweep(loop.time())
+            self.tick(loop.time())
 
 
 def expired(deadline: Deadline) -> bool:
