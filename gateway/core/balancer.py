@@ -104,9 +104,8 @@ def priced_answer_s(total_s: float, first_byte_s: float, tokens: int | None) -> 
 def priced_first_byte_s(first_byte_s: float, per_token_s: float) -> float:
     """The balancer's latency sample at a stream's first byte (or for an attempt still
     without one after `first_byte_s`): that wait, then `REFERENCE_TOKENS` at the instance's
-    usual `per_token_s`. Taken at once rather than when the stream ends: an instance that
-    turned slow is priced so within one first byte, and one that recovered is not priced for
-    seconds more on the streams it began while slow."""
+    usual `per_token_s`. Taken at once, not only when the stream ends (`priced_answer_s`,
+    at the pace it had): an instance that turned slow is priced so within one first byte."""
     return first_byte_s + per_token_s * REFERENCE_TOKENS
 
 

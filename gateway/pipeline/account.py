@@ -96,7 +96,7 @@ def _record(
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
     per_token_s: float | None = None,  # of a whole answer: its latency over its output tokens
-    tokens: int | None = None,  # of a whole answer: its output tokens, when known
+    tokens: int | None = None,  # its output tokens, when known
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
     sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
@@ -137,10 +137,10 @@ def _record(
         instance.races_lost = 0
         # The balancer weighs how fast an instance answers well; failing (fast or by timing
         # out) is the breaker's business, which needs those attempts to reach it. A stream was
-        # priced at its first byte: at its end, its time would tell of the instance as it was
-        # when the stream began, seconds or minutes ago (and its length, of the client).
-        if modelled and first_byte_s is None:
-            instance.price_answer(now, elapsed_s, tokens)
+        # priced at its first byte already; at its end it is priced again at the pace it had,
+        # when its length is known (priced on its whole time, its length would be the price).
+        if modelled and (first_byte_s is None or tokens is not None):
+            instance.price_answer(now, elapsed_s, tokens, first_byte_s)
         if instance.health.healthy is not True:
             instance.health_wanted.set()  # answering while held down: its checker looks now
     if failed:
@@ -248,6 +248,10 @@ class Account:
             # passed through to the client as it came, counted against the instance.
             outcome = _STREAM_ERROR
         now = self._clock()
+        usage = None
+        if outcome.kind == "ok" and error is None and response.route.modelled:
+            end = response.before_tail + response.tail
+            usage = usage_of(end, response.first_chunk, response.route.protocol)
         _record(
             self._timeout_log,
             self._pools[instance.pool_name],
@@ -258,6 +262,7 @@ class Account:
             False,  # a probe that streams was settled at its first byte
             self._on_transition,
             response.first_at - response.started_at,
+            tokens=usage.output_tokens if usage is not None else None,
             sent_with=response.sent_with,
             modelled=response.route.modelled,
             # A stream cut for its silence while the instance went on sending on its other
@@ -266,10 +271,8 @@ class Account:
             # prefills there, not a frozen instance.
             others_flowing=instance.progress_at > (response.last_at + now) / 2,
         )
-        if outcome.kind == "ok" and error is None and response.route.modelled:
+        if usage is not None:
             pool = self._pools[instance.pool_name]
-            end = response.before_tail + response.tail
-            usage = usage_of(end, response.first_chunk, response.route.protocol)
             instance.latency.observe_stream(
                 response.first_at - response.started_at,
                 response.max_gap_s,

@@ -152,8 +152,8 @@ class InstanceState:
         self.health_wanted = asyncio.Event()
         self.breaker = breaker
         # Peak-EWMA of its answers' times, each priced as a short answer's: a stream's at its
-        # first byte (`price_first_byte`), a whole answer's at its end (`price_answer`). The
-        # balancer's latency, quick to see a slowdown.
+        # first byte (`price_first_byte`) and at its end, an answer's at its end
+        # (`price_answer`). The balancer's latency, quick to see a slowdown.
         self.peak = PeakEwma(now)
         # The price of failures the isolation cap kept in rotation (`penalize`), apart from
         # `peak` so that it never prices another instance's failure (None: none now).
@@ -201,12 +201,16 @@ class InstanceState:
         rate = per_token.mean if per_token.samples else 0.0
         self.peak.observe(now, priced_first_byte_s(waited_s, rate))
 
-    def price_answer(self, now: float, total_s: float, tokens: int | None) -> None:
-        """A whole (not streamed) answer of `tokens` output tokens took `total_s`: what the
-        balancer learns of it (`priced_answer_s`; its first byte was its end, so its usual
-        time to a first byte stands for that part)."""
-        ttfb = self.latency.ttfb
-        first_byte_s = ttfb.mean if ttfb.samples else 0.0
+    def price_answer(
+        self, now: float, total_s: float, tokens: int | None, first_byte_s: float | None = None
+    ) -> None:
+        """An answer of `tokens` output tokens took `total_s`, `first_byte_s` of it to its
+        first byte (None for a whole answer: its first byte was its end, so its usual time to
+        a first byte stands for that part): what the balancer learns of it
+        (`priced_answer_s`)."""
+        if first_byte_s is None:
+            ttfb = self.latency.ttfb
+            first_byte_s = ttfb.mean if ttfb.samples else 0.0
         self.peak.observe(now, priced_answer_s(total_s, first_byte_s, tokens))
 
     def penalize(self, now: float, latency_s: float) -> None:
