@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -130,7 +130,7 @@ MIN_ANSWERED_SHARE = 0.05
 
 
 def failure_penalty_s(
-    elapsed_s: float, peers_latency: Iterable[float], failure_rate: float
+    elapsed_s: float, peers_latency: Sequence[float], failure_rate: float
 ) -> float:
     """The latency sample the balancer takes for a failure the breaker could not act on (the
     pool's isolation cap held): the average latency of its peers (their peak EWMAs, priced on
@@ -148,15 +148,15 @@ def failure_penalty_s(
     chaos-mix: 255 attempts in flight on one instance, 2 on the one the cap kept in). The cap
     keeps an instance in rotation so that the rest do not carry its share; a price that
     follows the rest's load takes the share away all the same."""
-    latencies = list(peers_latency)
-    if not latencies:
+    if not peers_latency:
         return elapsed_s
     answered = max(1.0 - failure_rate, MIN_ANSWERED_SHARE)
-    return max(elapsed_s, sum(latencies) / len(latencies)) / answered
+    return max(elapsed_s, sum(peers_latency) / len(peers_latency)) / answered
 
 
 # Two costs this close (relative to the dearer) are a tie for `choose`.
 TIE_MARGIN = 0.02
+_CLEARLY_CHEAPER = 1.0 - TIE_MARGIN  # worked out once, not at every pick
 
 
 def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Random) -> T | None:
@@ -181,7 +181,7 @@ def choose(candidates: Sequence[T], cost: Callable[[T], float], rng: random.Rand
         second += 1  # skip `first`: the pair is distinct and every pair equally likely
     a = candidates[first]
     b = candidates[second]
-    return b if cost(b) < cost(a) * (1.0 - TIE_MARGIN) else a
+    return b if cost(b) < cost(a) * _CLEARLY_CHEAPER else a
 
 
 def slow_start_weight(

@@ -95,7 +95,6 @@ def _record(
     probe: bool,
     on_transition: OnTransition,
     first_byte_s: float | None = None,  # of a stream
-    per_token_s: float | None = None,  # of a whole answer: its latency over its output tokens
     tokens: int | None = None,  # its output tokens, when known
     queueing: bool = False,
     backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
@@ -127,6 +126,8 @@ def _record(
             refused = outcome.kind == "oom" or outcome.status in _BUSY
             limiter.record(now, elapsed_s, load, overloaded=True, refused=refused)
         elif outcome.kind == "ok" and modelled:
+            # A whole answer's latency over its output tokens; a stream's first byte instead.
+            per_token_s = elapsed_s / tokens if first_byte_s is None and tokens else None
             limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
     instance.stats.attempt(outcome, probe)
     if outcome.kind == "timeout":
@@ -437,7 +438,6 @@ class Account:
             now - started,
             call.probe,
             self._on_transition,
-            per_token_s=(now - started) / generated if generated else None,
             tokens=generated,
             sent_with=sent_with,
             modelled=route.modelled,

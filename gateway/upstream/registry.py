@@ -197,9 +197,8 @@ class InstanceState:
     def price_first_byte(self, now: float, waited_s: float) -> None:
         """A stream's first byte came after `waited_s` (or an attempt cancelled without one
         had waited that long): what the balancer learns of it now (`priced_first_byte_s`)."""
-        per_token = self.latency.per_token
-        rate = per_token.mean if per_token.samples else 0.0
-        self.peak.observe(now, priced_first_byte_s(waited_s, rate))
+        # An estimate's mean is 0 until its first sample: no pace learned, the wait alone.
+        self.peak.observe(now, priced_first_byte_s(waited_s, self.latency.per_token.mean))
 
     def price_answer(
         self, now: float, total_s: float, tokens: int | None, first_byte_s: float | None = None
@@ -209,8 +208,7 @@ class InstanceState:
         a first byte stands for that part): what the balancer learns of it
         (`priced_answer_s`)."""
         if first_byte_s is None:
-            ttfb = self.latency.ttfb
-            first_byte_s = ttfb.mean if ttfb.samples else 0.0
+            first_byte_s = self.latency.ttfb.mean  # 0 until a stream taught it
         self.peak.observe(now, priced_answer_s(total_s, first_byte_s, tokens))
 
     def penalize(self, now: float, latency_s: float) -> None:
