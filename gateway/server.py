@@ -18,13 +18,32 @@ from gateway.admin import admin_exposure_error
 from gateway.app import Gateway
 from gateway.config import Policy, split_host_port
 from gateway.drain import Drain
+from gateway.ingress.accept import BatchAcceptor
 from gateway.telemetry.logs import LogFormat
 
 log = logging.getLogger("gateway")
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the process (two servers share it)."""
+    """A uvicorn server that leaves signal handling to the process (two servers share it) and
+    accepts its connections many at a time (`BatchAcceptor`)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=[])  # uvicorn listens on nothing itself
+        loop = asyncio.get_running_loop()
+        config = self.config
+
+        def protocol() -> asyncio.Protocol:
+            # What uvicorn's own listener builds for each connection.
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                _loop=loop,
+            )
+
+        # uvicorn closes them (`close`, `wait_closed`) when it stops accepting.
+        self.servers = [BatchAcceptor(loop, sock, protocol) for sock in sockets or ()]  # type: ignore[misc]
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -6,11 +6,13 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.core import continuation_anthropic as anthropic_c
 from gateway.core import continuation_openai as openai_c
 from gateway.core.continuation import KEEP_RAW, NotResumable, Splice
-from gateway.core.sse import event_boundary, format_event, parse_event, split_events
+from gateway.core.sse import event_boundary, format_event, parse_event, parse_lines, split_events
 
 CHAT_REQUEST: dict[str, Any] = {
     "model": "m",
@@ -57,6 +59,27 @@ def test_events_split_and_parse_with_any_line_ending() -> None:
     assert [parse_event(e) for e in events] == [("a", "1\n2"), (None, "x"), (None, "y")]
     assert event_boundary(b"data: 1\n\ndata: 2") == len(b"data: 1\n\n")
     assert parse_event(format_event("a\nb", "n")) == ("n", "a\nb")
+
+
+@given(
+    st.lists(
+        st.sampled_from([b"data: ", b"data:", b"event: e", b": c", b"\n", b"\r", b"\r\n", b"{}"])
+        | st.binary(max_size=8),
+        max_size=8,
+    )
+)
+def test_an_event_reads_the_same_through_the_one_line_shortcut_as_line_by_line(
+    parts: list[bytes],
+) -> None:
+    event = b"".join(parts) + b"\n\n"
+    assert parse_event(event) == parse_lines(event)
+    assert parse_event(b"data: " + event) == parse_lines(b"data: " + event)
+
+
+def test_a_one_line_event_reads_as_its_data() -> None:
+    assert parse_event(b'data: {"a":1}\n\n') == (None, '{"a":1}')
+    assert parse_event(b"data: x\r\n\r\n") == (None, "x")
+    assert parse_event(b"data: a\rb\n\n") == (None, "a")  # CR alone ends a line: "b" is a field
 
 
 # --- splicing --------------------------------------------------------------------------------

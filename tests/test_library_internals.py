@@ -485,6 +485,10 @@ async def test_a_running_server_exposes_what_the_drain_reads_and_stops_as_it_exp
             except TimeoutError:
                 pytest.fail(broken("Server.force_exit (stops waiting for requests)", DRAIN))
             assert len(state.tasks) == 1, broken("ServerState.tasks after force_exit", DRAIN)
+            # The gateway's acceptors stand in uvicorn's `servers`: its shutdown closes them.
+            acceptors = attr(server, "servers", SERVER, "Server.servers")
+            assert [type(a).__name__ for a in acceptors] == ["BatchAcceptor"]
+            assert acceptors[0].closed, broken("Server.shutdown (closes Server.servers)", SERVER)
         finally:
             server.should_exit = server.force_exit = True
             for task in list(state.tasks):

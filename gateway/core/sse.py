@@ -48,6 +48,20 @@ def split_events(data: bytes) -> list[bytes]:
 def parse_event(event: bytes) -> tuple[str | None, str]:
     """An event's name (`event:` field, None when absent) and its data (the `data:` lines
     joined by LF, as the SSE spec assembles them). Comments and other fields are ignored."""
+    if (
+        event.startswith(b"data: ")
+        and event.find(b"\n") == len(event) - 2
+        and event.endswith(b"\n\n")
+        and b"\r" not in event
+    ):
+        # How vLLM and llama.cpp write every event: one data line. Read in C, without the
+        # line-by-line walk below (a whole answer fetched as a stream reads each of its events).
+        return None, event[6:-2].decode("utf-8", "replace")
+    return parse_lines(event)
+
+
+def parse_lines(event: bytes) -> tuple[str | None, str]:
+    """`parse_event` for any event, line by line."""
     name: str | None = None
     data: list[str] = []
     text = event.decode("utf-8", "replace")

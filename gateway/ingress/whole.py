@@ -19,7 +19,7 @@ from gateway.config.models import ResumePolicy
 from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
 from gateway.core.assembly import Assembly, for_route, stream_request
 from gateway.core.continuation import UnreadableEvent
-from gateway.core.sse import event_boundary, split_events
+from gateway.core.sse import split_events
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamStreamCut
 from gateway.ingress.dialect import Dialect
 from gateway.ingress.relay import Send, send_error
@@ -100,23 +100,25 @@ def fetch_as_stream(
 
 
 class WholeAnswer:
-    """What the relay sends a fetched stream to (an ASGI `send`): its events assembled into
-    the whole answer, which `finish` sends the client."""
+    """What the relay sends a fetched stream to (an ASGI `send`): its bytes, kept as they come
+    and assembled into the whole answer once, when `finish` sends the client that answer.
+    Nothing is read before the end, where one pass reads every event: reading each chunk as it
+    came cost a third more CPU per event."""
 
-    __slots__ = ("_held", "_route", "_send", "assembly", "headers", "unreadable")
+    __slots__ = ("_parts", "_route", "_send", "assembly", "headers", "unreadable")
 
     def __init__(self, send: Send, path: str) -> None:
         self._send = send
         self._route = (path == CHAT_PATH, path == MESSAGES_PATH)
         self.assembly: Assembly = for_route(*self._route)
         self.headers: list[tuple[bytes, bytes]] = []
-        self._held = bytearray()  # the start of an event whose end has not come
+        self._parts: list[bytes] = []  # the stream's bytes so far, as they came
         self.unreadable = False
 
     def restart(self) -> None:
         """The answer starts again from nothing on another attempt (`resume.Restart`)."""
         self.assembly = for_route(*self._route)
-        self._held.clear()
+        self._parts.clear()
         self.unreadable = False
 
     async def __call__(self, message: MutableMapping[str, Any]) -> None:
@@ -124,27 +126,24 @@ class WholeAnswer:
             self.headers = message["headers"]
             return
         body = message.get("body", b"")
-        if not body or self.unreadable:
-            return
-        held = self._held
-        start = max(0, len(held) - 3)
-        held += body
-        cut = len(held) if not message.get("more_body", False) else event_boundary(held, start)
-        if not cut:
-            return
-        events = split_events(bytes(held[:cut]))
-        del held[:cut]
+        if body:
+            self._parts.append(body)
+
+    def _assemble(self) -> None:
+        """Every event that came, in order, into the assembly (an unterminated rest too: the
+        stream has ended)."""
+        parts, self._parts = self._parts, []
         try:
-            for event in events:
+            for event in split_events(b"".join(parts)):
                 self.assembly.feed(event)
         except UnreadableEvent:
-            # The stream goes on to its end (its resumes are the relay's); the answer is lost.
-            self.unreadable = True
+            self.unreadable = True  # the answer is lost
 
     async def finish(
         self, error: GatewayError | None, attempts: int, instance: bytes, dialect: Dialect
     ) -> int:
         """Send the client the whole answer, or what ended the stream short; its status."""
+        self._assemble()
         assembly = self.assembly
         engine_error = assembly.error if not self.unreadable else None
         if engine_error is not None and (error is None or isinstance(error, UpstreamStreamCut)):

@@ -24,7 +24,6 @@ from gateway.core.discovery import Endpoint
 from gateway.runtime import Clock, cancel_and_wait
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.dns_records import DnsSource
-from gateway.upstream.endpoint_slices import EndpointSliceSource
 from gateway.upstream.registry import PoolState, Registry
 
 log = logging.getLogger("gateway.discovery")
@@ -59,6 +58,10 @@ def source_for(policy: DiscoveryPolicy) -> Source:
     if policy.dns is not None:
         return DnsSource(policy.dns)
     assert policy.kubernetes is not None  # the policy has exactly one source
+    # Imported only by a pool that watches Kubernetes: its client library takes seconds of
+    # CPU to import, which every other gateway would pay at each start.
+    from gateway.upstream.endpoint_slices import EndpointSliceSource
+
     return EndpointSliceSource(policy.kubernetes)
 
 
