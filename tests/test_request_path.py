@@ -673,3 +673,37 @@ def test_stalled_streams_isolate_only_an_instance_that_stopped_sending_on_all() 
             assert transitions[-1].silent, "a silent instance's streams are moved"
         else:
             assert instance.failures == 3 and instance.breaker.state == ADMITTING
+
+
+def test_a_failing_pool_still_retries_on_a_sound_instance_it_has_not_tried() -> None:
+    """Two of three instances fail every other request (fast 503s, the breaker held off), so
+    the pool's failure rate puts it in a tier of one retry. A request that met both failing
+    instances goes on to the third, which fails nothing: a retry there is no storm. With
+    every instance failing alike, none is sound and the tier's one retry holds."""
+    settings = (
+        "    retries:\n"
+        "      tiers:\n"
+        "        - {below: 0.01, max_retries: 3, backoff: 1ms, k: [1.2, 1.8]}\n"
+        "        - {below: 1.0, max_retries: 1, backoff: 1ms, k: [1.8, 3.0]}\n"
+        "    breaker: {consecutive_failures: 100, error_rate: 1.0}\n"
+        "    hedging: false"
+    )
+
+    def every_other(n: int) -> Answer:
+        return Answer(status=503, after_s=0.001) if n % 2 == 0 else Answer()
+
+    async def scenario(scripts: dict[str, Script]) -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(scripts, settings)()
+        try:
+            return p, [await p.request() for _ in range(60)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario({"a": every_other, "b": every_other, "c": always(Answer())}))
+    assert p.pool.tiers.choose(p.pool.failure.rate).max_retries == 1
+    assert [o.status for o in outcomes] == [200] * 60
+    assert any(o.attempts == 3 for o in outcomes), "no request met both failing instances"
+
+    p, outcomes = run(scenario({"a": every_other, "b": every_other, "c": every_other}))
+    assert max(o.attempts for o in outcomes[10:]) == 2  # the tier's one retry, once it is in it
+    assert any(o.status == 503 for o in outcomes)

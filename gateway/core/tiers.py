@@ -26,7 +26,7 @@ class TierTable:
     rate from its lower bound up to 1.0 inclusive (and beyond, should its `below` be lower).
     """
 
-    __slots__ = ("_belows", "_rows", "most_retries")
+    __slots__ = ("_belows", "_rows", "most_retries", "sound_below")
 
     def __init__(self, tiers: Sequence[TierPolicy]) -> None:
         if not tiers:
@@ -49,6 +49,10 @@ class TierTable:
         self._rows = tuple(rows)
         # The most retries any tier allows: what a request may spend on a lone instance.
         self.most_retries = max(tier.max_retries for tier in tiers)
+        # The failure rate below which an instance is sound: the upper bound of the first tier
+        # that allows the most retries. A retry that would go to a sound instance the request
+        # has not tried may go past its tier's count (`PoolState.sound_elsewhere`).
+        self.sound_below = next(t.below for t in tiers if t.max_retries == self.most_retries)
 
     def choose(self, rate: float) -> Tier:
         """The tier for `rate`; see `choose_tier`."""

@@ -3,23 +3,25 @@
 Per client request: the pool's failure rate picks the tier (max retries, backoff base, `k`); an
 attempt whose outcome `retries.on` lists is retried on another instance when one is left, after
 exponential backoff with full jitter, if the retry budget and the request's deadline allow (a
-refused connection is sent elsewhere without spending the budget: it cost no instance any work;
-a retry that is answered gives its budget back: the budget bounds retries that fail again, the
-load that serves no one; a request the gateway's own connection limit refused is answered at
-once when no other instance has room). A lone instance (a pool of one, or one whose other
-instances cannot take traffic) is retried itself after a transient failure (an error status, an
-OOM, a reset before the first byte), up to the most retries any tier allows: the tiers hold
-retries back when a high failure rate says failing over would land on other failing instances,
-but a transient failure of the only instance left is best met by asking it again (never by
-giving up while going direct would have worked). An instance that let the request's first byte
-time out is not asked again for it while it has sent nothing to anyone since: when nothing else
-is left, the timeout is the answer. A Retry-After from a backend keeps new attempts off that
-instance until it passes. The upstream's own error answer is relayed unchanged when no retry is
-allowed. A request that could do something twice (`Call.acts`: a route the gateway does not
-know, a Responses API request running in the background or with the server's own tools) is sent
-again only after a refused connection, when it never left. Everything here happens before a
-byte reaches the client: the transport returns at the first byte, and the relay (the commit
-point) starts only after this loop has returned.
+refused connection is sent elsewhere without spending the budget: it cost no instance any work; a
+retry that is answered gives its budget back: the budget bounds retries that fail again, the load
+that serves no one; a request the gateway's own connection limit refused is answered at once when no
+other instance has room). A lone instance (a pool of one, or one whose other instances cannot take
+traffic) is retried itself after a transient failure (an error status, an OOM, a reset before the
+first byte), up to the most retries any tier allows: the tiers hold retries back when a high failure
+rate says failing over would land on other failing instances, but a transient failure of the only
+instance left is best met by asking it again (never by giving up while going direct would have
+worked). So is one while an instance the request has not tried is sound (it fails less often than
+the most generous tier's bound): a pool's rate is high when one of three instances fails half its
+requests, and its tier's one retry may land on a second failing instance while the third answers
+everything. An instance that let the request's first byte time out is not asked again for it while
+it has sent nothing to anyone since: when nothing else is left, the timeout is the answer. A
+Retry-After from a backend keeps new attempts off that instance until it passes. The upstream's own
+error answer is relayed unchanged when no retry is allowed. A request that could do something twice
+(`Call.acts`: a route the gateway does not know, a Responses API request running in the background
+or with the server's own tools) is sent again only after a refused connection, when it never left.
+Everything here happens before a byte reaches the client: the transport returns at the first byte,
+and the relay (the commit point) starts only after this loop has returned.
 """
 
 from __future__ import annotations
@@ -95,7 +97,13 @@ class Retry:
                 max_retries < pool.tiers.most_retries
                 and outcome.kind in _TRANSIENT
                 and call.instance is not None
-                and pool.alone(call.instance, now, call.avoid)
+                and (
+                    # A lone instance: retrying it is the only way to an answer.
+                    pool.alone(call.instance, now, call.avoid)
+                    # A pool whose failures sit on some instances (its rate high, its tier's
+                    # retries few) with a sound one left untried: a retry there is no storm.
+                    or pool.sound_elsewhere(call.tried, now)
+                )
             ):
                 max_retries = pool.tiers.most_retries
                 call.last_attempt = max_retries + 1

@@ -638,6 +638,20 @@ class PoolState:
             for inst in self.routable
         )
 
+    def sound_elsewhere(self, tried: Sequence[InstanceState], now: float) -> bool:
+        """Whether an instance this request has not `tried` can take it at `now` (admitting,
+        not paused, not saturated) and fails less often than `TierTable.sound_below`: the
+        pool's failures sit on some of its instances, not on all of them."""
+        bound = self.tiers.sound_below
+        return any(
+            inst not in tried
+            and inst.breaker.state == ADMITTING
+            and inst.not_before <= now
+            and not inst.saturated
+            and inst.breaker.failure_share(now) < bound
+            for inst in self.routable
+        )
+
     def alone(
         self, instance: InstanceState, now: float, avoid: Sequence[InstanceState] = ()
     ) -> bool:
