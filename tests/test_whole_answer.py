@@ -148,6 +148,26 @@ async def test_events_split_anywhere_make_one_answer_with_the_final_headers() ->
     assert int(headers[b"content-length"]) == len(json.dumps(client.json, separators=(",", ":")))
 
 
+async def test_a_long_answer_is_read_in_runs_and_holds_little_raw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(WholeAnswer, "FOLD_BYTES", 1024)
+    client = Client()
+    whole = WholeAnswer(client, CHAT)
+    words = [f"w{i} " for i in range(400)]
+    stream = b"".join(chunk(w) for w in words) + b"data: [DONE]\n\n"
+    pieces = [stream[i : i + 97] for i in range(0, len(stream), 97)]  # cut inside events
+    held = []
+    await relayed(whole)
+    for piece in pieces:
+        await whole({"type": "http.response.body", "body": piece, "more_body": True})
+        held.append(whole._held)
+    assert max(held) <= 1024 + 97  # a run's worth at most: read once past it
+    await whole({"type": "http.response.body", "body": b""})
+    assert await whole.finish(None, 1, b"a", OPENAI) == 200
+    assert client.json["choices"][0]["message"]["content"] == "".join(words)
+
+
 async def test_the_engines_error_event_is_the_answer_even_with_no_end_after_it() -> None:
     client = Client()
     whole = WholeAnswer(client, CHAT)

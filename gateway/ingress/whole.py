@@ -19,7 +19,7 @@ from gateway.config.models import ResumePolicy
 from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
 from gateway.core.assembly import Assembly, for_route, stream_request
 from gateway.core.continuation import UnreadableEvent
-from gateway.core.sse import split_events
+from gateway.core.sse import event_boundary, split_events
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamStreamCut
 from gateway.ingress.dialect import Dialect
 from gateway.ingress.relay import Send, send_error
@@ -100,25 +100,31 @@ def fetch_as_stream(
 
 
 class WholeAnswer:
-    """What the relay sends a fetched stream to (an ASGI `send`): its bytes, kept as they come
-    and assembled into the whole answer once, when `finish` sends the client that answer.
-    Nothing is read before the end, where one pass reads every event: reading each chunk as it
-    came cost a third more CPU per event."""
+    """What the relay sends a fetched stream to (an ASGI `send`): its events assembled into
+    the whole answer, which `finish` sends the client.
 
-    __slots__ = ("_parts", "_route", "_send", "assembly", "headers", "unreadable")
+    The bytes are kept as they come and read in runs of `FOLD_BYTES` (and at the end): reading
+    each chunk as it came cost a third more CPU per event, and a run bounds what is held raw
+    (an engine's events are mostly JSON framing around a token or a few)."""
+
+    __slots__ = ("_held", "_parts", "_route", "_send", "assembly", "headers", "unreadable")
+
+    FOLD_BYTES = 64 * 1024
 
     def __init__(self, send: Send, path: str) -> None:
         self._send = send
         self._route = (path == CHAT_PATH, path == MESSAGES_PATH)
         self.assembly: Assembly = for_route(*self._route)
         self.headers: list[tuple[bytes, bytes]] = []
-        self._parts: list[bytes] = []  # the stream's bytes so far, as they came
+        self._parts: list[bytes] = []  # the stream's bytes not read yet, as they came
+        self._held = 0  # their size
         self.unreadable = False
 
     def restart(self) -> None:
         """The answer starts again from nothing on another attempt (`resume.Restart`)."""
         self.assembly = for_route(*self._route)
         self._parts.clear()
+        self._held = 0
         self.unreadable = False
 
     async def __call__(self, message: MutableMapping[str, Any]) -> None:
@@ -128,22 +134,31 @@ class WholeAnswer:
         body = message.get("body", b"")
         if body:
             self._parts.append(body)
+            self._held += len(body)
+            if self._held > self.FOLD_BYTES:
+                self._assemble(ended=False)
 
-    def _assemble(self) -> None:
-        """Every event that came, in order, into the assembly (an unterminated rest too: the
-        stream has ended)."""
-        parts, self._parts = self._parts, []
+    def _assemble(self, ended: bool) -> None:
+        """The events kept so far, in order, into the assembly: the complete ones, and once
+        the stream has `ended` an unterminated rest too."""
+        data = b"".join(self._parts)
+        cut = len(data) if ended else event_boundary(data)
+        rest = data[cut:]
+        self._parts = [rest] if rest else []
+        self._held = len(rest)
+        if self.unreadable:
+            return
         try:
-            for event in split_events(b"".join(parts)):
+            for event in split_events(data[:cut] if cut < len(data) else data):
                 self.assembly.feed(event)
         except UnreadableEvent:
-            self.unreadable = True  # the answer is lost
+            self.unreadable = True  # the answer is lost; the stream goes on to its end
 
     async def finish(
         self, error: GatewayError | None, attempts: int, instance: bytes, dialect: Dialect
     ) -> int:
         """Send the client the whole answer, or what ended the stream short; its status."""
-        self._assemble()
+        self._assemble(ended=True)
         assembly = self.assembly
         engine_error = assembly.error if not self.unreadable else None
         if engine_error is not None and (error is None or isinstance(error, UpstreamStreamCut)):
