@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.ingress.resume import RESUME_PAUSE_S
 from loadtests.fake_vllm.requestlog import IN_PROGRESS
 from loadtests.fake_vllm.responses import text
 from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
@@ -239,6 +240,25 @@ def test_an_engine_error_event_mid_stream_is_continued(
     backends["solo"].set_faults(error_next=1, stall_after=4)
     assert streamed_chat(sdk, "s", 16) == text(16)
     assert outcomes(backends["solo"]) == [("stream_error", "stream_error"), (None, "ok")]
+
+
+def test_a_continuation_refused_everywhere_is_tried_again_after_a_pause(
+    sdk: openai.OpenAI, backends: dict[str, Backend]
+) -> None:
+    """A lone instance cuts a stream, then refuses what comes next (as while it restarts):
+    every attempt of the first continuation gets a 503. The next continuation waits before it
+    goes, rather than spend the stream's last resumes on the same refusals at once."""
+    solo = backends["solo"]
+    solo.set_faults(die_next=1, die_after=4, refuse_next=4, error_status=503)
+    assert streamed_chat(sdk, "s", 16) == text(16)
+    records = solo.requests()
+    assert [(r["fault"], r["outcome"]) for r in records] == [
+        ("die", "died"),
+        *[("error", "error")] * 4,  # the first continuation and its retries
+        (None, "ok"),
+    ]
+    waited = records[-1]["started"] - records[-2]["ended"]
+    assert waited >= RESUME_PAUSE_S / 2, waited
 
 
 def test_an_engine_error_event_not_continued_reaches_the_client_as_it_came(

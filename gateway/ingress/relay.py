@@ -251,17 +251,21 @@ async def _relay_events(
         current.error = error
         assert resume is not None
         broken_on = response.instance
+        pause_s = 0.0
         while True:
             try:
+                if pause_s:
+                    await asyncio.sleep(pause_s)
                 response, idle_s = await resume.start(plan.body, broken_on)
                 break
             except GatewayError:
                 # The continuation failed before its first byte (its retries, or an engine
-                # that refused it): another, while resumes and budget last.
+                # that refused it): another after a pause, while resumes and budget last.
                 again = resume.plan(error, broken_on)
                 if not isinstance(again, Continue):
                     return error  # ended as it would have without resume
                 plan = again
+                pause_s = resume.pause_s()
             except asyncio.CancelledError:
                 drained = ended_by_drain(stream)
                 if drained is None:

@@ -50,6 +50,11 @@ from gateway.upstream.response import UpstreamResponse
 SLOW_STREAM_FACTOR = 3.0
 PACE_WINDOW = 16
 SLOW_WINDOWS = 2
+# The wait before a continuation is tried again after one failed before its first byte (every
+# instance it could go to refused it: a pool restarting, a lone instance coming back):
+# doubling from this, at most `retries.max_backoff`, half of it fixed and half jittered so
+# that the streams a restart cut together do not come back together.
+RESUME_PAUSE_S = 0.25
 
 # Sends a continuation through the request path; returns its response and the idle timeout
 # of its stream.
@@ -145,6 +150,7 @@ class StreamResume:
         self.resumes = 0
         self.reasons: list[str] = []  # why each resume happened, in order
         self.attempts = 0  # the continuations' attempts, retries included
+        self.failed_starts = 0  # continuations that failed before their first byte
         # The stream's last events as the client got them (rewritten after a resume): where
         # the usage it was told sits, set by the relay when it ends.
         self.told = b""
@@ -158,6 +164,16 @@ class StreamResume:
         """Sends a continuation (`body`) after `broken` broke the stream: its response, at its
         first byte, and the idle timeout of its stream."""
         return await self._start(self, body, broken)
+
+    def pause_s(self) -> float:
+        """How long to wait before trying again a continuation that just failed before its
+        first byte (`RESUME_PAUSE_S`). The stream's client already waits through gaps of its
+        stream: a short wait there can see an instance back where trying again at once would
+        spend the stream's last resumes on the same refusals."""
+        self.failed_starts += 1
+        cap = self._pool.policy.retries.max_backoff
+        ceiling = min(cap, RESUME_PAUSE_S * 2.0 ** min(self.failed_starts - 1, 30))
+        return ceiling / 2 + self._pool.rng.uniform(0.0, ceiling / 2)
 
     @property
     def moves(self) -> bool:

@@ -254,7 +254,7 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
     faults = app.faults
     fault = faults.draw(app.rng, stream, anthropic=True)
     if stream and fault is None:
-        fault = app.forced_fault()
+        fault = app.forced_fault(stream=True)
     record.fault = fault
     start = resumed_at(prefilled) if prefilled else 0
     # llama.cpp's server streams a prefill again before its continuation.

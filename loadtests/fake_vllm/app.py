@@ -58,6 +58,7 @@ class FakeVllm:
         # Streams left to cut after `die_after` tokens (`die_next`), whatever the rates say.
         self.die_left = 0
         self.error_left = 0  # and streams left to end with the engine's error event
+        self.refuse_left = 0  # and requests left to refuse with an error before any token
         self.running = dict.fromkeys(config.models, 0)
         self.success = dict.fromkeys(config.models, 0)
         # None keeps the fake as it was: every request generates at once, without limits.
@@ -141,8 +142,8 @@ class FakeVllm:
 
         faults = self.faults
         fault = faults.draw(self.rng, stream)
-        if stream and fault is None:
-            fault = self.forced_fault()
+        if fault is None:
+            fault = self.forced_fault(stream)
         record.fault = fault
         ttft = faults.ttft_s(self.config)
         per_token = faults.per_token_s(self.config)
@@ -309,14 +310,18 @@ class FakeVllm:
         await respond(send, 504, r.error_body(504, f"hung for {faults.hang_s:g} s"))
         return "hung"
 
-    def forced_fault(self) -> str | None:
-        """A stream's fault from the `die_next` / `error_next` counts, if any is left."""
-        if self.die_left > 0:
+    def forced_fault(self, stream: bool) -> str | None:
+        """A request's fault from the `die_next` / `error_next` counts (streams only), then
+        from `refuse_next`, if any is left."""
+        if stream and self.die_left > 0:
             self.die_left -= 1
             return DIE
-        if self.error_left > 0:
+        if stream and self.error_left > 0:
             self.error_left -= 1
             return STREAM_ERROR
+        if self.refuse_left > 0:
+            self.refuse_left -= 1
+            return ERROR
         return None
 
     def _next_rid(self) -> str:
@@ -400,6 +405,8 @@ class FakeVllm:
                 self.die_left = self.faults.die_next
             if "error_next" in patch:
                 self.error_left = self.faults.error_next
+            if "refuse_next" in patch:
+                self.refuse_left = self.faults.refuse_next
         except BadRequest as exc:
             await respond(send, exc.status, r.error_body(exc.status, exc.message))
             return

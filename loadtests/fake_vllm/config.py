@@ -81,6 +81,9 @@ class Faults:
     die_next: int = 0
     # The next this many streams end with the engine's error event after `stall_after` tokens.
     error_next: int = 0
+    # The next this many generation requests, once `die_next` and `error_next` are spent, get
+    # the `error_status` error before any token.
+    refuse_next: int = 0
     rate_limit_rate: float = 0.0
     retry_after: int = 1
     # Anthropic requests only: a 529 overloaded_error before any token. Any stream: the

@@ -240,7 +240,7 @@ async def handle_audio(app: FakeVllm, scope: Scope, receive: Receive, send: Send
     faults = app.faults
     fault = faults.draw(app.rng, stream)
     if stream and fault is None:
-        fault = app.forced_fault()
+        fault = app.forced_fault(stream=True)
     record.fault = fault
     ttft, per_token = faults.ttft_s(app.config), faults.per_token_s(app.config)
     kind = "translation.chunk" if path == AUDIO[1] else "transcription.chunk"

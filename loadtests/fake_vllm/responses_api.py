@@ -188,7 +188,7 @@ async def handle_responses(app: FakeVllm, scope: Scope, receive: Receive, send: 
     faults = app.faults
     fault = faults.draw(app.rng, stream)
     if stream and fault is None:
-        fault = app.forced_fault()
+        fault = app.forced_fault(stream=True)
     record.fault = fault
     ttft = faults.ttft_s(app.config)
     per_token_s = faults.per_token_s(app.config)
