@@ -29,6 +29,8 @@ class _Server(uvicorn.Server):
     accepts its connections many at a time (`BatchAcceptor`)."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None:
+            raise ValueError("the gateway's servers serve pre-bound sockets (bind_listener)")
         await super().startup(sockets=[])  # uvicorn listens on nothing itself
         loop = asyncio.get_running_loop()
         config = self.config
@@ -43,7 +45,7 @@ class _Server(uvicorn.Server):
             )
 
         # uvicorn closes them (`close`, `wait_closed`) when it stops accepting.
-        self.servers = [BatchAcceptor(loop, sock, protocol) for sock in sockets or ()]  # type: ignore[misc]
+        self.servers = [BatchAcceptor(loop, sock, protocol) for sock in sockets]  # type: ignore[misc]
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
