@@ -63,8 +63,10 @@ class BatchAcceptor:
                 return
             conn.setblocking(False)
             if self._tcp:
-                # Small writes (a stream's events) go out at once, as on asyncio's transports.
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # Small writes (a stream's events) go out at once, as on asyncio's transports;
+                # a connection already reset fails here or on its transport, not the batch.
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = self._loop.create_task(self._open(conn))
             self._opening.add(task)
             task.add_done_callback(self._opening.discard)
