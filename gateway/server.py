@@ -9,7 +9,8 @@ import logging
 import resource
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any, cast
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -35,17 +36,22 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         config = self.config
 
+        # Typed as asyncio.Protocol's class, built with uvicorn's keywords.
+        protocol_class = cast(Callable[..., asyncio.Protocol], config.http_protocol_class)
+
         def protocol() -> asyncio.Protocol:
             # What uvicorn's own listener builds for each connection.
-            return config.http_protocol_class(  # type: ignore[call-arg]
+            return protocol_class(
                 config=config,
                 server_state=self.server_state,
                 app_state=self.lifespan.state,
                 _loop=loop,
             )
 
-        # uvicorn closes them (`close`, `wait_closed`) when it stops accepting.
-        self.servers = [BatchAcceptor(loop, sock, protocol) for sock in sockets]  # type: ignore[misc]
+        # Typed as asyncio servers: uvicorn only closes them (`close`, `wait_closed`) when it
+        # stops accepting.
+        acceptors = [BatchAcceptor(loop, sock, protocol) for sock in sockets]
+        self.servers = cast(list[Any], acceptors)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
