@@ -29,6 +29,13 @@ def test_backoff_bounds(attempt: int, base_s: float, cap_s: float, bound_s: floa
     assert sum(draws) / len(draws) == pytest.approx(bound_s / 2, rel=0.05)
 
 
+def test_a_fixed_share_of_the_backoff_is_always_waited() -> None:
+    rng = random.Random(7)
+    draws = [backoff_s(2, 0.25, 1.0, rng, fixed=0.5) for _ in range(5000)]
+    assert all(0.25 <= d <= 0.5 for d in draws)
+    assert min(draws) < 0.26 and max(draws) > 0.49
+
+
 def test_backoff_is_deterministic_given_the_rng() -> None:
     first = [backoff_s(n, 0.05, 5.0, random.Random(42)) for n in range(1, 6)]
     second = [backoff_s(n, 0.05, 5.0, random.Random(42)) for n in range(1, 6)]

@@ -146,6 +146,21 @@ def pipeline(
     return build
 
 
+def requests_in_turn(
+    instances: dict[str, Script], settings: str, count: int
+) -> tuple[Pipeline, list[Outcome]]:
+    """`count` requests one after another through a fresh pipeline, in virtual time."""
+
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(instances, settings)()
+        try:
+            return p, [await p.request() for _ in range(count)]
+        finally:
+            await p.watchdog.close()
+
+    return run(scenario())
+
+
 def test_a_failed_attempt_is_retried_on_another_instance() -> None:
     async def scenario() -> list[Outcome]:
         p = await pipeline({"a": always(Answer(status=503)), "b": always(Answer())})()
@@ -180,19 +195,12 @@ def test_retries_that_are_answered_do_not_use_up_the_retry_budget() -> None:
         "    hedging: false"
     )
 
-    async def scenario(scripts: dict[str, Script]) -> tuple[Pipeline, list[Outcome]]:
-        p = await pipeline(scripts, settings)()
-        try:
-            return p, [await p.request() for _ in range(40)]
-        finally:
-            await p.watchdog.close()
-
-    p, outcomes = run(scenario({"a": sometimes_oom, "b": always(Answer())}))
+    p, outcomes = requests_in_turn({"a": sometimes_oom, "b": always(Answer())}, settings, 40)
     assert all(o.status == 200 for o in outcomes)
     assert sum(1 for o in outcomes if o.attempts == 2) > 2
     assert p.pool.stats.budget_exhausted == 0
 
-    p, outcomes = run(scenario({"a": always(oom), "b": always(oom)}))
+    p, outcomes = requests_in_turn({"a": always(oom), "b": always(oom)}, settings, 40)
     assert all(o.status == 500 for o in outcomes)
     assert sum(o.attempts - 1 for o in outcomes) == 2  # within one window of virtual time
     assert outcomes[-1].at < 10.0
@@ -692,18 +700,12 @@ def test_a_failing_pool_still_retries_on_a_sound_instance_it_has_not_tried() -> 
     def every_other(n: int) -> Answer:
         return Answer(status=503, after_s=0.001) if n % 2 == 0 else Answer()
 
-    async def scenario(scripts: dict[str, Script]) -> tuple[Pipeline, list[Outcome]]:
-        p = await pipeline(scripts, settings)()
-        try:
-            return p, [await p.request() for _ in range(60)]
-        finally:
-            await p.watchdog.close()
-
-    p, outcomes = run(scenario({"a": every_other, "b": every_other, "c": always(Answer())}))
+    failing = {"a": every_other, "b": every_other}
+    p, outcomes = requests_in_turn({**failing, "c": always(Answer())}, settings, 60)
     assert p.pool.tiers.choose(p.pool.failure.rate).max_retries == 1
     assert [o.status for o in outcomes] == [200] * 60
     assert any(o.attempts == 3 for o in outcomes), "no request met both failing instances"
 
-    p, outcomes = run(scenario({"a": every_other, "b": every_other, "c": every_other}))
+    p, outcomes = requests_in_turn({**failing, "c": every_other}, settings, 60)
     assert max(o.attempts for o in outcomes[10:]) == 2  # the tier's one retry, once it is in it
     assert any(o.status == 503 for o in outcomes)

@@ -11,17 +11,21 @@ from email.utils import parsedate_to_datetime
 _MAX_DOUBLINGS = 62
 
 
-def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+def backoff_s(
+    attempt: int, base_s: float, cap_s: float, rng: random.Random, fixed: float = 0.0
+) -> float:
     """Exponential backoff with full jitter before retry number `attempt` (1 for the first).
 
     `uniform(0, min(cap_s, base_s·2^(attempt-1)))`: the full jitter spreads the retries of
     requests that failed together (AWS Architecture Blog, "Exponential Backoff and Jitter").
+    `fixed`: the share of that ceiling always waited, the jitter spread over the rest (0.5 is
+    the blog's "equal jitter": a wait that must give something time to come back).
     Raises ValueError when `attempt` < 1.
     """
     if attempt < 1:
         raise ValueError(f"retry numbers start at 1, got {attempt}")
     ceiling = min(cap_s, base_s * 2.0 ** min(attempt - 1, _MAX_DOUBLINGS))
-    return rng.uniform(0.0, ceiling)
+    return rng.uniform(fixed * ceiling, ceiling)
 
 
 def _delta_seconds(text: str, scale: float) -> float | None:

@@ -32,6 +32,7 @@ from typing import Any
 from gateway.config.models import ResumePolicy
 from gateway.config.routes import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
 from gateway.core import continuation_anthropic, continuation_openai
+from gateway.core.backoff import backoff_s
 from gateway.core.breaker import ADMITTING
 from gateway.core.continuation import NotResumable, Rewriter, Transcript
 from gateway.errors import (
@@ -171,9 +172,9 @@ class StreamResume:
         stream: a short wait there can see an instance back where trying again at once would
         spend the stream's last resumes on the same refusals."""
         self.failed_starts += 1
-        cap = self._pool.policy.retries.max_backoff
-        ceiling = min(cap, RESUME_PAUSE_S * 2.0 ** min(self.failed_starts - 1, 30))
-        return ceiling / 2 + self._pool.rng.uniform(0.0, ceiling / 2)
+        pool = self._pool
+        cap = pool.policy.retries.max_backoff
+        return backoff_s(self.failed_starts, RESUME_PAUSE_S, cap, pool.rng, fixed=0.5)
 
     @property
     def moves(self) -> bool:

@@ -132,11 +132,12 @@ class WholeAnswer:
             self.headers = message["headers"]
             return
         body = message.get("body", b"")
-        if body:
-            self._parts.append(body)
-            self._held += len(body)
-            if self._held > self.FOLD_BYTES:
-                self._assemble(ended=False)
+        if not body or self.unreadable:
+            return  # an unreadable answer is lost: nothing more of it is kept
+        self._parts.append(body)
+        self._held += len(body)
+        if self._held > self.FOLD_BYTES:
+            self._assemble(ended=False)
 
     def _assemble(self, ended: bool) -> None:
         """The events kept so far, in order, into the assembly: the complete ones, and once
@@ -149,7 +150,7 @@ class WholeAnswer:
         if self.unreadable:
             return
         try:
-            for event in split_events(data[:cut] if cut < len(data) else data):
+            for event in split_events(data[:cut]):  # all of `data`: the same object, no copy
                 self.assembly.feed(event)
         except UnreadableEvent:
             self.unreadable = True  # the answer is lost; the stream goes on to its end

@@ -629,12 +629,7 @@ class PoolState:
             return slots == 0 or inst.streaming < slots or busy <= inst.streaming
 
         return any(
-            inst is not besides
-            and inst not in avoid
-            and inst.breaker.state == ADMITTING
-            and inst.not_before <= now
-            and not inst.saturated
-            and free(inst)
+            inst is not besides and inst not in avoid and _takes_traffic(inst, now) and free(inst)
             for inst in self.routable
         )
 
@@ -645,9 +640,7 @@ class PoolState:
         bound = self.tiers.sound_below
         return any(
             inst not in tried
-            and inst.breaker.state == ADMITTING
-            and inst.not_before <= now
-            and not inst.saturated
+            and _takes_traffic(inst, now)
             and inst.breaker.failure_share(now) < bound
             for inst in self.routable
         )
@@ -658,11 +651,7 @@ class PoolState:
         """Whether no instance but `instance` can take a request at `now` (healthy, admitting,
         not paused, not saturated; those in `avoid` do not count)."""
         return not any(
-            inst is not instance
-            and inst.breaker.state == ADMITTING
-            and inst.not_before <= now
-            and not inst.saturated
-            and inst not in avoid
+            inst is not instance and inst not in avoid and _takes_traffic(inst, now)
             for inst in self.routable
         )
 
@@ -760,6 +749,12 @@ def with_discovered(
         return policy, ()
     extra = tuple(InstancePolicy(name=e.name, url=e.url(scheme)) for e in used)
     return policy.model_copy(update={"instances": policy.instances + extra}), used
+
+
+def _takes_traffic(inst: InstanceState, now: float) -> bool:
+    """Whether a routable (healthy) instance takes a request at `now`: its breaker admits,
+    no Retry-After pauses it, its engine is not saturated."""
+    return inst.breaker.state == ADMITTING and inst.not_before <= now and not inst.saturated
 
 
 def _otherwise_available(inst: InstanceState, now: float) -> bool:
