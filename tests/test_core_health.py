@@ -28,6 +28,18 @@ def test_thresholds_in_both_directions() -> None:
     assert state.healthy_since == 7.0 and state.cold_start_s == 1.0  # the first, not the latest
 
 
+def test_back_is_healthy_again_after_a_spell_not_healthy_for_the_first_time() -> None:
+    state = HealthState(now=0.0, healthy_threshold=1, unhealthy_threshold=1)
+    assert state.record(1.0, False, "connection refused") is not None
+    assert not state.back  # never healthy yet
+    assert state.record(2.0, True, "200") is not None
+    assert not state.back  # a new instance's first pass: no fault behind it
+    assert state.record(3.0, False, "503") is not None
+    assert not state.back  # down
+    assert state.record(4.0, True, "200") is not None
+    assert state.back
+
+
 def test_assumed_healthy_without_checks() -> None:
     state = HealthState.assumed_healthy(5.0)
     assert state.healthy is True and state.cold_start_s == 0.0

@@ -227,6 +227,7 @@ pools:
     models: [dm]
     instances: [{instances_yaml(started)}]
     health: {{interval: 1s, fast_interval: 1s, timeout: 300ms, unhealthy_threshold: 5}}
+    breaker: {{slow_start: 0s}}  # back at even odds at once, not along a ramp
 """
     gw: Gateway | None = None
     try:

@@ -397,37 +397,84 @@ def test_failure_penalties_do_not_price_each_other_up() -> None:
     assert later <= max(priced) * math.exp(-20.0 / PENALTY_TAU_S) + 1.0
 
 
-def test_an_instance_back_from_an_isolation_gets_its_share_at_once() -> None:
+async def _back_from_an_isolation(p: Pipeline) -> float:
+    """`a`, slow before (3 s answers), isolated; its probe answers well past the isolation.
+    The virtual time of its return."""
+    loop = asyncio.get_running_loop()
+    a = p.pool.instance_named("a")
+    assert a is not None
+    now = loop.time()
+    a.peak.observe(now, 3.0)  # its slow answers
+    for _ in range(2):
+        a.breaker.record(now, True, False, p.pool.rng)
+    assert a.breaker.state == ISOLATED
+    await asyncio.sleep(6.0)  # past the isolation (5 s, jittered by 10 % at most)
+    probe = await p.request()
+    assert (probe.status, probe.instance) == (200, "a")
+    assert a.breaker.state == ADMITTING
+    return probe.at
+
+
+def test_an_instance_back_from_an_isolation_without_a_ramp_gets_its_share_at_once() -> None:
     """Before its isolation `a` answered slowly. A balancer that still remembered that (a peak
     EWMA forgets with a 10 s time constant) would send every request to `b` for half a minute
     after a's probe answered well, while `a` idled and `b` carried the pool."""
 
-    async def scenario() -> tuple[Pipeline, Outcome, list[Outcome]]:
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
         p = await pipeline(
             {"a": always(Answer()), "b": always(Answer())},
-            settings="    breaker: {consecutive_failures: 2, isolation: 5s}",
+            settings="    breaker: {consecutive_failures: 2, isolation: 5s, slow_start: 0s}",
         )()
-        loop = asyncio.get_running_loop()
         try:
-            a = p.pool.instance_named("a")
-            assert a is not None
-            now = loop.time()
-            a.peak.observe(now, 3.0)  # its slow answers
-            for _ in range(2):
-                a.breaker.record(now, True, False, p.pool.rng)
-            assert a.breaker.state == ISOLATED
-            await asyncio.sleep(6.0)  # past the isolation (5 s, jittered by 10 % at most)
-            probe = await p.request()
-            return p, probe, [await p.request() for _ in range(20)]
+            await _back_from_an_isolation(p)
+            return p, [await p.request() for _ in range(20)]
         finally:
             await p.watchdog.close()
 
-    p, probe, after = run(scenario())
-    assert (probe.status, probe.instance) == (200, "a")
+    p, after = run(scenario())
     assert [(t.state_from, t.to) for _, t in p.transitions] == [(PROBING, ADMITTING)]
     assert all(o.status == 200 and o.attempts == 1 for o in after)
     # Both answer alike now: power of two choices splits them (ties go to the first drawn).
     assert 5 <= sum(o.instance == "a" for o in after) <= 15
+
+
+def test_an_instance_back_from_an_isolation_regains_its_share_along_its_slow_start() -> None:
+    """The default ramp (`breaker.slow_start`, 3 s): back from its isolation, `a` gets a small
+    share at first, not the backlog its peer carried, and all of its share by the ramp's end.
+    A request every 10 ms, each answered in 200 ms: about 20 in flight."""
+
+    async def scenario() -> tuple[float, list[tuple[float, Outcome]]]:
+        p = await pipeline(
+            {"a": always(Answer(after_s=0.2)), "b": always(Answer(after_s=0.2))},
+            settings="    breaker: {consecutive_failures: 2, isolation: 5s}",
+        )()
+        loop = asyncio.get_running_loop()
+        try:
+            back_at = await _back_from_an_isolation(p)
+
+            async def sent() -> tuple[float, Outcome]:
+                return loop.time(), await p.request()
+
+            tasks = []
+            for _ in range(500):  # 5 s of arrivals
+                tasks.append(asyncio.ensure_future(sent()))
+                await asyncio.sleep(0.01)
+            return back_at, list(await asyncio.gather(*tasks))
+        finally:
+            await p.watchdog.close()
+
+    back_at, sent = run(scenario())
+    assert all(o.status == 200 and o.attempts == 1 for _, o in sent)
+
+    def share_of_a(start_s: float, end_s: float) -> float:
+        window = [o for at, o in sent if start_s <= at - back_at < end_s]
+        assert len(window) >= 40
+        return sum(o.instance == "a" for o in window) / len(window)
+
+    first, middle, after = share_of_a(0.0, 0.75), share_of_a(1.25, 2.0), share_of_a(3.5, 5.0)
+    assert first < middle < after
+    assert first <= 0.25  # from 10 % of its weight: a small share, not the backlog
+    assert 0.4 <= after <= 0.6  # the ramp over: an even split
 
 
 def _usage(tokens: int) -> bytes:
@@ -480,7 +527,10 @@ def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
             a.peak.observe(now, 8.0)
             b.start_afresh(now, 0.2)
             c.start_afresh(now, 0.4)
+            p.pool.rejoined(a, now, ramp=False)  # a new instance's first health check
+            assert a.rejoined_at == -math.inf  # no slow start after no fault
             p.pool.rejoined(a, now)
+            assert a.rejoined_at == now  # its slow start begins
             with_both = a.peak.peek(now)
             c.breaker.isolate(now, p.pool.rng, reason="operator")  # out: not a peer
             a.peak.observe(now, 8.0)

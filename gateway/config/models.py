@@ -386,6 +386,9 @@ class BreakerPolicy(Strict):
     isolation: Duration = Field(default=5.0, gt=0)
     max_isolation: Duration = Field(default=120.0, gt=0)
     max_isolated_fraction: Fraction = 0.5
+    # Back in traffic (an isolation over, its health checks passing again), an instance's share
+    # ramps from 10 % to full over this rather than taking a queue's backlog at once; 0: off.
+    slow_start: Duration = Field(default=3.0, ge=0)
     # With nothing healthy and admitting: (panic, the default) send the traffic anyway to the
     # least bad instances, as Envoy's panic threshold does, and answer 503 once each refused
     # the request; or (fail_fast) answer 503 at once.

@@ -63,6 +63,12 @@ class HealthState:
         state.last_reason = "health checks disabled"
         return state
 
+    @property
+    def back(self) -> bool:
+        """Healthy again after an unhealthy spell, not for the first time (a new instance)."""
+        first, since = self.first_healthy, self.healthy_since
+        return first is not None and since is not None and first < since
+
     def set_thresholds(self, healthy_threshold: int, unhealthy_threshold: int) -> None:
         """A reloaded policy's thresholds; the verdict and the current runs are kept."""
         self._healthy_threshold = healthy_threshold

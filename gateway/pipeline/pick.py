@@ -35,6 +35,10 @@ class Pick:
         health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
         instance refused the request's connection or let it time out, the client is told at once
         (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
+
+        An instance back in traffic (`PoolState.rejoined`) is weighed down by its slow start
+        (`breaker.slow_start`), one newly healthy by `health.slow_start`: its cost is divided by
+        a weight rising from 10 % to 1 over that window, as Envoy's slow start does.
     """
 
     def __init__(self, clock: Clock) -> None:
@@ -117,12 +121,16 @@ def _all_full(admitting: list[InstanceState], now: float) -> bool:
 
 
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
-    slow_start_s = pool.policy.health.slow_start
+    policy = pool.policy
+    slow_start_s = policy.health.slow_start
+    rejoin_s = policy.breaker.slow_start
 
     def cost(inst: InstanceState) -> float:
         weight = 1.0
         if slow_start_s and inst.health.healthy_since is not None:
             weight = slow_start_weight(now, inst.health.healthy_since, slow_start_s)
+        if now - inst.rejoined_at < rejoin_s:
+            weight = min(weight, slow_start_weight(now, inst.rejoined_at, rejoin_s))
         if inst.requests > inst.in_flight:
             latency = inst.peak.get(now) if inst.penalty is None else inst.cost_latency(now)
         else:

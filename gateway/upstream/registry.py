@@ -87,6 +87,7 @@ class InstanceState:
         "pool_name",
         "progress_at",
         "races_lost",
+        "rejoined_at",
         "requests",
         "saturated",
         "stats",
@@ -160,6 +161,8 @@ class InstanceState:
         self.penalty: PeakEwma | None = None
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
+        # Event-loop time it came back into traffic (`start_afresh`): its slow start's origin.
+        self.rejoined_at = float("-inf")
         self.stats = InstanceStats()
         # Its concurrency limit, when its pool has admission control (None: no cap).
         self.limiter = limiter
@@ -188,11 +191,15 @@ class InstanceState:
         # limit learned from the same faults.
         self.engine_paced = False
 
-    def start_afresh(self, now: float, latency_s: float) -> None:
-        """Back in traffic: the balancer's latency estimate starts again at `latency_s`
-        (`PoolState.rejoined` says why and how much), and any penalty is lifted."""
-        self.peak = PeakEwma(now, initial_s=latency_s)
+    def start_afresh(self, now: float, latency_s: float | None, ramp: bool = True) -> None:
+        """Back in traffic: the balancer's latency estimate starts again at `latency_s` (None:
+        kept; `PoolState.rejoined` says why and how much), any penalty is lifted, and with
+        `ramp` its slow start begins (`breaker.slow_start`)."""
+        if latency_s is not None:
+            self.peak = PeakEwma(now, initial_s=latency_s)
         self.penalty = None
+        if ramp:
+            self.rejoined_at = now
 
     def price_first_byte(self, now: float, waited_s: float) -> None:
         """A stream's first byte came after `waited_s` (or an attempt cancelled without one
@@ -670,7 +677,7 @@ class PoolState:
     def instance_named(self, name: str) -> InstanceState | None:
         return next((inst for inst in self.instances if inst.name == name), None)
 
-    def rejoined(self, instance: InstanceState, now: float) -> None:
+    def rejoined(self, instance: InstanceState, now: float, ramp: bool = True) -> None:
         """`instance` is back in traffic: its health checks pass again, or its breaker admits
         again (a probe answered, another replica lifted or withdrew its isolation). An
         operator's restore vouches for it more: `Operations.operator` costs it as the quickest
@@ -683,10 +690,15 @@ class PoolState:
         starts again at the average estimate of the instances that take traffic with it, as
         an instance with no finished attempt is costed: it gets its share at once, by what it
         has in flight, and its first answers take over (a slow one at once: the estimate is a
-        peak). Alone in the pool, its estimate is compared with nothing and is left as it is."""
+        peak). Alone in the pool, its estimate is compared with nothing and is left as it is.
+
+        Its share then ramps up over `breaker.slow_start` (`pipeline.pick`): priced by what it
+        has in flight alone, an instance back from a fault would take a whole queue's backlog
+        within a few picks, the load that may have brought it down (an engine out of memory).
+        Not a new instance's first health check (`ramp` False): it has no fault behind it, and
+        `health.slow_start` is its ramp."""
         peers = self.peer_latencies(instance, now)
-        if peers:
-            instance.start_afresh(now, sum(peers) / len(peers))
+        instance.start_afresh(now, sum(peers) / len(peers) if peers else None, ramp)
 
     def peer_latencies(self, instance: InstanceState, now: float) -> list[float]:
         """The balancer's latency estimates (peak EWMAs, on their own answers) of the other
