@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.core import continuation_anthropic as anthropic_c
 from gateway.core import continuation_openai as openai_c
-from gateway.core.continuation import KEEP_RAW, NotResumable, Splice
+from gateway.core.continuation import KEEP_RAW, PACK_BATCH, NotResumable, Splice
 from gateway.core.sse import event_boundary, format_event, parse_event, parse_lines, split_events
 
 CHAT_REQUEST: dict[str, Any] = {
@@ -268,7 +268,8 @@ def test_a_long_stream_is_kept_compressed_and_read_back_whole() -> None:
         t.keep(chat_chunk(word))
     kept = sum(len(c) for c in t._kept)
     assert kept < 3000 * len(chat_chunk(" w0")) / 5  # past KEEP_RAW, compressed
-    t.fold()
+    assert 0 < t._batch_bytes < PACK_BATCH  # a batch at a time: the last one not yet
+    t.fold()  # the unfinished batch is read back too
     assert t.delivered_text == "".join(words)
     assert t.text_events == 3000
 

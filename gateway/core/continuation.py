@@ -24,6 +24,8 @@ from gateway.core.sse import split_events
 EchoMode = Literal["auto", "never", "always"]
 # Bytes of a stream kept as they are before the rest is kept compressed.
 KEEP_RAW: Final = 16 * 1024
+# Past it, raw bytes gathered before each call of the compressor.
+PACK_BATCH: Final = 4 * 1024
 # The compressor's window (2^12 bytes) and memory level: about 20 KiB of state per stream
 # past KEEP_RAW, where the default (32 KiB window, level 8) takes 256 KiB.
 _WBITS: Final = 12
@@ -50,6 +52,8 @@ class Transcript:
         self._kept: list[bytes] = []  # raw chunks, then compressed pieces
         self._kept_bytes = 0
         self._packer: Any = None  # the stream's compressor, once past KEEP_RAW
+        self._batch: list[bytes] = []  # raw chunks past KEEP_RAW not compressed yet
+        self._batch_bytes = 0
         self._text_bytes = 0
         self.text: list[str] = []
         self.text_events = 0  # events that carried text: the tokens delivered, one per event
@@ -58,8 +62,7 @@ class Transcript:
 
     def keep(self, chunk: bytes) -> None:
         """A chunk of complete events sent to the client (the happy path)."""
-        packer = self._packer
-        if packer is None:
+        if self._packer is None:
             if self.overflow:
                 return
             self._kept.append(chunk)
@@ -67,12 +70,12 @@ class Transcript:
             if self._kept_bytes > KEEP_RAW:
                 self._pack()
             return
-        packed = packer.compress(chunk)
-        if packed:
-            self._kept.append(packed)
-            self._kept_bytes += len(packed)
-            if self._kept_bytes > self.max_bytes:
-                self._drop()
+        # Compressed a batch at a time: a model's event is a few hundred bytes, and one call
+        # of the compressor per event cost as much as the rest of the relay's work on it.
+        self._batch.append(chunk)
+        self._batch_bytes += len(chunk)
+        if self._batch_bytes >= PACK_BATCH:
+            self._pack_batch()
 
     def _pack(self) -> None:
         """From here on the stream's bytes are kept compressed."""
@@ -83,11 +86,23 @@ class Transcript:
         if packed:
             self._kept.append(packed)
 
+    def _pack_batch(self) -> None:
+        batch, self._batch = self._batch, []
+        self._batch_bytes = 0
+        packed = self._packer.compress(b"".join(batch))
+        if packed:
+            self._kept.append(packed)
+            self._kept_bytes += len(packed)
+            if self._kept_bytes > self.max_bytes:
+                self._drop()
+
     def _drop(self) -> None:
         """Past `max_bytes`: not resumable, nothing kept."""
         self.overflow = True
         self._kept = []
         self._packer = None
+        self._batch = []
+        self._batch_bytes = 0
         self.text = []
 
     def fold(self) -> None:
@@ -98,6 +113,9 @@ class Transcript:
         if self.overflow:
             return
         if packer is not None:
+            batch, self._batch = self._batch, []
+            self._batch_bytes = 0
+            kept.append(packer.compress(b"".join(batch)))
             kept.append(packer.flush(zlib.Z_SYNC_FLUSH))
             data = zlib.decompressobj(-_WBITS).decompress(b"".join(kept))
         else:
