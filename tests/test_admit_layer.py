@@ -164,6 +164,47 @@ async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears(
     assert adm.room() == 1 + 8
 
 
+async def test_attempts_past_a_room_that_shrank_keep_no_other_instances_room_idle() -> None:
+    """`a` holds four attempts when its engine's gauges read it full and its room shrinks to
+    one: three of them sit past its room. They hold slots of the pool's count, but none of
+    b's room: once three of b's four finish, three waiting requests go on to b at once, not
+    after a's four have finished (seen on llama.cpp engines after one was frozen)."""
+    adm = pool_admission(one_pool("concurrency: {mode: fixed, limit: 4}", instances=2))
+    a, b = adm.pool.instances
+    for _ in range(8):
+        await adm.enter("standard")
+    a.in_flight = b.in_flight = 4  # placed by the pick layer: four on each
+    a.saturated = True
+    a.engine_slots = 1  # what its engine's read leaves room for
+    assert adm.room() == 1 + 4
+    waiting = [asyncio.ensure_future(adm.enter("standard")) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert len(adm.queues) == 4
+    for _ in range(3):  # three of b's answers end
+        b.in_flight -= 1
+        adm.leave()
+    await asyncio.sleep(0)
+    assert sum(w.done() for w in waiting) == 3 and len(adm.queues) == 1
+    assert adm.free(asyncio.get_running_loop().time()) == 0  # those three hold b's room now
+    b.in_flight += 3  # where they go: the pick layer's fresh instance
+    for _ in range(3):  # a's attempts past its room end: they free nothing of b's
+        a.in_flight -= 1
+        adm.leave()
+    await asyncio.sleep(0)
+    assert len(adm.queues) == 1  # a at its one-request room, b at its four
+    a.in_flight -= 1
+    adm.leave()
+    await asyncio.wait_for(waiting[3], 5)  # a's own room came free
+    # Slots free in the count, yet every instance at or past its room (b holding more
+    # attempts than requests: a retry under way, a hedge): nothing goes on to wait there.
+    a.in_flight, b.in_flight = 4, 4
+    assert adm.free(asyncio.get_running_loop().time()) > 0
+    late = asyncio.ensure_future(adm.enter("standard"))
+    await asyncio.sleep(0)
+    assert not late.done() and len(adm.queues) == 1
+    late.cancel()
+
+
 def test_priorities() -> None:
     assert parse_priority(None) is None
     assert parse_priority(b" Interactive ") == "interactive"

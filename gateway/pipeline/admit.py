@@ -237,10 +237,32 @@ class PoolAdmission:
             if inst.limiter is not None and inst.breaker.state == ADMITTING
         )
 
+    def free(self, now: float) -> int:
+        """Slots free now: the room, less the requests holding slots (and those sent past a
+        guess that count against it, `_over_held`), plus the attempts that sit on instances
+        past their own room. Those hold slots of the pool's count but none of the other
+        instances' room: a room that shrank under them (an engine's gauges read saturated,
+        a peer's work taken while it was out) would otherwise keep requests waiting here
+        while another instance idles (seen on llama.cpp engines after one was frozen: 3 to
+        13 requests queued for 8 s, the thawed engine running 1 of its 4). Past a guessed
+        room, `over` counts them already."""
+        room = 0
+        for inst in self.pool.routable:
+            if inst.limiter is None or inst.breaker.state != ADMITTING:
+                continue
+            own = inst.room()
+            room += own
+            if inst.in_flight > own and not inst.room_guessed:
+                room += inst.in_flight - own
+        busy = self.running + self._over_held(now) if self.over else self.running
+        return room - busy
+
     def _place(self, tokens: int) -> InstanceState | None:
-        """An instance taking new work that has room for `tokens` in its KV-token budget (the
-        one with the most room left), one its engine does not say is saturated first (as the
-        pick layer chooses), or None."""
+        """An instance taking new work, below its room unless that is a guess, that has room
+        for `tokens` in its KV-token budget (the one with the most room left), one its engine
+        does not say is saturated first (as the pick layer chooses), or None. Slots free in
+        the pool's count (`free`) let a request through only where one of its instances has
+        room for it: attempts past a room that shrank give back their slots only there."""
         best: InstanceState | None = None
         most = (-1, -1)
         for inst in self.pool.routable:
@@ -248,6 +270,10 @@ class PoolAdmission:
                 continue
             if inst.saturated and inst.in_flight >= inst.engine_slots:
                 continue  # its engine has no room: this one's tokens would wait there
+            if inst.in_flight >= inst.room() and not inst.room_guessed:
+                # Full: a request let through for it would only wait in its engine. (Past a
+                # guessed room, the guess holds back only a flood: the module docstring.)
+                continue
             budget = inst.budget
             if budget is None:
                 if not inst.saturated:
@@ -278,8 +304,7 @@ class PoolAdmission:
         queues.arrived(priority, now)
         self.arrivals.arrive(now)
         if not len(queues):
-            busy = self.running + self._over_held(now) if self.over else self.running
-            if busy < self.room() and self._place(tokens) is not None:
+            if self.free(now) > 0 and self._place(tokens) is not None:
                 self.running += 1
                 self.waits[priority].observe(0.0)
                 return Slot(self._reserve(tokens))
@@ -312,7 +337,7 @@ class PoolAdmission:
                 f"pool {self.pool.name!r} is overloaded: {offer.reason}",
                 retry_after_s=self._retry_after_s(),
             )
-        if self.running + self._over_held(now) < self.room():
+        if self.free(now) > 0:
             self.dispatch()  # slots free, yet others wait for tokens: this one may fit now
         else:
             self._arm()
@@ -362,11 +387,8 @@ class PoolAdmission:
         if not len(self.queues):
             return
         now = self._loop.time()
-        room = self.room()
         queues = self.queues
-        if self.over:
-            room -= self._over_held(now)
-        while self.running < room:
+        while self.free(now) > 0:
             entry = queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
                 break
