@@ -195,13 +195,18 @@ async def test_attempts_past_a_room_that_shrank_keep_no_other_instances_room_idl
     a.in_flight -= 1
     adm.leave()
     await asyncio.wait_for(waiting[3], 5)  # a's own room came free
-    # Slots free in the count, yet every instance at or past its room (b holding more
-    # attempts than requests: a retry under way, a hedge): nothing goes on to wait there.
-    a.in_flight, b.in_flight = 4, 4
-    assert adm.free(asyncio.get_running_loop().time()) > 0
+    # The others' free room bounds what attempts past a room give back: with b full, a
+    # request let through now would only be placed past a room too, and free one more slot.
+    a.in_flight = 4
+    assert adm.free(asyncio.get_running_loop().time()) == 0
     late = asyncio.ensure_future(adm.enter("standard"))
     await asyncio.sleep(0)
     assert not late.done() and len(adm.queues) == 1
+    b.in_flight = 3  # one of b's ends: its room is free, but b asked for a pause
+    b.not_before = asyncio.get_running_loop().time() + 5.0
+    adm.pool.capacity_changed()
+    await asyncio.sleep(0)
+    assert not late.done()
     late.cancel()
 
 

@@ -528,9 +528,9 @@ def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
             b.start_afresh(now, 0.2)
             c.start_afresh(now, 0.4)
             p.pool.rejoined(a, now, ramp=False)  # a new instance's first health check
-            assert a.rejoined_at == -math.inf  # no slow start after no fault
+            assert a.ramp(now) == 1.0  # no slow start after no fault
             p.pool.rejoined(a, now)
-            assert a.rejoined_at == now  # its slow start begins
+            assert a.ramp(now) == pytest.approx(0.1)  # its slow start begins
             with_both = a.peak.peek(now)
             c.breaker.isolate(now, p.pool.rng, reason="operator")  # out: not a peer
             a.peak.observe(now, 8.0)

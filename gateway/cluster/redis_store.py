@@ -472,7 +472,8 @@ class RedisDecisions:
             self.counters["adopted"] += 1
         else:
             self.counters["lifted"] += 1
-            self._back_in_traffic(key)
+            # An operator's restore elsewhere vouches for it: no slow start, as there.
+            self._back_in_traffic(key, ramp=not (decision.state == ADMITTING and decision.forced))
             encoded = self._own.pop(key, None)
             if encoded is not None:
                 self._retract[key] = encoded
@@ -486,12 +487,12 @@ class RedisDecisions:
             self.counters["withdrawn"] += 1
             self._back_in_traffic(key)
 
-    def _back_in_traffic(self, key: Key) -> None:
+    def _back_in_traffic(self, key: Key, ramp: bool = True) -> None:
         """Another replica's isolation of it no longer holds: it takes traffic here again."""
         pool = self._pools[key[0]]
         instance = pool.instance_named(key[1])
         if instance is not None:
-            pool.rejoined(instance, self._clock())
+            pool.rejoined(instance, self._clock(), ramp)
         pool.capacity_changed()
 
     def _bad(self, counter: str, message: str) -> None:

@@ -7,10 +7,11 @@ a `Rewriter` that turns the next attempt's events into the rest of the same stre
 
 Happy-path cost: the relay hands each forwarded chunk to `Transcript.keep`. The first
 `KEEP_RAW` bytes of a stream are kept by reference (most streams are short); past them, the
-stream's bytes go through a small zlib compressor (level 1, a 4 KiB window: about half a
-microsecond a chunk, and SSE events shrink 10 to 30 times, their JSON repeating itself). The
-events are parsed only when a resume needs them (`fold`). A stream whose kept bytes pass
-`max_bytes` (compressed) is simply not resumable any more, and keeps nothing.
+stream's bytes go through a small zlib compressor `PACK_BATCH` bytes at a time (level 1, a 4 KiB
+window: under a microsecond a chunk, and SSE events shrink 10 to 30 times, their JSON repeating
+itself). The events are parsed only when a resume needs them (`fold`). A stream whose kept
+bytes pass `max_bytes` (compressed; checked at each batch) is simply not resumable any more,
+and keeps nothing.
 """
 
 from __future__ import annotations

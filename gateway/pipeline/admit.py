@@ -238,31 +238,53 @@ class PoolAdmission:
         )
 
     def free(self, now: float) -> int:
-        """Slots free now: the room, less the requests holding slots (and those sent past a
-        guess that count against it, `_over_held`), plus the attempts that sit on instances
-        past their own room. Those hold slots of the pool's count but none of the other
-        instances' room: a room that shrank under them (an engine's gauges read saturated,
-        a peer's work taken while it was out) would otherwise keep requests waiting here
-        while another instance idles (seen on llama.cpp engines after one was frozen: 3 to
-        13 requests queued for 8 s, the thawed engine running 1 of its 4). Past a guessed
-        room, `over` counts them already."""
-        room = 0
+        """Slots free now: the room less the requests holding slots (and those sent past a
+        guess that count against it, `_over_held`); and, when some instances hold attempts
+        past their own room, at least the slots the others have idle, up to those attempts.
+
+        A room can shrink under what an instance already runs (its engine's gauges read
+        saturated, work it took while a peer was out). Its attempts past that room hold slots
+        of the pool's count but none of the other instances' room, which would otherwise idle
+        while requests wait here (seen on llama.cpp engines after one was frozen: 3 to 13
+        requests queued for 8 s, the thawed engine running 1 of its 4). The credit is bounded
+        by the slots the others have idle now (what each was seen serving at once, within its
+        room), less the requests let through that have no attempt on an instance yet (let
+        through together, their attempts are placed only once their tasks run). So a request
+        let through on it and placed past a room somewhere (the pick layer's last resort)
+        frees no further slot, and neither does an instance the pick layer would not use now
+        (paused by its Retry-After). A guessed room is left out: what is sent past a guess is
+        counted apart (`over`)."""
+        room = beyond = open_ = placed = 0
         for inst in self.pool.routable:
+            placed += inst.in_flight
             if inst.limiter is None or inst.breaker.state != ADMITTING:
                 continue
             own = inst.room()
             room += own
-            if inst.in_flight > own and not inst.room_guessed:
-                room += inst.in_flight - own
+            if inst.room_guessed:
+                continue
+            if inst.in_flight > own:
+                beyond += inst.in_flight - own
+            elif inst.not_before <= now:  # paused by a Retry-After: the pick layer waits too
+                # Its idle slots only, not the headroom of its room past them (requests
+                # that would wait in its engine's own queue, where none can move to a slot
+                # that frees elsewhere first, as they can from the gateway's queue).
+                slots = inst.capacity_seen or own
+                if slots > own:
+                    slots = own
+                if slots > inst.in_flight:
+                    open_ += slots - inst.in_flight
         busy = self.running + self._over_held(now) if self.over else self.running
-        return room - busy
+        free = room - busy
+        if beyond and open_ > free:
+            unplaced = self.running + self.over - placed
+            free = max(free, min(free + beyond, open_ - max(0, unplaced)))
+        return free
 
     def _place(self, tokens: int) -> InstanceState | None:
-        """An instance taking new work, below its room unless that is a guess, that has room
-        for `tokens` in its KV-token budget (the one with the most room left), one its engine
-        does not say is saturated first (as the pick layer chooses), or None. Slots free in
-        the pool's count (`free`) let a request through only where one of its instances has
-        room for it: attempts past a room that shrank give back their slots only there."""
+        """An instance taking new work that has room for `tokens` in its KV-token budget (the
+        one with the most room left), one its engine does not say is saturated first (as the
+        pick layer chooses), or None."""
         best: InstanceState | None = None
         most = (-1, -1)
         for inst in self.pool.routable:
@@ -270,10 +292,6 @@ class PoolAdmission:
                 continue
             if inst.saturated and inst.in_flight >= inst.engine_slots:
                 continue  # its engine has no room: this one's tokens would wait there
-            if inst.in_flight >= inst.room() and not inst.room_guessed:
-                # Full: a request let through for it would only wait in its engine. (Past a
-                # guessed room, the guess holds back only a flood: the module docstring.)
-                continue
             budget = inst.budget
             if budget is None:
                 if not inst.saturated:

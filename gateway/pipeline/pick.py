@@ -38,7 +38,9 @@ class Pick:
 
         An instance back in traffic (`PoolState.rejoined`) is weighed down by its slow start
         (`breaker.slow_start`), one newly healthy by `health.slow_start`: its cost is divided by
-        a weight rising from 10 % to 1 over that window, as Envoy's slow start does.
+        a weight rising from 10 % to 1 over that window, as Envoy's slow start does. (Its room
+        is not: where requests queue for room, what its engine can run is the bound, and a
+        room held back there would leave a restarted engine idle while the backlog grows.)
     """
 
     def __init__(self, clock: Clock) -> None:
@@ -121,16 +123,12 @@ def _all_full(admitting: list[InstanceState], now: float) -> bool:
 
 
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
-    policy = pool.policy
-    slow_start_s = policy.health.slow_start
-    rejoin_s = policy.breaker.slow_start
+    slow_start_s = pool.policy.health.slow_start
 
     def cost(inst: InstanceState) -> float:
-        weight = 1.0
+        weight = inst.ramp(now)
         if slow_start_s and inst.health.healthy_since is not None:
-            weight = slow_start_weight(now, inst.health.healthy_since, slow_start_s)
-        if now - inst.rejoined_at < rejoin_s:
-            weight = min(weight, slow_start_weight(now, inst.rejoined_at, rejoin_s))
+            weight = min(weight, slow_start_weight(now, inst.health.healthy_since, slow_start_s))
         if inst.requests > inst.in_flight:
             latency = inst.peak.get(now) if inst.penalty is None else inst.cost_latency(now)
         else:

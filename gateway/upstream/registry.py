@@ -18,6 +18,7 @@ from gateway.core.balancer import (
     PeakEwma,
     priced_answer_s,
     priced_first_byte_s,
+    slow_start_weight,
 )
 from gateway.core.breaker import ADMITTING, BreakerState, PoolBreakers
 from gateway.core.budget import RetryBudget
@@ -87,7 +88,8 @@ class InstanceState:
         "pool_name",
         "progress_at",
         "races_lost",
-        "rejoined_at",
+        "ramp_from",
+        "ramp_s",
         "requests",
         "saturated",
         "stats",
@@ -161,8 +163,10 @@ class InstanceState:
         self.penalty: PeakEwma | None = None
         # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
         self.not_before = 0.0
-        # Event-loop time it came back into traffic (`start_afresh`): its slow start's origin.
-        self.rejoined_at = float("-inf")
+        # Its slow start after it came back into traffic (`start_afresh`): from when, and over
+        # how long (0: none under way).
+        self.ramp_from = float("-inf")
+        self.ramp_s = 0.0
         self.stats = InstanceStats()
         # Its concurrency limit, when its pool has admission control (None: no cap).
         self.limiter = limiter
@@ -191,15 +195,21 @@ class InstanceState:
         # limit learned from the same faults.
         self.engine_paced = False
 
-    def start_afresh(self, now: float, latency_s: float | None, ramp: bool = True) -> None:
+    def start_afresh(self, now: float, latency_s: float | None, ramp_s: float = 0.0) -> None:
         """Back in traffic: the balancer's latency estimate starts again at `latency_s` (None:
-        kept; `PoolState.rejoined` says why and how much), any penalty is lifted, and with
-        `ramp` its slow start begins (`breaker.slow_start`)."""
+        kept; `PoolState.rejoined` says why and how much), any penalty is lifted, and its slow
+        start runs over `ramp_s` from now (0: none, and one under way ends)."""
         if latency_s is not None:
             self.peak = PeakEwma(now, initial_s=latency_s)
         self.penalty = None
-        if ramp:
-            self.rejoined_at = now
+        self.ramp_from = now
+        self.ramp_s = ramp_s
+
+    def ramp(self, now: float) -> float:
+        """Its slow start's weight now, in (0, 1]: 1 once over (`slow_start_weight`)."""
+        if now - self.ramp_from >= self.ramp_s:
+            return 1.0
+        return slow_start_weight(now, self.ramp_from, self.ramp_s)
 
     def price_first_byte(self, now: float, waited_s: float) -> None:
         """A stream's first byte came after `waited_s` (or an attempt cancelled without one
@@ -698,7 +708,8 @@ class PoolState:
         Not a new instance's first health check (`ramp` False): it has no fault behind it, and
         `health.slow_start` is its ramp."""
         peers = self.peer_latencies(instance, now)
-        instance.start_afresh(now, sum(peers) / len(peers) if peers else None, ramp)
+        latency = sum(peers) / len(peers) if peers else None
+        instance.start_afresh(now, latency, self.policy.breaker.slow_start if ramp else 0.0)
 
     def peer_latencies(self, instance: InstanceState, now: float) -> list[float]:
         """The balancer's latency estimates (peak EWMAs, on their own answers) of the other
