@@ -549,6 +549,26 @@ def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
     assert alone == 8.0
 
 
+def test_health_slow_start_ramps_a_first_health_pass_and_an_unchecked_instance() -> None:
+    """`health.slow_start` is the ramp of an instance whose checks just passed (the longer of
+    the two windows after a fault), and of one that no check guards, from when it is built."""
+    checked = parse_policy(
+        policy_text(["a", "b"]).replace("health: {enabled: false}", "health: {slow_start: 10s}")
+    )
+    pool = Registry(checked, now=0.0, rng=random.Random(1)).pools["chat"]
+    a = pool.instance_named("a")
+    assert a is not None and a.ramp(0.0) == 1.0  # not healthy yet: nothing to ramp
+    pool.rejoined(a, 100.0, ramp=False, healthy=True)  # its first pass
+    assert a.ramp(105.0) == pytest.approx(0.55)
+    pool.rejoined(a, 200.0, healthy=True)  # back after a fault: 10 s beats the breaker's 3 s
+    assert a.ramp(205.0) == pytest.approx(0.55)
+    unchecked = parse_policy(
+        policy_text(["a"]).replace("enabled: false", "enabled: false, slow_start: 10s")
+    )
+    built = Registry(unchecked, now=50.0, rng=random.Random(1)).pools["chat"].instances[0]
+    assert built.ramp(55.0) == pytest.approx(0.55)
+
+
 def test_the_gateways_own_connection_limit_is_answered_at_once_when_nothing_else_has_room() -> None:
     """A lone instance whose connections are all busy: another attempt would only wait out the
     same busy connections again, so the 503 (with its Retry-After) comes after the first.

@@ -108,15 +108,14 @@ class Transcript:
 
     def fold(self) -> None:
         """Parse the kept events into the state and let them go."""
+        if self._batch:
+            self._pack_batch()  # the last batch, held to `max_bytes` like the others
         kept, self._kept = self._kept, []
         self._kept_bytes = 0
         packer, self._packer = self._packer, None
         if self.overflow:
             return
         if packer is not None:
-            batch, self._batch = self._batch, []
-            self._batch_bytes = 0
-            kept.append(packer.compress(b"".join(batch)))
             kept.append(packer.flush(zlib.Z_SYNC_FLUSH))
             data = zlib.decompressobj(-_WBITS).decompress(b"".join(kept))
         else:

@@ -22,7 +22,7 @@ class HealthState:
     unhealthy verdict.
 
     `first_seen` / `first_healthy` give the cold start (time from first seen to first healthy);
-    `healthy_since` feeds slow start.
+    `healthy_since` tells a return (`back`) from a first pass.
     """
 
     __slots__ = (

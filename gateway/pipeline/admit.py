@@ -406,22 +406,26 @@ class PoolAdmission:
             return
         now = self._loop.time()
         queues = self.queues
-        while self.free(now) > 0:
+        free = self.free(now)  # worked out once: each request let through takes one
+        while free > 0:
             entry = queues.pop(now, lambda waiter: self._place(waiter.tokens) is not None)
             if entry is None:
                 break
-            self._let_through(entry.item)
+            if self._let_through(entry.item):
+                free -= 1
         self._arm()
 
-    def _let_through(self, waiter: _Waiter, over: bool = False) -> None:
+    def _let_through(self, waiter: _Waiter, over: bool = False) -> bool:
+        """Give a waiting request its slot; False when its client left while it waited."""
         if waiter.future.done():
-            return  # its client left while it waited
+            return False
         if over:
             self.over += 1
         else:
             self.running += 1
         waiter.slot = Slot(self._reserve(waiter.tokens), over)
         waiter.future.set_result(None)
+        return True
 
     def _held_by_guess(self, tokens: int) -> bool:
         """Whether an instance that would take the request is held back only by its adaptive

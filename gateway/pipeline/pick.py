@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.core.balancer import choose, load_cost, slow_start_weight
+from gateway.core.balancer import choose, load_cost
 from gateway.core.breaker import ADMITTING
 from gateway.core.panic import least_bad
 from gateway.errors import NoInstanceAvailable
@@ -36,11 +36,12 @@ class Pick:
         instance refused the request's connection or let it time out, the client is told at once
         (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
 
-        An instance back in traffic (`PoolState.rejoined`) is weighed down by its slow start
-        (`breaker.slow_start`), one newly healthy by `health.slow_start`: its cost is divided by
-        a weight rising from 10 % to 1 over that window, as Envoy's slow start does. (Its room
-        is not: where requests queue for room, what its engine can run is the bound, and a
-        room held back there would leave a restarted engine idle while the backlog grows.)
+        An instance back in traffic (`PoolState.rejoined`: `breaker.slow_start` after a fault,
+        `health.slow_start` once its checks pass) is weighed down by its slow start: its cost is
+        divided by a weight rising from 10 % to 1 over that window, as Envoy's slow start
+        does. (Its room is not: where requests queue for room, what its engine can run is the
+        bound, and a room held back there would leave a restarted engine idle while the
+        backlog grows.)
     """
 
     def __init__(self, clock: Clock) -> None:
@@ -123,12 +124,8 @@ def _all_full(admitting: list[InstanceState], now: float) -> bool:
 
 
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
-    slow_start_s = pool.policy.health.slow_start
-
     def cost(inst: InstanceState) -> float:
-        weight = inst.ramp(now)
-        if slow_start_s and inst.health.healthy_since is not None:
-            weight = min(weight, slow_start_weight(now, inst.health.healthy_since, slow_start_s))
+        weight = inst.ramp(now)  # its slow start (`PoolState.rejoined`)
         if inst.requests > inst.in_flight:
             latency = inst.peak.get(now) if inst.penalty is None else inst.cost_latency(now)
         else:

@@ -127,7 +127,7 @@ class HealthChecker:
             if change.healthy:
                 now = self._clock()
                 instance.breaker.back_up(now)  # probed by the next request, not seconds later
-                pool.rejoined(instance, now, ramp=instance.health.back)
+                pool.rejoined(instance, now, ramp=instance.health.back, healthy=True)
             log_health_change(pool, instance, change)
 
 

@@ -525,6 +525,7 @@ class PoolState:
             if not health.enabled:
                 if previous.health.enabled:
                     inst.health = HealthState.assumed_healthy(now)
+                    inst.start_afresh(now, None, health.slow_start)
             else:
                 inst.health.set_thresholds(health.healthy_threshold, health.unhealthy_threshold)
             concurrency = admission.concurrency if admission else None
@@ -687,7 +688,9 @@ class PoolState:
     def instance_named(self, name: str) -> InstanceState | None:
         return next((inst for inst in self.instances if inst.name == name), None)
 
-    def rejoined(self, instance: InstanceState, now: float, ramp: bool = True) -> None:
+    def rejoined(
+        self, instance: InstanceState, now: float, ramp: bool = True, healthy: bool = False
+    ) -> None:
         """`instance` is back in traffic: its health checks pass again, or its breaker admits
         again (a probe answered, another replica lifted or withdrew its isolation). An
         operator's restore vouches for it more: `Operations.operator` costs it as the quickest
@@ -705,11 +708,16 @@ class PoolState:
         Its share then ramps up over `breaker.slow_start` (`pipeline.pick`): priced by what it
         has in flight alone, an instance back from a fault would take a whole queue's backlog
         within a few picks, the load that may have brought it down (an engine out of memory).
-        Not a new instance's first health check (`ramp` False): it has no fault behind it, and
-        `health.slow_start` is its ramp."""
+        Not a new instance's first health check (`ramp` False): it has no fault behind it. An
+        instance whose health checks just passed (`healthy`), for the first time or again,
+        ramps over `health.slow_start` as well, the longer of the two."""
         peers = self.peer_latencies(instance, now)
         latency = sum(peers) / len(peers) if peers else None
-        instance.start_afresh(now, latency, self.policy.breaker.slow_start if ramp else 0.0)
+        policy = self.policy
+        ramp_s = policy.breaker.slow_start if ramp else 0.0
+        if healthy and policy.health.slow_start > ramp_s:
+            ramp_s = policy.health.slow_start
+        instance.start_afresh(now, latency, ramp_s)
 
     def peer_latencies(self, instance: InstanceState, now: float) -> list[float]:
         """The balancer's latency estimates (peak EWMAs, on their own answers) of the other
@@ -789,7 +797,7 @@ def _new_instance(
 ) -> InstanceState:
     health = policy.health
     admission = policy.admission
-    return InstanceState(
+    state = InstanceState(
         pool_name,
         inst,
         policy.timeouts.smoothing,
@@ -801,6 +809,10 @@ def _new_instance(
         limiter_for(admission.concurrency) if admission else None,
         _budget(admission.tokens if admission else None),
     )
+    if not health.enabled:
+        # Healthy from the start, as if its first check had just passed: `health.slow_start`.
+        state.start_afresh(now, None, health.slow_start)
+    return state
 
 
 def _budget(tokens: TokenBudgetPolicy | None) -> TokenBudget | None:
