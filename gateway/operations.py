@@ -68,7 +68,7 @@ class Operations:
             # "It is fine now": forget the slowness the balancer remembers of it too, and take
             # the operator's word for it: costed as the quickest of the others.
             peers = [i.peak.get(now) for i in state.instances if i is not instance]
-            instance.start_afresh(now, min(peers, default=0.0))  # no slow start
+            instance.start_afresh(now, min(peers, default=0.0), vouched=True)  # no ramp
         if transition is None and action == "restore":
             # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
             transition = Transition(name, ADMITTING, ADMITTING, "operator")

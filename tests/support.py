@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,3 +246,19 @@ def _complete(data: bytes) -> bool:
         if name.strip().lower() == b"content-length":
             return len(body) >= int(value.strip())
     return False
+
+
+def post_in_parallel(
+    base_url: str,
+    bodies: Sequence[dict[str, Any]],
+    path: str = "/v1/chat/completions",
+    at_once: int = 4,
+) -> list[int]:
+    """Each body POSTed to `path`, `at_once` in flight at a time; their statuses, in order.
+
+    What teaches every instance of a pool its figures: one request after another each goes
+    to the instance priced lowest, the one whose latest answers were the fastest, while
+    requests in flight together spread by what each instance holds."""
+    with httpx.Client(base_url=base_url, timeout=60) as http, ThreadPoolExecutor(at_once) as pool:
+        replies = pool.map(lambda body: http.post(path, json=body), bodies)
+        return [reply.status_code for reply in replies]

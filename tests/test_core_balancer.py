@@ -70,6 +70,33 @@ def test_peak_ewma_ignores_a_clock_going_back() -> None:
     assert ewma.get(20.0) == pytest.approx(2 * E1)
 
 
+def test_a_guessing_peak_ewma_takes_its_first_sample_whole_then_folds_as_usual() -> None:
+    ewma = PeakEwma.guessing(0.0)  # the 1 s guess
+    assert not ewma.learned
+    assert ewma.get(10.0) == pytest.approx(E1)  # a guess fades as a sample would...
+    assert not ewma.learned  # ...and reading it teaches nothing
+    # Its first answer replaces it, though far below: a plain estimate would barely move
+    # (0.37 * 1 + 0.2 * 0: no time passed since the read).
+    assert ewma.observe(10.0, 0.2) == 0.2
+    assert ewma.learned
+    assert ewma.observe(10.0, 0.1) == 0.2  # from then on, a peak EWMA
+    assert ewma.observe(11.0, 0.5) == 0.5
+
+
+def test_a_guess_stands_for_an_instance_only_until_it_answers() -> None:
+    """Two instances start at the same guess; one answers in 0.1 s, the other in 0.5 s. On
+    their first answers the balancer prices them five times apart, not within 1 % of each
+    other as a 1 s guess would keep them for ten seconds and more."""
+    fast, slow = PeakEwma.guessing(0.0), PeakEwma.guessing(0.0)
+    fast.observe(0.1, 0.1)
+    slow.observe(0.5, 0.5)
+    assert slow.get(1.0) / fast.get(1.0) == pytest.approx(5.0, rel=0.1)
+    plain_fast, plain_slow = PeakEwma(0.0), PeakEwma(0.0)
+    plain_fast.observe(0.1, 0.1)
+    plain_slow.observe(0.5, 0.5)
+    assert plain_slow.get(1.0) / plain_fast.get(1.0) < 1.05
+
+
 def test_peak_ewma_rejects_a_bad_tau() -> None:
     with pytest.raises(ValueError):
         PeakEwma(0.0, tau_s=0.0)

@@ -195,10 +195,12 @@ def test_hedges_stop_when_the_retry_budget_is_spent() -> None:
 
 
 def test_hedges_leave_half_the_retry_budget_to_retries() -> None:
-    # A budget of 2 retries over the window (no ratio): hedges may take 1 of them.
+    # A budget of 2 retries over the window (no ratio): hedges may take 1 of them. Three
+    # instances turn slow: the balancer, having learned the first one slow, tries the others.
     async def scenario() -> tuple[Pipeline, list[Outcome], bool]:
+        slow = {name: fast_then(Answer(after_s=0.1)) for name in "abc"}
         p = await pipeline(
-            {"a": fast_then(Answer(after_s=0.1)), "b": fast_then(Answer(after_s=0.1))},
+            slow,
             SETTINGS + "\n    retries: {budget: {ratio: 0.0, min_per_second: 0.2}}",
         )()
         try:

@@ -15,6 +15,7 @@ from tests.support import (
     Backend,
     Gateway,
     instances_yaml,
+    post_in_parallel,
     running_backends,
     start_gateway,
 )
@@ -52,10 +53,9 @@ pools:
     retries: {{budget: {{ratio: 0.2, min_per_second: 0}}}}
 """
     gw = start_gateway(tmp_path_factory.mktemp("res") / "policy.yaml", policy)
-    with httpx.Client(base_url=gw.url, timeout=30) as http:
-        for i in range(90):  # teach every instance its latency, streamed and not
-            body = chat(max_tokens=16, stream=i % 2 == 0)
-            assert http.post("/v1/chat/completions", json=body).status_code == 200
+    # Teach every instance its latency, streamed and not.
+    teaching = [chat(max_tokens=16, stream=i % 2 == 0) for i in range(90)]
+    assert post_in_parallel(gw.url, teaching) == [200] * 90
     yield gw
     gw.stop()
 

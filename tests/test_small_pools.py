@@ -24,6 +24,7 @@ from tests.support import (
     closed_port,
     instances_yaml,
     pool_policy,
+    post_in_parallel,
     start_backend,
     start_gateway,
     stop_backends,
@@ -182,9 +183,9 @@ def test_a_fresh_instance_in_a_warm_pool_is_rescued_from_a_hang(tmp_path: Path) 
     )
     try:
         with httpx.Client(base_url=gateway.url, timeout=60) as http:
-            for i in range(40):  # warm: a and b learn their figures (10 samples each)
-                payload = dict(body(i), stream=True)
-                assert http.post("/v1/chat/completions", json=payload).status_code == 200
+            # Warm: a and b learn their figures (10 samples each).
+            warming = [dict(body(i), stream=True) for i in range(40)]
+            assert post_in_parallel(gateway.url, warming) == [200] * 40
             warm = [instance_state(gateway, name) for name in ("a", "b")]
             assert all(s["ewma"]["ttfb"]["samples"] >= 10 for s in warm)
             pool_ttfb_s = max(s["ewma"]["ttfb"]["mean_s"] for s in warm)

@@ -37,10 +37,12 @@ class PeakEwma:
     update, read or sample: on an instance read often, low samples move it little and the
     estimate follows the recent peaks, each fading with time constant τ.
 
-    Starts at `initial_s` (default 1 s) stamped at `now`.
+    Starts at `initial_s` (default 1 s) stamped at `now`: a first sample like any other. One
+    made by `guessing` starts at a guess instead, which its first sample replaces whatever its
+    size (`learned` then turns True).
     """
 
-    __slots__ = ("_stamp", "_tau_s", "_value")
+    __slots__ = ("_guess", "_stamp", "_tau_s", "_value")
 
     def __init__(
         self, now: float, initial_s: float = DEFAULT_RTT_S, tau_s: float = DEFAULT_TAU_S
@@ -52,9 +54,40 @@ class PeakEwma:
         self._value = initial_s
         self._stamp = now
         self._tau_s = tau_s
+        self._guess = False
+
+    @classmethod
+    def guessing(
+        cls, now: float, guess_s: float = DEFAULT_RTT_S, tau_s: float = DEFAULT_TAU_S
+    ) -> PeakEwma:
+        """An estimate that starts at `guess_s`, a guess its first sample replaces.
+
+        A guess is no measurement: held as one, it fades only with `tau_s`, and every answer
+        faster than it weighs almost nothing meanwhile (see above). Before its first answer an
+        instance is costed by its peers (`pipeline.pick`), so for the 10 to 20 s a 1 s guess
+        took to fade, an instance five times slower than its peers was priced as they were:
+        the first seconds after a gateway starts, or after an instance comes back, spread
+        traffic evenly over a slow instance and fast ones."""
+        ewma = cls(now, guess_s, tau_s)
+        ewma._guess = True
+        return ewma
+
+    @property
+    def learned(self) -> bool:
+        """Whether it holds a sample (one made by `guessing`: not until its first)."""
+        return not self._guess
 
     def observe(self, now: float, sample_s: float) -> float:
         """Fold one latency sample (seconds) in at `now` (rule in the class docstring)."""
+        if self._guess:
+            self._guess = False
+            self._value = sample_s
+            if now > self._stamp:
+                self._stamp = now
+            return sample_s
+        return self._fold(now, sample_s)
+
+    def _fold(self, now: float, sample_s: float) -> float:
         value = self._value
         elapsed = now - self._stamp
         if sample_s > value:
@@ -69,7 +102,7 @@ class PeakEwma:
 
     def get(self, now: float) -> float:
         """The estimate at `now`, decayed toward 0 since the last update (and stored so)."""
-        return self.observe(now, 0.0)
+        return self._fold(now, 0.0)
 
     def peek(self, now: float) -> float:
         """What `get(now)` would return, without updating (for /admin/state)."""

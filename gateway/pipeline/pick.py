@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.core.balancer import choose, load_cost
+from gateway.core.balancer import DEFAULT_RTT_S, choose, load_cost
 from gateway.core.breaker import ADMITTING
 from gateway.core.panic import least_bad
 from gateway.errors import NoInstanceAvailable
@@ -126,13 +126,16 @@ def _all_full(admitting: list[InstanceState], now: float) -> bool:
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
     def cost(inst: InstanceState) -> float:
         weight = inst.ramp(now)  # its slow start (`PoolState.rejoined`)
-        if inst.requests > inst.in_flight:
-            latency = inst.peak.get(now) if inst.penalty is None else inst.cost_latency(now)
+        if inst.penalty is not None:
+            latency = inst.cost_latency(now)
+        elif inst.peak.learned:
+            latency = inst.peak.get(now)
         else:
-            # No finished attempt yet, so no latency of its own: costed at its peers' average,
+            # No answer timed yet, so no latency of its own: costed at its peers' average,
             # neither shunned (a made-up high guess) nor flooded (a guess of zero).
-            measured = [i.peak.get(now) for i in candidates if i.requests > i.in_flight]
-            latency = sum(measured) / len(measured) if measured else 0.0
+            # With none to go by, one guess for all: their loads and weights still count.
+            measured = [i.peak.get(now) for i in candidates if i.peak.learned]
+            latency = sum(measured) / len(measured) if measured else DEFAULT_RTT_S
         return load_cost(latency, inst.in_flight, weight)
 
     chosen = choose(candidates, cost, pool.rng)

@@ -14,6 +14,7 @@ from gateway.config import InstancePolicy, Policy, PoolPolicy
 from gateway.config.models import TokenBudgetPolicy
 from gateway.config.routes import KNOWN_ROUTES
 from gateway.core.balancer import (
+    DEFAULT_RTT_S,
     PENALTY_TAU_S,
     PeakEwma,
     priced_answer_s,
@@ -157,7 +158,7 @@ class InstanceState:
         # Peak-EWMA of its answers' times, each priced as a short answer's: a stream's at its
         # first byte (`price_first_byte`) and at its end, an answer's at its end
         # (`price_answer`). The balancer's latency, quick to see a slowdown.
-        self.peak = PeakEwma(now)
+        self.peak = PeakEwma.guessing(now)
         # The price of failures the isolation cap kept in rotation (`penalize`), apart from
         # `peak` so that it never prices another instance's failure (None: none now).
         self.penalty: PeakEwma | None = None
@@ -195,12 +196,16 @@ class InstanceState:
         # limit learned from the same faults.
         self.engine_paced = False
 
-    def start_afresh(self, now: float, latency_s: float | None, ramp_s: float = 0.0) -> None:
-        """Back in traffic: the balancer's latency estimate starts again at `latency_s` (None:
-        kept; `PoolState.rejoined` says why and how much), any penalty is lifted, and its slow
-        start runs over `ramp_s` from now (0: none, and one under way ends)."""
+    def start_afresh(
+        self, now: float, latency_s: float | None, ramp_s: float = 0.0, vouched: bool = False
+    ) -> None:
+        """Back in traffic: the balancer's latency estimate starts again at a guess,
+        `latency_s` (None: kept; `PoolState.rejoined` says why and how much), which its first
+        answer replaces (`vouched`: an operator's word, held as an answer of its own); any
+        penalty is lifted, and its slow start runs over `ramp_s` from now (0: none, and one
+        under way ends)."""
         if latency_s is not None:
-            self.peak = PeakEwma(now, initial_s=latency_s)
+            self.peak = PeakEwma(now, latency_s) if vouched else PeakEwma.guessing(now, latency_s)
         self.penalty = None
         self.ramp_from = now
         self.ramp_s = ramp_s
@@ -701,9 +706,10 @@ class PoolState:
         EWMA forgets that only with its time constant (10 s), so power of two choices would
         pass it over for tens of seconds while the others carry its share and slow down. It
         starts again at the average estimate of the instances that take traffic with it, as
-        an instance with no finished attempt is costed: it gets its share at once, by what it
-        has in flight, and its first answers take over (a slow one at once: the estimate is a
-        peak). Alone in the pool, its estimate is compared with nothing and is left as it is.
+        an instance with no timed answer is costed: it gets its share at once, by what it has
+        in flight, and its first answer replaces that guess (`PeakEwma.guessing`). With no
+        such estimate to go by (it is alone, or none of the others has answered yet), it
+        starts again as an instance that never answered.
 
         Its share then ramps up over `breaker.slow_start` (`pipeline.pick`): priced by what it
         has in flight alone, an instance back from a fault would take a whole queue's backlog
@@ -712,7 +718,7 @@ class PoolState:
         instance whose health checks just passed (`healthy`), for the first time or again,
         ramps over `health.slow_start` as well, the longer of the two."""
         peers = self.peer_latencies(instance, now)
-        latency = sum(peers) / len(peers) if peers else None
+        latency = sum(peers) / len(peers) if peers else DEFAULT_RTT_S
         policy = self.policy
         ramp_s = policy.breaker.slow_start if ramp else 0.0
         if healthy and policy.health.slow_start > ramp_s:
