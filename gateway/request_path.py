@@ -29,7 +29,10 @@
     ---------   the commit point: from here the response goes to the client, no retry
     relay       `ingress.relay.relay`: the response forwarded; after it, the work the layers
                 registered with `UpstreamResponse.after` (the attempt's span, its
-                accounting, the slot)
+                accounting, the slot). A stream's pieces that need only a write (whole
+                events, no engine error, a client taking them at once) are written from
+                the upstream connection's callback (`ingress.writer`), the rest by the
+                relay's task
     resume      `ingress.resume`: a stream that breaks after its first byte (a reset, an
                 EOF before its last event, an idle timeout, the engine's error event), or
                 that is moved (its instance isolated, or far slower than the others), is

@@ -90,6 +90,12 @@ class MemoryHead:
     async def read(self) -> bytes:
         return await self.readany()
 
+    async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
+        return await self.readany()  # nothing tapped: what a head may do
+
+    def stop_pump(self) -> None:
+        pass
+
     def release(self) -> None:
         self.released = True
 

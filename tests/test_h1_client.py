@@ -18,7 +18,7 @@ from gateway.errors import (
     UpstreamReset,
     UpstreamTimeout,
 )
-from gateway.upstream.h1 import H1Client, _request, _request_line_parts
+from gateway.upstream.h1 import H1Client, UpstreamResponseHead, _request, _request_line_parts
 from tests.support import closed_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -83,6 +83,24 @@ def writing_then_closing(data: bytes) -> Callable[[Server], Handler]:
     return lambda server: handle
 
 
+def chunked_in_steps(*steps: tuple[asyncio.Event, bytes]) -> Callable[[Server], Handler]:
+    """A handler that reads one request and answers with a chunked head, then each step's
+    bytes once its event is set, then the last chunk."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for event, data in steps:
+            await writer.drain()
+            await event.wait()
+            writer.write(data)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    return lambda server: handle
+
+
 @asynccontextmanager
 async def running(make: Callable[[Server], Handler]) -> AsyncIterator[tuple[Server, URL]]:
     server = Server(lambda r, w: asyncio.sleep(0))
@@ -93,6 +111,19 @@ async def running(make: Callable[[Server], Handler]) -> AsyncIterator[tuple[Serv
         yield server, URL(f"http://127.0.0.1:{port}/v1/chat/completions")
     finally:
         listener.close()
+
+
+@asynccontextmanager
+async def one_response(make: Callable[[Server], Handler]) -> AsyncIterator[UpstreamResponseHead]:
+    """The response to one request to a server answering with `make`'s handler."""
+    client = H1Client(keepalive_s=4.0)
+    async with running(make) as (_, url):
+        response = await client.post(url, [], b"{}", connect_s=1.0, tls=False)
+        try:
+            yield response
+        finally:
+            response.release()
+    client.close()
 
 
 def ok(body: bytes = b'{"ok":true}', extra: bytes = b"") -> bytes:
@@ -205,6 +236,62 @@ async def test_a_chunked_body_arrives_chunk_by_chunk() -> None:
         assert await post(client, url) == b'{"ok":true}'  # over the same connection
     assert server.connections == 1
     client.close()
+
+
+async def test_a_pump_hands_its_tap_the_pieces_it_takes_and_returns_the_first_it_declines() -> None:
+    """Pieces arrive one at a time: the tap takes `a` and `b` as they come, declines `c`, which
+    the pump returns; what comes after (`d`) goes to the reader too; the end is b""."""
+    steps = [asyncio.Event() for _ in range(4)]
+    pieces = [
+        (step, b"1\r\n%b\r\n" % piece)
+        for step, piece in zip(steps, (b"a", b"b", b"c", b"d"), strict=True)
+    ]
+    taken: list[bytes] = []
+
+    def tap(piece: bytes) -> bool:
+        if piece == b"c":
+            return False
+        taken.append(piece)
+        steps[len(taken)].set()  # the server sends the next one once this one is taken
+        return True
+
+    async with one_response(chunked_in_steps(*pieces)) as response:
+        steps[0].set()
+        assert await response.pump(tap) == b"c"
+        assert taken == [b"a", b"b"]
+        steps[3].set()
+        assert await response.readany() == b"d"  # the tap is gone: the reader's again
+        assert await response.pump(tap) == b""  # the end, nothing left to tap
+        assert taken == [b"a", b"b"]
+
+
+async def test_a_tap_that_stops_the_pump_gets_nothing_more_and_the_reader_its_task() -> None:
+    first, go = asyncio.Event(), asyncio.Event()
+    taken: list[bytes] = []
+
+    steps = chunked_in_steps((first, b"1\r\na\r\n"), (go, b"1\r\nb\r\n"))
+    async with one_response(steps) as response:
+
+        def tap(piece: bytes) -> bool:
+            taken.append(piece)
+            response.stop_pump()
+            return True
+
+        first.set()  # sent once the pump waits
+        assert await response.pump(tap) is None
+        go.set()
+        assert await response.readany() == b"b"  # not handed to the tap
+        assert taken == [b"a"]
+
+
+async def test_a_pump_raises_what_broke_the_connection() -> None:
+    short = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b"
+    async with one_response(writing_then_closing(short)) as response:
+        taken: list[bytes] = []
+        with pytest.raises(UpstreamReset, match="body"):
+            while await response.pump(lambda piece: taken.append(piece) is None):
+                pass  # (pieces already read before the pump came back to the reader)
+        assert b"".join(taken) in (b"", b"only ten b")
 
 
 async def test_a_body_without_length_ends_with_the_connection() -> None:

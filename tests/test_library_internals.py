@@ -40,6 +40,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from gateway.config.models import LimitsPolicy
+from gateway.ingress.refusals import IngressRefusals
+
 PROTOCOL = "gateway/ingress/protocol.py (HardenedProtocol)"
 DRAIN = "gateway/drain.py (Drain._run, _answer_unanswered)"
 SERVER = "gateway/server.py (_Server, _uvicorn_config, serve)"
@@ -232,9 +235,12 @@ async def never_answers(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 @contextlib.asynccontextmanager
-async def connection() -> AsyncIterator[tuple[Any, FakeTransport, Any]]:
-    """A protocol built as uvicorn builds one, on a fake transport; its app never answers."""
-    base = protocol_class()
+async def connection(
+    protocol: type[asyncio.Protocol] | None = None,
+) -> AsyncIterator[tuple[Any, FakeTransport, Any]]:
+    """A protocol (uvicorn's, unless given) built as uvicorn builds one, on a fake transport;
+    its app never answers."""
+    base = protocol or protocol_class()
     config = uvicorn.Config(never_answers, http=base, ws="none", lifespan="off", log_config=None)
     config.load()
     state = server_state_class()()
@@ -340,6 +346,51 @@ async def test_a_cycle_answers_through_send_and_counts_the_request() -> None:
         assert attr(state, "total_requests", DRAIN, "ServerState.total_requests") == 1, broken(
             "ServerState.total_requests (counted when a response completes)", DRAIN
         )
+
+
+WRITER = "gateway/ingress/writer.py (ChunkedWriter, client_writer)"
+
+
+async def test_a_response_without_a_length_is_chunked_and_takes_pieces_written_between() -> None:
+    """The relay writes a stream's pieces to the client's transport itself, framed as HTTP/1.1
+    chunks, between uvicorn's head and its last chunk: uvicorn must frame a response with no
+    Content-Length that way, and keep nothing of its own between two `send` calls."""
+    async with connection() as (protocol, transport, _):
+        protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n\r\n")
+        send = protocol.cycle.send
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        transport.write(b"%x\r\n%b\r\n" % (9, b"data: 2\n\n"))  # what ChunkedWriter writes
+        await send({"type": "http.response.body", "body": b"data: 3\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        head, _, body = bytes(transport.written).partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower(), broken(
+            "uvicorn's framing of a response with no Content-Length (chunked)", WRITER
+        )
+        chunks = b"".join(b"9\r\ndata: %d\n\n\r\n" % n for n in (1, 2, 3)) + b"0\r\n\r\n"
+        assert body == chunks, broken(
+            "RequestResponseCycle.send writing each body at once, in order", WRITER
+        )
+
+
+async def test_the_hardened_protocol_hands_the_app_its_transport() -> None:
+    """`HardenedProtocol` puts the client's transport in each request's scope, where
+    `client_writer` finds it: the scope uvicorn builds must reach the app as the protocol left
+    it once the head is complete."""
+    hardened = module("gateway.ingress.protocol", PROTOCOL)
+    writer = module("gateway.ingress.writer", WRITER)
+    limits = hardened.ConnectionLimits(LimitsPolicy())
+    configured = hardened.HardenedProtocol.configured(limits, IngressRefusals())
+    async with connection(configured) as (protocol, transport, _):
+        protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n\r\n")
+        scope = attr(protocol.cycle, "scope", WRITER)
+        made = writer.client_writer(scope)
+        assert made is not None, broken("the request's scope as the protocol left it", WRITER)
+        made.write(b"data: 1\n\n")
+        made.flush()
+        assert bytes(transport.written) == b"9\r\ndata: 1\n\n\r\n"
+        assert writer.client_writer({**scope, "extensions": {}}) is None  # another server
 
 
 # --- uvicorn: the server (gateway/server.py, gateway/drain.py, loadtests/serving.py) ----------

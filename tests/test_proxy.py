@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -176,6 +177,54 @@ def test_stream_arrives_incrementally(client: httpx.Client, backends: dict[str, 
     assert len(chunks) >= 10
     # Ten tokens at 50 ms each: the first chunk must reach the client long before the last.
     assert arrivals[-1][0] - arrivals[0][0] >= 0.3
+
+
+def _dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body, whole (to its last chunk), as its bytes."""
+    out = bytearray()
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(out)
+        out += body[:size]
+        assert body[size : size + 2] == b"\r\n", "a chunk's framing is broken"
+        body = body[size + 2 :]
+
+
+def test_a_client_slow_to_read_gets_every_event_in_order(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """A long stream sent at once to a client that does not read for a while (a small receive
+    buffer, a pause): the gateway's writes back up, and the relay waits for the client instead
+    of writing past it. Once the client reads, it gets every event in order, nothing twice."""
+    tokens = 3000
+    request = json.dumps(chat(stream=True, max_tokens=tokens)).encode()
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(20)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(request), request)
+        )
+        data = sock.recv(4096)
+        time.sleep(1.0)  # the engine sends all of it meanwhile
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            more = sock.recv(65536)
+            assert more, "the stream ended before its last chunk"
+            data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    events = [e for e in _dechunk(body).decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    content = "".join(
+        json.loads(e.removeprefix("data: "))["choices"][0]["delta"].get("content") or ""
+        for e in events[:-1]
+        if json.loads(e.removeprefix("data: "))["choices"]
+    )
+    assert content == text(tokens)
 
 
 def test_client_disconnect_mid_stream_cancels_upstream(

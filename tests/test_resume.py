@@ -25,7 +25,14 @@ import pytest
 from gateway.ingress.resume import RESUME_PAUSE_S
 from loadtests.fake_vllm.requestlog import IN_PROGRESS
 from loadtests.fake_vllm.responses import text
-from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, start_backend, start_gateway
+from tests.support import (
+    LOOPBACK_LISTENERS,
+    Backend,
+    Gateway,
+    post_in_parallel,
+    start_backend,
+    start_gateway,
+)
 
 FAST = ("--ttft", "0.005", "--per-token", "0.002")
 MESSAGES = [{"role": "user", "content": "tell me about streams"}]
@@ -493,19 +500,20 @@ def test_a_stream_in_a_pool_of_one_stays_when_its_instance_is_isolated(
 def test_a_stream_far_slower_than_the_pools_others_moves_to_a_healthier_instance(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
+    warm = {"model": "mv", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+    # Both instances learn their gaps (min_samples: 3).
+    assert post_in_parallel(gateway.url, [warm] * 12) == [200] * 12
+    admin = f"{gateway.admin_url}/admin/instances/moving"
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
-        warm = {"model": "mv", "messages": MESSAGES, "max_tokens": 20, "stream": True}
-        for _ in range(12):  # both instances learn their gaps (min_samples: 3)
-            assert http.post("/v1/chat/completions", json=warm).status_code == 200
-        # a turns 50x slower per token after its first byte: a gray failure mid-stream.
+        # a turns 50x slower per token after its first byte: a gray failure mid-stream. The
+        # stream starts on a (b held out by an operator meanwhile), which b is back to take.
         backends["a"].set_faults(per_token=0.1)
+        httpx.post(f"{admin}/mb/isolate", timeout=5).raise_for_status()
         body = {**warm, "max_tokens": 80}
-        for _ in range(10):  # until a stream starts on a
-            with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                instance = response.headers["x-gateway-instance"]
-                data = [d for _, d in sse_events(response)]
-            if instance == "ma":
-                break
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            instance = response.headers["x-gateway-instance"]
+            httpx.post(f"{admin}/mb/restore", timeout=5).raise_for_status()
+            data = [d for _, d in sse_events(response)]
         assert instance == "ma"
     chunks = [json.loads(d) for d in data[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text(80)

@@ -52,6 +52,7 @@ from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send
 from gateway.ingress.resume import Restart, StreamResume, transcript_for
 from gateway.ingress.streams import OpenStreams
 from gateway.ingress.whole import WholeAnswer, fetch_as_stream
+from gateway.ingress.writer import client_writer
 from gateway.pipeline.admit import parse_priority
 from gateway.pipeline.attempt_span import answer_attributes, read_answer
 from gateway.pipeline.call import Call, Handler, RequestFacts
@@ -570,6 +571,7 @@ class DataPlane:
                 self.streams,
                 cancellation,
                 resume,
+                client_writer(scope) if whole is None else whole,
             )
             if whole is not None:
                 assert resume is not None

@@ -50,6 +50,7 @@ from gateway.ingress.refusals import (
     URI_TOO_LONG,
     IngressRefusals,
 )
+from gateway.ingress.writer import CLIENT_TRANSPORT
 
 # What is being read on the connection.
 _NEW = 0  # nothing yet: the connection's first request
@@ -268,6 +269,8 @@ class HardenedProtocol(HttpToolsProtocol):
             if len(self.connections) > self.limits.max_connections:
                 self._refuse(self.limits.over_capacity_response, OVER_CAPACITY)
             self._over_capacity = False  # others closed meanwhile: serve it
+        # The transport, for the relay's writes from the upstream's callback (ingress.writer).
+        self.scope["extensions"] = {CLIENT_TRANSPORT: {"transport": self.transport}}
         HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
         self._phase = _HEADERS_DONE
         self._carry = 0

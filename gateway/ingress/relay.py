@@ -22,6 +22,7 @@ from gateway.ingress.dialect import OPENAI, Dialect
 from gateway.ingress.headers import response_headers
 from gateway.ingress.resume import PACE_WINDOW, SLOW_WINDOWS, Continue, StreamResume
 from gateway.ingress.streams import OpenStream, OpenStreams, ended_by_drain
+from gateway.ingress.writer import BodyWriter
 from gateway.runtime import Cancellation
 from gateway.upstream.response import RequestHooks, UpstreamResponse
 
@@ -118,6 +119,7 @@ async def relay(
     streams: OpenStreams,
     cancellation: Cancellation,
     resume: StreamResume | None = None,
+    writer: BodyWriter | None = None,
 ) -> GatewayError | None:
     """Forward an upstream response. Once this starts, the request is committed: no retry.
     Returns what ended an SSE stream short with the gateway's error event, if anything did
@@ -134,6 +136,8 @@ async def relay(
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain): the
     stream is registered with `streams` by the request's `cancellation`.
+    `writer`: where an SSE stream's plain pieces may be written straight from the upstream's
+    callback (`ingress.writer`), the same destination as `send`.
     """
     ok = False
     broke: UpstreamError | None = None  # what broke the body, when the upstream did
@@ -161,7 +165,7 @@ async def relay(
                 error = shutting_down()
             else:
                 error = await _relay_events(
-                    send, current, idle_s, end_at, stream, dialect, resume, entry
+                    send, current, idle_s, end_at, stream, dialect, resume, entry, writer
                 )
             streams.discard(stream)  # its last event is not the drain's to interrupt
             stream = None
@@ -199,6 +203,7 @@ async def _relay_events(
     dialect: Dialect,
     resume: StreamResume | None,
     entry: OpenStream,
+    writer: BodyWriter | None,
 ) -> GatewayError | None:
     """Forward an SSE stream, continuing it on another attempt each time it breaks and
     `resume` allows; returns what ended it short, if anything did."""
@@ -208,7 +213,7 @@ async def _relay_events(
     transcript = resume.transcript if resume is not None else None
     watch = current.watch = _Watch(dialect, transcript, None, entry, resume=resume)
     while True:
-        broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch)
+        broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch, writer)
         if broken is None:
             return None
         error, pending = broken
@@ -227,7 +232,9 @@ async def _relay_events(
                 # The engine's own error event, not continued: relayed as it came, as the
                 # rest of the stream.
                 watch = current.watch = _Watch(dialect, None, None, None, errors=False)
-                broken = await _relay_body(send, response, idle_s, end_at, stream, pending, watch)
+                broken = await _relay_body(
+                    send, response, idle_s, end_at, stream, pending, watch, writer
+                )
                 return None if broken is None else broken[0]
             if dialect.knows_end and dialect.ended(watch.last):
                 # It broke after its protocol's last event: the client has its whole answer,
@@ -344,14 +351,19 @@ async def _relay_body(
     stream: Cancellation | None,
     chunk: bytes | None,
     watch: _Watch | None = None,
+    writer: BodyWriter | None = None,
 ) -> tuple[GatewayError, bytes] | None:
     """Forward the body chunk by chunk, from `chunk` on (None: from the next one); returns the
     error that broke it, if any, with the engine's error event and what followed it when that
     is what broke it.
 
     `stream`: for an SSE stream, its request's cancellation, registered with the drain,
-    which may end it. `watch`: for an SSE stream, what to look for in it."""
+    which may end it. `watch`: for an SSE stream, what to look for in it. `writer`: where its
+    plain pieces go from the upstream's callback (`_Tap`), a stream's rewritten ones aside."""
     events = response.is_sse
+    tap = None
+    if writer is not None and events and watch is not None and watch.rewriter is None:
+        tap = _Tap(writer, watch, response)
     # SSE only: the start of an event whose end has not arrived yet. Searched for an end only
     # where the new bytes could complete one, so a long event costs linear time.
     held = bytearray()
@@ -393,7 +405,16 @@ async def _relay_body(
                 if watch is not None and watch.entry is not None and watch.entry.leave and not held:
                     # Between two whole events (none half-received): the stream may move.
                     return UpstreamLeft(watch.entry.reason), b""
-            chunk = await response.next_chunk(idle_s, end_at)
+            if tap is None or held:
+                chunk = await response.next_chunk(idle_s, end_at)
+                continue
+            try:
+                chunk = await response.pump(idle_s, end_at, tap)
+            finally:
+                tap.flush()  # what it wrote goes before anything sent from here on
+            if chunk is None:  # the tap wrote a piece, and the stream was then asked to move
+                assert watch is not None and watch.entry is not None
+                return UpstreamLeft(watch.entry.reason), b""
         if watch is not None and not watch.dialect.ended(watch.last + held):
             # A clean end before the protocol's last event: as broken as a reset.
             return UpstreamStreamCut("the upstream ended the stream before its last event"), b""
@@ -412,6 +433,39 @@ async def _relay_body(
             raise  # not a deadline: the client went away
         return drained, b""
     return None
+
+
+class _Tap:
+    """What `_relay_body` does with a piece of an SSE stream, done from the upstream
+    connection's callback (`UpstreamResponse.pump`) for the pieces that need nothing else: one
+    or more whole events, no engine error among them, a client taking every byte at once.
+    Anything else it declines, and the relay's task takes it as before."""
+
+    __slots__ = ("_dialect", "_errors", "_response", "_watch", "_writer")
+
+    def __init__(self, writer: BodyWriter, watch: _Watch, response: UpstreamResponse) -> None:
+        self._writer = writer
+        self._watch = watch
+        self._response = response
+        self._dialect = watch.dialect
+        self._errors = watch.errors
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def __call__(self, chunk: bytes) -> bool:
+        if not chunk.endswith(b"\n\n") or (self._errors and self._dialect.has_error_event(chunk)):
+            return False
+        writer = self._writer
+        if not writer.writable():
+            return False
+        watch = self._watch
+        writer.write(_watched(watch, chunk, self._response))
+        entry = watch.entry
+        if entry is not None and entry.leave:
+            # Between two whole events: the stream may move (the relay's task does it).
+            self._response.stop_pump()
+        return True
 
 
 def _watched(watch: _Watch, chunk: bytes, response: UpstreamResponse) -> bytes:

@@ -132,7 +132,19 @@ class WholeAnswer:
             self.headers = message["headers"]
             return
         body = message.get("body", b"")
-        if not body or self.unreadable:
+        if body:
+            self.write(body)
+
+    def writable(self) -> bool:
+        """A `BodyWriter` (ingress.writer): the relay may hand it a stream's pieces from the
+        upstream's callback, which it keeps as `__call__` does."""
+        return True
+
+    def flush(self) -> None:
+        pass  # kept as written
+
+    def write(self, body: bytes) -> None:
+        if self.unreadable:
             return  # an unreadable answer is lost: nothing more of it is kept
         self._parts.append(body)
         self._held += len(body)

@@ -183,6 +183,10 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._wake: asyncio.Future[None] | None = None  # a reader waiting for body bytes
+        # While a reader pumps (`pump`): takes the body's pieces as they arrive, in place of
+        # the reader, until it declines one; `_tapped_out` once it asked the reader back.
+        self._tap: Callable[[bytes], bool] | None = None
+        self._tapped_out = False
         self.complete = False  # the whole response arrived
         self.keep_alive = False  # and the connection may carry another request
         self._until_close = False  # no Content-Length, not chunked: it ends with the connection
@@ -363,6 +367,11 @@ class _Connection(asyncio.Protocol):
         if not self._head_done:
             raise UpstreamProtocolError("the upstream sent a body with an interim answer")
         self._framing -= len(body)
+        tap = self._tap
+        if tap is not None and not self._chunks:
+            if tap(body):
+                return
+            self._tap = None  # declined: this piece and the rest go to the reader
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -416,11 +425,46 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self.error is not None:
                 raise self.error
-            self._wake = self._loop.create_future()
-            try:
-                await self._wake
-            finally:
-                self._wake = None
+            await self._wait()
+        return self._take()
+
+    async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
+        """`read_chunk`, while `tap` is handed each piece of the body as it arrives, from the
+        connection's callback: what it takes (True) is gone; the first piece it declines, and
+        what follows, is what this returns. None once it took one and then called
+        `stop_pump`. A piece relayed from the callback costs no wake-up of the reader's task,
+        which cost more than the rest of its way to the client."""
+        if self._chunks or self.complete or self.error is not None:
+            return await self.read_chunk()
+        self._tap = tap
+        try:
+            while not self._chunks:
+                if self.complete:
+                    return b""
+                if self.error is not None:
+                    raise self.error
+                if self._tapped_out:
+                    return None
+                await self._wait()
+        finally:
+            self._tap = None
+            self._tapped_out = False
+        return self._take()
+
+    def stop_pump(self) -> None:
+        """From a `pump`'s tap: take nothing more, and hand the reader back its task."""
+        self._tap = None
+        self._tapped_out = True
+        self._wake_reader()
+
+    async def _wait(self) -> None:
+        self._wake = self._loop.create_future()
+        try:
+            await self._wake
+        finally:
+            self._wake = None
+
+    def _take(self) -> bytes:
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -538,6 +582,18 @@ class UpstreamResponseHead:
         if conn is None:
             return b""
         return await conn.read_chunk()
+
+    async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
+        """`readany`, with the pieces that arrive meanwhile handed to `tap` (`_Connection.pump`)."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        return await conn.pump(tap)
+
+    def stop_pump(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            conn.stop_pump()
 
     async def read(self) -> bytes:
         """The rest of the body, whole."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, overload
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar, overload
 
 from gateway.config.routes import CHAT, Route
 from gateway.core.outcome import Outcome, Phase
@@ -47,6 +47,14 @@ class ResponseHead(Protocol):
 
     async def readany(self) -> bytes: ...
 
+    async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
+        """`readany`, handing the pieces that arrive meanwhile to `tap`, which takes them
+        (True) until it declines one: that one is returned (None: `tap` took one, then called
+        `stop_pump`). A head may hand none to `tap`: `pump` is then `readany`."""
+        ...
+
+    def stop_pump(self) -> None: ...
+
     async def read(self) -> bytes: ...
 
     def release(self) -> None: ...
@@ -68,6 +76,8 @@ UNLEARNED_MIN_GAPS = 4
 UNPACED_MIN_IDLE_S = 2.0
 
 log = logging.getLogger("gateway")
+
+_Read = TypeVar("_Read", bytes, "bytes | None")
 
 FinishHook = Callable[["UpstreamResponse", "UpstreamError | None"], None]
 
@@ -176,8 +186,69 @@ class UpstreamResponse:
         Waits at most `idle_s` for it, or `STREAM_PACE` times the stream's largest gap so far
         if that is longer, and never past `end_at` (the exchange's deadline).
         """
-        deadline = self._deadline
         now = self._loop_time()
+        self._await_chunk(now, idle_s, end_at)
+        chunk = await self._read(self._raw.readany(), end_at)
+        if chunk:
+            self._arrived(chunk, now, self._loop_time())
+        return chunk
+
+    async def pump(
+        self, idle_s: float, end_at: float, tap: Callable[[bytes], bool]
+    ) -> bytes | None:
+        """`next_chunk`, while `tap` is handed each piece that arrives meanwhile, as it
+        arrives and with the same bounds on each wait: a piece it takes (True) is gone, the
+        first it declines is returned as `next_chunk` would. `tap` may `stop_pump` after
+        taking one: then this returns None."""
+        waited_from = self._loop_time()
+        self._await_chunk(waited_from, idle_s, end_at)
+        declined: bytes | None = None  # the piece `tap` declined, accounted already
+
+        def tapped(chunk: bytes) -> bool:
+            nonlocal waited_from, declined
+            arrived = self._loop_time()
+            self._arrived(chunk, waited_from, arrived)
+            if not tap(chunk):
+                declined = chunk
+                return False
+            # Written to the client already: the next wait starts now.
+            waited_from = arrived
+            self._await_chunk(arrived, idle_s, end_at)
+            return True
+
+        chunk = await self._read(self._raw.pump(tapped), end_at)
+        if not chunk:
+            return chunk
+        if declined is None:  # never shown to `tap`: it arrived before, or nothing is tapped
+            self._arrived(chunk, waited_from, self._loop_time())
+        elif chunk is not declined:
+            self.tail = chunk  # the declined piece and what came with it in the same read
+        return chunk
+
+    def stop_pump(self) -> None:
+        """From a `pump`'s tap: the relay takes over again (the `pump` returns None)."""
+        self._raw.stop_pump()
+
+    async def _read(self, reading: Awaitable[_Read], end_at: float) -> _Read:
+        """What `reading` (of the body) gives, its failures as UpstreamErrors: the deadline's
+        cancel as the timeout of the phase that ran out."""
+        deadline = self._deadline
+        try:
+            return await reading
+        except asyncio.CancelledError:
+            if expired(deadline):
+                raise self.timeout() from None
+            raise
+        except UpstreamError:
+            raise  # the client's own, as it is (`from` itself would make a cycle)
+        except Exception as exc:
+            raise map_upstream_exception(exc, phase=Phase.BODY) from exc
+        finally:
+            deadline.move(end_at, Phase.TOTAL)  # while the client is being written to
+
+    def _await_chunk(self, now: float, idle_s: float, end_at: float) -> None:
+        """A wait for the next piece begins at `now`: its deadline (see `next_chunk`)."""
+        deadline = self._deadline
         paced = self.max_gap_s
         if paced is not None:
             if STREAM_PACE * paced > idle_s:
@@ -196,29 +267,17 @@ class UpstreamResponse:
             deadline.waiting_since = now
         else:
             deadline.move(end_at, Phase.TOTAL)
-        try:
-            chunk = await self._raw.readany()
-        except asyncio.CancelledError:
-            if expired(deadline):
-                raise self.timeout() from None
-            raise
-        except UpstreamError:
-            raise  # the client's own, as it is (`from` itself would make a cycle)
-        except Exception as exc:
-            raise map_upstream_exception(exc, phase=Phase.BODY) from exc
-        finally:
-            deadline.move(end_at, Phase.TOTAL)  # while the client is being written to
-        if chunk:
-            arrived = self._loop_time()
-            self.waited_s += arrived - now
-            gap = arrived - self.last_at
-            self.gaps += 1
-            if self.max_gap_s is None or gap > self.max_gap_s:
-                self.max_gap_s = gap
-            self.last_at = self.instance.progress_at = arrived
-            self.before_tail = self.tail
-            self.tail = chunk
-        return chunk
+
+    def _arrived(self, chunk: bytes, waited_from: float, arrived: float) -> None:
+        """A piece of the body came at `arrived`, waited for since `waited_from`."""
+        self.waited_s += arrived - waited_from
+        gap = arrived - self.last_at
+        self.gaps += 1
+        if self.max_gap_s is None or gap > self.max_gap_s:
+            self.max_gap_s = gap
+        self.last_at = self.instance.progress_at = arrived
+        self.before_tail = self.tail
+        self.tail = chunk
 
     def bind(self, cancellation: Cancellation, until: float) -> None:
         """The attempt was sent from another task (a hedge): from now on its deadline
