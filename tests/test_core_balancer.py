@@ -83,6 +83,18 @@ def test_a_guessing_peak_ewma_takes_its_first_sample_whole_then_folds_as_usual()
     assert ewma.observe(11.0, 0.5) == 0.5
 
 
+def test_a_lower_bound_raises_a_guess_and_leaves_it_a_guess() -> None:
+    ewma = PeakEwma.guessing(0.0, 0.5)
+    assert ewma.at_least(0.0, 0.005) == 0.5  # a hedge lost after 5 ms: nothing learned
+    assert not ewma.learned
+    assert ewma.at_least(0.0, 2.0) == 2.0  # waited 2 s without an answer: dearer than guessed
+    assert not ewma.learned
+    assert ewma.observe(1.0, 0.1) == 0.1  # its first answer still replaces it
+    learned = PeakEwma.guessing(0.0)
+    learned.observe(0.0, 0.1)
+    assert learned.at_least(0.0, 0.3) == 0.3  # once learned: a sample as any other
+
+
 def test_a_guess_stands_for_an_instance_only_until_it_answers() -> None:
     """Two instances start at the same guess; one answers in 0.1 s, the other in 0.5 s. On
     their first answers the balancer prices them five times apart, not within 1 % of each

@@ -753,6 +753,97 @@ def test_work_after_a_response_runs_once_in_order_and_past_a_failing_step() -> N
     assert after_second == first
 
 
+def test_a_first_stream_is_priced_at_the_pools_pace_until_the_instance_has_its_own() -> None:
+    """Priced on its wait alone (50 ms), a new instance's first stream made it look 26 times
+    cheaper than peers priced on 64 tokens at 20 ms too, and drew it every time until that
+    stream ended."""
+    registry = Registry(parse_policy(policy_text(["a", "b"])), now=0.0)
+    a, b = registry.pools["chat"].instances
+    a.price_first_byte(1.0, 0.05, pool_per_token_s=0.02)
+    assert a.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.02)
+    b.latency.per_token.observe(0.001)  # its own pace, once it has one
+    b.price_first_byte(1.0, 0.05, pool_per_token_s=0.02)
+    assert b.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.001)
+
+
+class TappedHead(MemoryHead):
+    """A stream's head whose pieces all wait for the reader's pump, handed to its tap."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        super().__init__(Answer())
+        self.pieces = pieces
+        self.stopped = False
+
+    async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
+        while self.pieces:
+            piece = self.pieces.pop(0)
+            if not tap(piece):
+                return piece
+            if self.stopped:
+                return None
+        return b""
+
+    def stop_pump(self) -> None:
+        self.stopped = True
+
+
+def _tapped_response(head: TappedHead) -> UpstreamResponse:
+    loop = asyncio.get_running_loop()
+    registry = Registry(parse_policy(policy_text(["a"])), now=loop.time())
+    [instance] = registry.pools["chat"].instances
+    task = asyncio.current_task()
+    assert task is not None
+    deadline = Watchdog().arm(Cancellation(task), loop.time() + 10, Phase.FIRST_BYTE)
+    return UpstreamResponse(
+        instance,
+        head,
+        body=None,
+        first_chunk=b"data: 0\n\n",
+        is_sse=True,
+        deadline=deadline,
+        watchdog=Watchdog(),
+        started_at=loop.time(),
+        clock=loop.time,
+    )
+
+
+def test_the_pieces_a_pump_taps_are_accounted_as_read_ones_are() -> None:
+    async def scenario() -> tuple[UpstreamResponse, bytes | None, list[bytes]]:
+        pieces = [b"data: 1\n\n", b"data: 2\n\n", b"data: 3"]
+        response = _tapped_response(TappedHead(pieces))
+        taken: list[bytes] = []
+
+        def tap(piece: bytes) -> bool:
+            if not piece.endswith(b"\n\n"):
+                return False
+            taken.append(piece)
+            return True
+
+        return response, await response.pump(1.0, 100.0, tap), taken
+
+    response, declined, taken = run(scenario())
+    assert taken == [b"data: 1\n\n", b"data: 2\n\n"] and declined == b"data: 3"
+    assert response.gaps == 3  # each piece, the declined one too, once
+    assert (response.before_tail, response.tail) == (b"data: 2\n\n", b"data: 3")
+    assert response.instance.progress_at == response.last_at
+
+
+def test_a_tap_that_fails_fails_the_relay_not_the_upstream() -> None:
+    """What the tap raises is the gateway's own failure: raised in the relay's task, not
+    passed to the connection's parser, where it would count as the upstream's bad bytes."""
+
+    async def scenario() -> None:
+        response = _tapped_response(TappedHead([b"data: 1\n\n", b"data: 2\n\n"]))
+
+        def tap(piece: bytes) -> bool:
+            raise LookupError("the tap's own bug")
+
+        await response.pump(1.0, 100.0, tap)
+
+    with pytest.raises(LookupError, match="the tap's own bug"):
+        run(scenario())
+
+
 def test_stalled_streams_isolate_only_an_instance_that_stopped_sending_on_all() -> None:
     """Three idle timeouts in a row isolate an instance that went silent (and move its streams):
     not one that kept sending on its other streams meanwhile (a burst of prefills slowing

@@ -87,6 +87,19 @@ class PeakEwma:
             return sample_s
         return self._fold(now, sample_s)
 
+    def at_least(self, now: float, bound_s: float) -> float:
+        """What took at least `bound_s` without answering (an attempt given up on): a sample
+        like any other, except that a guess stays a guess, raised to `bound_s` if below it. A
+        lower bound is no measurement: taken as one, an instance whose first attempt lost a
+        hedge race after 5 ms would be priced at 5 ms and drawn every time."""
+        if self._guess:
+            if bound_s > self._value:
+                self._value = bound_s
+                if now > self._stamp:
+                    self._stamp = now
+            return self._value
+        return self._fold(now, bound_s)
+
     def _fold(self, now: float, sample_s: float) -> float:
         value = self._value
         elapsed = now - self._stamp

@@ -571,7 +571,7 @@ class DataPlane:
                 self.streams,
                 cancellation,
                 resume,
-                client_writer(scope) if whole is None else whole,
+                whole if whole is not None else client_writer(scope) if response.is_sse else None,
             )
             if whole is not None:
                 assert resume is not None

@@ -270,7 +270,8 @@ class HardenedProtocol(HttpToolsProtocol):
                 self._refuse(self.limits.over_capacity_response, OVER_CAPACITY)
             self._over_capacity = False  # others closed meanwhile: serve it
         # The transport, for the relay's writes from the upstream's callback (ingress.writer).
-        self.scope["extensions"] = {CLIENT_TRANSPORT: {"transport": self.transport}}
+        extensions = self.scope.setdefault("extensions", {})
+        extensions[CLIENT_TRANSPORT] = {"transport": self.transport}
         HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
         self._phase = _HEADERS_DONE
         self._carry = 0

@@ -404,7 +404,8 @@ class Account:
         if response.body is None:
             if route.modelled and response.outcome.kind == "ok":
                 waited_s = response.first_at - response.started_at
-                instance.price_first_byte(response.first_at, waited_s)
+                pace = call.pool.latency_prior(response.first_at).per_token.mean
+                instance.price_first_byte(response.first_at, waited_s, pace)
             if call.probe:
                 self._probe_streamed(call.pool, instance, response.first_at - started)
             response.tokens = tokens

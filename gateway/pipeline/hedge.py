@@ -271,7 +271,8 @@ class Hedge:
         if loser is None or loser.instance is None:
             return
         now = self._clock()
-        loser.instance.price_first_byte(now, now - started)
+        pace = loser.pool.latency_prior(now).per_token.mean
+        loser.instance.price_first_byte(now, now - started, pace, bound=True)
 
     @staticmethod
     def _count_attempts(race: _Race) -> None:

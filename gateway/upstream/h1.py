@@ -431,9 +431,11 @@ class _Connection(asyncio.Protocol):
     async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
         """`read_chunk`, while `tap` is handed each piece of the body as it arrives, from the
         connection's callback: what it takes (True) is gone; the first piece it declines, and
-        what follows, is what this returns. None once it took one and then called
-        `stop_pump`. A piece relayed from the callback costs no wake-up of the reader's task,
-        which cost more than the rest of its way to the client."""
+        what follows, is what this returns, as `read_chunk` would (so are pieces that arrived
+        before the call, b"" at the end, and the connection's error, raised). After `tap`
+        called `stop_pump`: None, or what arrived after that before the reader woke. A piece
+        relayed from the callback costs no wake-up of the reader's task, which cost more than
+        the rest of its way to the client."""
         if self._chunks or self.complete or self.error is not None:
             return await self.read_chunk()
         self._tap = tap

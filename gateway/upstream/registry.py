@@ -216,11 +216,22 @@ class InstanceState:
             return 1.0
         return slow_start_weight(now, self.ramp_from, self.ramp_s)
 
-    def price_first_byte(self, now: float, waited_s: float) -> None:
-        """A stream's first byte came after `waited_s` (or an attempt cancelled without one
-        had waited that long): what the balancer learns of it now (`priced_first_byte_s`)."""
-        # An estimate's mean is 0 until its first sample: no pace learned, the wait alone.
-        self.peak.observe(now, priced_first_byte_s(waited_s, self.latency.per_token.mean))
+    def price_first_byte(
+        self, now: float, waited_s: float, pool_per_token_s: float, bound: bool = False
+    ) -> None:
+        """A stream's first byte came after `waited_s` (`bound`: an attempt given up on had
+        waited that long without one): what the balancer learns of it now
+        (`priced_first_byte_s`), at its own pace per token, or `pool_per_token_s` (its
+        pool's) while it has none: priced on its wait alone, an instance's first stream
+        would make it look many times cheaper than its peers, priced on their pace too, and
+        it would be drawn every time until that stream ended."""
+        per_token = self.latency.per_token
+        pace = per_token.mean if per_token.samples else pool_per_token_s
+        price = priced_first_byte_s(waited_s, pace)
+        if bound:
+            self.peak.at_least(now, price)
+        else:
+            self.peak.observe(now, price)
 
     def price_answer(
         self, now: float, total_s: float, tokens: int | None, first_byte_s: float | None = None

@@ -203,12 +203,21 @@ class UpstreamResponse:
         waited_from = self._loop_time()
         self._await_chunk(waited_from, idle_s, end_at)
         declined: bytes | None = None  # the piece `tap` declined, accounted already
+        failed: Exception | None = None  # what `tap` raised: its own failure, not the upstream's
 
         def tapped(chunk: bytes) -> bool:
-            nonlocal waited_from, declined
+            nonlocal waited_from, declined, failed
             arrived = self._loop_time()
             self._arrived(chunk, waited_from, arrived)
-            if not tap(chunk):
+            try:
+                taken = tap(chunk)
+            except Exception as exc:
+                # Raised here, it would reach the connection's parser and pass for bytes the
+                # upstream got wrong: it goes to the relay's task, as if the task had read it.
+                failed = exc
+                self._raw.stop_pump()
+                return True
+            if not taken:
                 declined = chunk
                 return False
             # Written to the client already: the next wait starts now.
@@ -217,6 +226,8 @@ class UpstreamResponse:
             return True
 
         chunk = await self._read(self._raw.pump(tapped), end_at)
+        if failed is not None:
+            raise failed
         if not chunk:
             return chunk
         if declined is None:  # never shown to `tap`: it arrived before, or nothing is tapped
