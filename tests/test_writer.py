@@ -56,8 +56,8 @@ async def test_it_takes_pieces_only_while_the_client_takes_them_at_once() -> Non
 
 
 async def test_a_writer_needs_the_transport_in_the_scope_and_a_body() -> None:
-    transport = Transport()
-    extensions = {CLIENT_TRANSPORT: {"transport": transport}}
+    writer = ChunkedWriter(Transport(), asyncio.get_running_loop())
+    extensions = {CLIENT_TRANSPORT: {"writer": writer}}
     assert client_writer({"method": "POST", "extensions": extensions}) is not None
     assert client_writer({"method": "HEAD", "extensions": extensions}) is None
     assert client_writer({"method": "POST"}) is None

@@ -50,7 +50,7 @@ from gateway.ingress.refusals import (
     URI_TOO_LONG,
     IngressRefusals,
 )
-from gateway.ingress.writer import CLIENT_TRANSPORT
+from gateway.ingress.writer import CLIENT_TRANSPORT, ChunkedWriter
 
 # What is being read on the connection.
 _NEW = 0  # nothing yet: the connection's first request
@@ -203,6 +203,11 @@ class HardenedProtocol(HttpToolsProtocol):
         # asyncio's signature (uvicorn narrows it, against the protocol's own): a stream
         # server hands a stream transport.
         super().connection_made(cast(asyncio.Transport, transport))
+        # Its writer, for the relay's writes from the upstream's callback (ingress.writer):
+        # made once, handed to each of its requests.
+        self._writer_entry: dict[object, object] = {
+            "writer": ChunkedWriter(cast(asyncio.Transport, transport), self.loop)
+        }
         # uvicorn added this connection to the set: above the cap, refuse its request.
         self._over_capacity = len(self.connections) > self.limits.max_connections
         self._arm(self.limits.header_timeout)
@@ -269,9 +274,7 @@ class HardenedProtocol(HttpToolsProtocol):
             if len(self.connections) > self.limits.max_connections:
                 self._refuse(self.limits.over_capacity_response, OVER_CAPACITY)
             self._over_capacity = False  # others closed meanwhile: serve it
-        # The transport, for the relay's writes from the upstream's callback (ingress.writer).
-        extensions = self.scope.setdefault("extensions", {})
-        extensions[CLIENT_TRANSPORT] = {"transport": self.transport}
+        self.scope.setdefault("extensions", {})[CLIENT_TRANSPORT] = self._writer_entry
         HttpToolsProtocol.on_headers_complete(self)  # (cheaper than super() per request)
         self._phase = _HEADERS_DONE
         self._carry = 0

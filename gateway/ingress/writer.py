@@ -7,8 +7,10 @@ that was most of the Python time a relayed piece cost. `relay` now hands the pie
 more than a write (`ingress.relay._Tap`) straight to a `BodyWriter` from the upstream
 connection's callback (`upstream.h1._Connection.pump`), and the rest go the ASGI way as before.
 
-`HardenedProtocol` puts the client's transport in each request's scope under `CLIENT_TRANSPORT`
-(an ASGI server extension); `client_writer` makes the writer of a response from it. The writer
+`HardenedProtocol` makes one writer per client connection and puts it in each request's scope
+under `CLIENT_TRANSPORT` (an ASGI server extension), where `client_writer` finds it: a
+connection's responses follow one another, and a response's pieces are flushed before
+anything else is sent on it. The writer
 frames each piece as uvicorn frames a body sent with no Content-Length (HTTP/1.1 chunked, what
 an SSE stream's headers lead it to: `tests/test_library_internals.py` checks it), so the pieces
 written here and the ones uvicorn writes (the head, the first piece, the last) make one body.
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 # The scope's `extensions` entry HardenedProtocol sets (ASGI's form: a dict per extension):
-# `{"transport": the client connection's transport}`.
+# `{"writer": the client connection's ChunkedWriter}`.
 CLIENT_TRANSPORT: Final = "gateway.client_transport"
 
 
@@ -78,12 +80,10 @@ class ChunkedWriter:
 
 
 def client_writer(scope: Mapping[str, Any]) -> ChunkedWriter | None:
-    """The writer of this request's response, when its server put the client's transport in
-    its scope (None: an ASGI server of another kind, or a HEAD request, which has no body)."""
+    """The writer of this request's response, when its server put its connection's in its
+    scope (None: an ASGI server of another kind, or a HEAD request, which has no body)."""
     extensions = scope.get("extensions")
     if not extensions or scope.get("method") == "HEAD":
         return None
     entry = extensions.get(CLIENT_TRANSPORT)
-    if entry is None:
-        return None
-    return ChunkedWriter(entry["transport"], asyncio.get_running_loop())
+    return None if entry is None else cast(ChunkedWriter, entry["writer"])

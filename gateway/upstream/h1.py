@@ -436,9 +436,7 @@ class _Connection(asyncio.Protocol):
         called `stop_pump`: None, or what arrived after that before the reader woke. A piece
         relayed from the callback costs no wake-up of the reader's task, which cost more than
         the rest of its way to the client."""
-        if self._chunks or self.complete or self.error is not None:
-            return await self.read_chunk()
-        self._tap = tap
+        self._tap = tap  # handed nothing while pieces wait unread (`on_body`)
         try:
             while not self._chunks:
                 if self.complete:
