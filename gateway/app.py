@@ -19,7 +19,6 @@ from gateway.ingress.asgi import DataPlane
 from gateway.ingress.auth import ClientAuth
 from gateway.metrics import Observed
 from gateway.operations import Operations
-from gateway.pipeline.account import OnTransition
 from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import PolicyDiff, Reloader, ReloadStats
 from gateway.request_path import build_pipeline
@@ -27,8 +26,11 @@ from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
 from gateway.upstream.discovery import Discovery
+from gateway.upstream.feedback import OnTransition
 from gateway.upstream.health import HealthChecker
-from gateway.upstream.registry import InstanceState, PoolState, Registry
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 from gateway.upstream.vllm_load import VllmLoadScraper
 from gateway.upstream.watchdog import Watchdog
 

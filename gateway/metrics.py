@@ -33,7 +33,7 @@ from gateway.ingress.refusals import IngressRefusals
 from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import ReloadStats
 from gateway.upstream.h1 import H1Client
-from gateway.upstream.registry import PoolState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.stats import HEDGE_RESULTS
 
 
@@ -242,11 +242,11 @@ class GatewayCollector(Collector):
                     tokens.add_metric(labels, inst.budget.used)
                     budget.add_metric(labels, inst.budget.budget)
                 if signals:
-                    saturated.add_metric(labels, 1.0 if inst.saturated else 0.0)
-                    if inst.vllm_waiting is not None:
-                        waiting.add_metric(labels, inst.vllm_waiting)
-                    if inst.vllm_cache_usage is not None:
-                        cache.add_metric(labels, inst.vllm_cache_usage)
+                    saturated.add_metric(labels, 1.0 if inst.engine.saturated else 0.0)
+                    if inst.engine.waiting is not None:
+                        waiting.add_metric(labels, inst.engine.waiting)
+                    if inst.engine.cache_usage is not None:
+                        cache.add_metric(labels, inst.engine.cache_usage)
         yield from (queued, shed, overflow, running, room, limit, wait, tokens, budget)
         yield from (saturated, waiting, cache)
         yield from (tenant_queued, tenant_shed)
@@ -489,7 +489,7 @@ class GatewayCollector(Collector):
                     if estimate.samples:
                         ewma.add_metric([*ids, name, "mean"], estimate.mean)
                         ewma.add_metric([*ids, name, "deviation"], estimate.deviation)
-                peak.add_metric(ids, inst.peak.peek(now))
+                peak.add_metric(ids, inst.price.peak.peek(now))
         yield from (state, healthy, in_flight, attempts, ooms, isolations, probes, timeouts)
         yield from (timeout, ewma, peak)
 

@@ -13,7 +13,8 @@ from gateway.core.ewma import Ewma
 from gateway.ingress.refusals import IngressRefusals
 from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import ReloadStats
-from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
 
 # Shares a transition with the other replicas; True: an operator's (it overrides theirs).
 ShareTransition = Callable[[str, Transition, bool], None]
@@ -67,8 +68,8 @@ class Operations:
             transition = breaker.restore(now, reason="operator")
             # "It is fine now": forget the slowness the balancer remembers of it too, and take
             # the operator's word for it: costed as the quickest of the others.
-            peers = [i.peak.get(now) for i in state.instances if i is not instance]
-            instance.start_afresh(now, min(peers, default=0.0), vouched=True)  # no ramp
+            peers = [i.price.peak.get(now) for i in state.instances if i is not instance]
+            instance.price.start_afresh(now, min(peers, default=0.0), vouched=True)  # no ramp
         if transition is None and action == "restore":
             # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
             transition = Transition(name, ADMITTING, ADMITTING, "operator")
@@ -196,12 +197,12 @@ def _instance_state(
         ),
         "vllm": {
             # Whether its engine exports load gauges (null: not read yet, or the read failed).
-            "gauges": inst.engine_gauges,
-            "saturated": inst.saturated,
-            "waiting": inst.vllm_waiting,
-            "cache_usage": inst.vllm_cache_usage,
-            "engine_slots": inst.engine_slots if inst.saturated else None,
-            "engine_batch": inst.engine_batch or None,
+            "gauges": inst.engine.gauges,
+            "saturated": inst.engine.saturated,
+            "waiting": inst.engine.waiting,
+            "cache_usage": inst.engine.cache_usage,
+            "engine_slots": inst.engine.slots if inst.engine.saturated else None,
+            "engine_batch": inst.engine.batch or None,
         },
         "requests": inst.requests,
         "failures": inst.failures,
@@ -212,8 +213,8 @@ def _instance_state(
             {"phase": phase, "blamed": blamed, "count": count}
             for (phase, blamed), count in sorted(inst.stats.timeouts.items())
         ],
-        "peak_ewma_s": inst.peak.peek(now),
-        "penalty_s": inst.penalty.peek(now) if inst.penalty is not None else None,
+        "peak_ewma_s": inst.price.peak.peek(now),
+        "penalty_s": inst.price.penalty.peek(now) if inst.price.penalty is not None else None,
         "retry_after_remaining_s": max(0.0, inst.not_before - now),
         "health": {
             "healthy": inst.health.healthy,

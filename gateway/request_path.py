@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from gateway.pipeline.account import Account, OnTransition
+from gateway.pipeline.account import Account
 from gateway.pipeline.admit import Admit, PoolAdmission
 from gateway.pipeline.attempt_span import AttemptSpans
 from gateway.pipeline.call import Handler, Layer
@@ -71,7 +71,8 @@ from gateway.pipeline.retry import Retry
 from gateway.pipeline.transport import Transport, UpstreamClient
 from gateway.runtime import Clock
 from gateway.telemetry.tracing import Tracing
-from gateway.upstream.registry import PoolState
+from gateway.upstream.feedback import OnTransition
+from gateway.upstream.pool import PoolState
 from gateway.upstream.watchdog import Watchdog
 
 

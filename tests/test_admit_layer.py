@@ -149,8 +149,8 @@ async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears(
     adm = token_admission()
     a, b = adm.pool.instances
     for inst in (a, b):
-        inst.saturated = True
-        inst.engine_slots = 1  # what the engine read left room for
+        inst.engine.saturated = True
+        inst.engine.slots = 1  # what the engine read left room for
     # Never none: a queue that other clients keep full still takes this gateway's requests.
     assert adm.room() == 2
     assert (await adm.enter("standard", 10)).reserved is not None
@@ -158,7 +158,7 @@ async def test_a_saturated_instance_gives_only_its_engines_room_until_it_clears(
     waiting = asyncio.ensure_future(adm.enter("standard", 10))
     await asyncio.sleep(0)
     assert not waiting.done() and len(adm.queues) == 1
-    b.saturated = False
+    b.engine.saturated = False
     adm.pool.capacity_changed()  # what the engine scraper says when it clears
     assert (await asyncio.wait_for(waiting, 5)).reserved is b  # where the engine has room
     assert adm.room() == 1 + 8
@@ -174,8 +174,8 @@ async def test_attempts_past_a_room_that_shrank_keep_no_other_instances_room_idl
     for _ in range(8):
         await adm.enter("standard")
     a.in_flight = b.in_flight = 4  # placed by the pick layer: four on each
-    a.saturated = True
-    a.engine_slots = 1  # what its engine's read leaves room for
+    a.engine.saturated = True
+    a.engine.slots = 1  # what its engine's read leaves room for
     assert adm.room() == 1 + 4
     waiting = [asyncio.ensure_future(adm.enter("standard")) for _ in range(4)]
     await asyncio.sleep(0)
@@ -426,7 +426,7 @@ MIXED_POLICY = one_pool("concurrency: {limit: 64, initial: 1, min: 1}", instance
 async def test_requests_sent_past_a_guess_hold_no_slot_an_engine_has_room_for() -> None:
     adm = pool_admission(MIXED_POLICY)
     a, b = adm.pool.instances
-    a.engine_paced, a.engine_batch = True, 8  # its engine's gauges: room for 10
+    a.engine.paced, a.engine.batch = True, 8  # its engine's gauges: room for 10
     assert adm.room() == 10 + 1 and b.room_guessed and not a.room_guessed
     await served(adm, 40)
     for _ in range(11):
@@ -445,9 +445,9 @@ async def test_an_engines_own_account_still_sheds(held_by: str) -> None:
     await served(adm, 10)
     inst = adm.pool.instances[0]
     if held_by == "engine":
-        inst.engine_paced, inst.engine_batch = True, 1  # room: its batch plus 2
+        inst.engine.paced, inst.engine.batch = True, 1  # room: its batch plus 2
     else:
-        inst.saturated, inst.engine_slots = True, 1
+        inst.engine.saturated, inst.engine.slots = True, 1
     assert not inst.room_guessed
     for _ in range(adm.room()):
         await adm.enter("standard")

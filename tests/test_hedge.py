@@ -227,7 +227,7 @@ def test_only_an_attempt_stuck_queued_or_on_a_silent_instance_is_hedged() -> Non
     pool = registry.pools["chat"]
     a, b, c = pool.instances
     for inst in (a, b, c):
-        inst.peak.observe(1.0, 0.5)
+        inst.price.peak.observe(1.0, 0.5)
         inst.capacity_seen = 4
     a.in_flight = 2
     sent = 10.0
@@ -242,7 +242,7 @@ def test_only_an_attempt_stuck_queued_or_on_a_silent_instance_is_hedged() -> Non
     a.in_flight = 6
     assert not in_turn(), "more in flight than it was seen serving: queued"
     a.in_flight = 2
-    a.peak.observe(10.4, 5.0)
+    a.price.peak.observe(10.4, 5.0)
     assert in_turn(), "ten times slower than its peers, yet serving it in its turn"
     a.first_byte(10.1, 10.4)  # one sent after this attempt answered first: this one is stuck
     assert not in_turn()

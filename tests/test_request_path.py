@@ -21,13 +21,14 @@ from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, Transition
 from gateway.core.outcome import Outcome as AttemptOutcome
 from gateway.core.outcome import Phase
 from gateway.errors import GatewayError, Shed
-from gateway.pipeline.account import _record
 from gateway.pipeline.admit import PoolAdmission
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.request_path import build_pipeline
 from gateway.runtime import Cancellation
 from gateway.telemetry.logs import LogThrottle
-from gateway.upstream.registry import PoolState, Registry
+from gateway.upstream.feedback import attempt_finished
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.watchdog import Watchdog
 from loadtests.virtual_time import run
@@ -380,10 +381,15 @@ def test_failure_penalties_do_not_price_each_other_up() -> None:
             c.breaker.isolate(loop.time(), p.pool.rng, reason="operator")
             outcomes = [await p.request() for _ in range(30)]
             now = loop.time()
-            priced = [a.cost_latency(now), b.cost_latency(now)]
+            priced = [a.price.cost_latency(now), b.price.cost_latency(now)]
             await asyncio.sleep(20.0)  # they stop being asked: the penalties fade
             later = loop.time()
-            return p, outcomes, priced, max(a.cost_latency(later), b.cost_latency(later))
+            return (
+                p,
+                outcomes,
+                priced,
+                max(a.price.cost_latency(later), b.price.cost_latency(later)),
+            )
         finally:
             await p.watchdog.close()
 
@@ -404,7 +410,7 @@ async def _back_from_an_isolation(p: Pipeline) -> float:
     a = p.pool.instance_named("a")
     assert a is not None
     now = loop.time()
-    a.peak.observe(now, 3.0)  # its slow answers
+    a.price.peak.observe(now, 3.0)  # its slow answers
     for _ in range(2):
         a.breaker.record(now, True, False, p.pool.rng)
     assert a.breaker.state == ISOLATED
@@ -530,13 +536,13 @@ def test_a_long_answer_prices_its_instance_as_a_short_one_at_the_same_pace() -> 
             assert a is not None and b is not None
             now = asyncio.get_running_loop().time()
             for inst in (a, b):  # as learned before: a short answer's time at their pace
-                inst.start_afresh(now, 0.64)
+                inst.price.start_afresh(now, 0.64)
             priced = {}
             for _ in range(10):  # until each has answered once; its price read at once
                 outcome = await p.request()
                 assert outcome.status == 200
                 answered = a if outcome.instance == "a" else b
-                priced.setdefault(answered.name, answered.peak.peek(outcome.at))
+                priced.setdefault(answered.name, answered.price.peak.peek(outcome.at))
                 if len(priced) == 2:
                     return priced["a"], priced["b"]
             raise AssertionError("a single instance took every request")
@@ -555,24 +561,24 @@ def test_an_instance_back_in_traffic_is_costed_as_its_peers() -> None:
             now = asyncio.get_running_loop().time()
             a, b, c = (p.pool.instance_named(name) for name in "abc")
             assert a is not None and b is not None and c is not None
-            a.peak.observe(now, 8.0)
-            b.peak.observe(now, 0.2)  # their first answers
-            c.peak.observe(now, 0.4)
+            a.price.peak.observe(now, 8.0)
+            b.price.peak.observe(now, 0.2)  # their first answers
+            c.price.peak.observe(now, 0.4)
             p.pool.rejoined(a, now, ramp=False)  # a new instance's first health check
-            assert a.ramp(now) == 1.0  # no slow start after no fault
+            assert a.price.ramp(now) == 1.0  # no slow start after no fault
             p.pool.rejoined(a, now)
-            assert a.ramp(now) == pytest.approx(0.1)  # its slow start begins
-            with_both = a.peak.peek(now)
+            assert a.price.ramp(now) == pytest.approx(0.1)  # its slow start begins
+            with_both = a.price.peak.peek(now)
             c.breaker.isolate(now, p.pool.rng, reason="operator")  # out: not a peer
-            a.peak.observe(now, 8.0)
+            a.price.peak.observe(now, 8.0)
             p.pool.rejoined(a, now)
-            with_b = a.peak.peek(now)
+            with_b = a.price.peak.peek(now)
             b.breaker.isolate(now, p.pool.rng, reason="operator")
-            a.peak.observe(now, 8.0)
+            a.price.peak.observe(now, 8.0)
             p.pool.rejoined(a, now)  # alone: nothing to go by, as if it never answered
-            assert not a.peak.learned
-            a.peak.observe(now, 0.5)  # its first answer since
-            return with_both, with_b, a.peak.peek(now)
+            assert not a.price.peak.learned
+            a.price.peak.observe(now, 0.5)  # its first answer since
+            return with_both, with_b, a.price.peak.peek(now)
         finally:
             await p.watchdog.close()
 
@@ -590,16 +596,16 @@ def test_health_slow_start_ramps_a_first_health_pass_and_an_unchecked_instance()
     )
     pool = Registry(checked, now=0.0, rng=random.Random(1)).pools["chat"]
     a = pool.instance_named("a")
-    assert a is not None and a.ramp(0.0) == 1.0  # not healthy yet: nothing to ramp
+    assert a is not None and a.price.ramp(0.0) == 1.0  # not healthy yet: nothing to ramp
     pool.rejoined(a, 100.0, ramp=False, healthy=True)  # its first pass
-    assert a.ramp(105.0) == pytest.approx(0.55)
+    assert a.price.ramp(105.0) == pytest.approx(0.55)
     pool.rejoined(a, 200.0, healthy=True)  # back after a fault: 10 s beats the breaker's 3 s
-    assert a.ramp(205.0) == pytest.approx(0.55)
+    assert a.price.ramp(205.0) == pytest.approx(0.55)
     unchecked = parse_policy(
         policy_text(["a"]).replace("enabled: false", "enabled: false, slow_start: 10s")
     )
     built = Registry(unchecked, now=50.0, rng=random.Random(1)).pools["chat"].instances[0]
-    assert built.ramp(55.0) == pytest.approx(0.55)
+    assert built.price.ramp(55.0) == pytest.approx(0.55)
 
 
 def test_the_gateways_own_connection_limit_is_answered_at_once_when_nothing_else_has_room() -> None:
@@ -759,11 +765,11 @@ def test_a_first_stream_is_priced_at_the_pools_pace_until_the_instance_has_its_o
     stream ended."""
     registry = Registry(parse_policy(policy_text(["a", "b"])), now=0.0)
     a, b = registry.pools["chat"].instances
-    a.price_first_byte(1.0, 0.05, pool_per_token_s=0.02)
-    assert a.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.02)
+    a.price.first_byte(1.0, 0.05, a.latency, pool_per_token_s=0.02)
+    assert a.price.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.02)
     b.latency.per_token.observe(0.001)  # its own pace, once it has one
-    b.price_first_byte(1.0, 0.05, pool_per_token_s=0.02)
-    assert b.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.001)
+    b.price.first_byte(1.0, 0.05, b.latency, pool_per_token_s=0.02)
+    assert b.price.peak.get(1.0) == pytest.approx(0.05 + REFERENCE_TOKENS * 0.001)
 
 
 class TappedHead(MemoryHead):
@@ -859,7 +865,7 @@ def test_stalled_streams_isolate_only_an_instance_that_stopped_sending_on_all() 
             into.append(transition)
 
         for at in (10.0, 10.1, 10.2):
-            _record(
+            attempt_finished(
                 LogThrottle(10.0),
                 pool,
                 instance,

@@ -249,7 +249,7 @@ async def test_without_pubsub_the_key_reads_carry_decisions(redis_server: RedisS
         # What r1's balancer remembers of a's slowness goes with the isolation.
         a = r1.registry.pools["p"].instance_named("a")
         assert a is not None
-        a.peak.observe(loop.time(), 8.0)
+        a.price.peak.observe(loop.time(), 8.0)
         # The restore deletes the key: the next read lifts the isolation.
         restore = r0.breaker("a").restore(loop.time())
         assert restore is not None
@@ -258,7 +258,7 @@ async def test_without_pubsub_the_key_reads_carry_decisions(redis_server: RedisS
         lifted = await refreshes_until(r1, lambda: r1.breaker("a").state == ADMITTING)
         assert lifted - reads <= 2
         assert r1.store.counters["withdrawn"] == 1
-        assert a.peak.peek(loop.time()) < 1.0  # its peers' (the initial guess, decaying)
+        assert a.price.peak.peek(loop.time()) < 1.0  # its peers' (the initial guess, decaying)
     finally:
         await asyncio.gather(r0.store.close(), r1.store.close())
 

@@ -187,7 +187,7 @@ async def test_an_engine_without_gauges_is_left_to_the_limiter_and_asked_again_l
 
             pages.status, pages.page = 404, b"not found"
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is False and not inst.saturated
+            assert inst.engine.gauges is False and not inst.engine.saturated
             await scraper.scrape_pool(pool, admission, limit)  # not asked again before recheck
             assert len(recorder.requests) == 1
 
@@ -197,48 +197,48 @@ async def test_an_engine_without_gauges_is_left_to_the_limiter_and_asked_again_l
             pages.status = 200
             pages.page = b"llamacpp:requests_processing 3\nllamacpp:requests_deferred 0\n"
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is True and inst.room() == 16
+            assert inst.engine.gauges is True and inst.room() == 16
             pages.page = b"llamacpp:requests_processing 12\nllamacpp:requests_deferred 0\n"
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.room() == 48 and inst.engine_batch == 0
+            assert inst.room() == 48 and inst.engine.batch == 0
             pages.page = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 3\n"
             inst.in_flight = 6
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is True and inst.saturated
+            assert inst.engine.gauges is True and inst.engine.saturated
             # 6 in flight, 3 beyond the engine's room: 3 may stay; the limiter's room is
             # held to that.
-            assert inst.engine_slots == 3 and inst.room() == 3
+            assert inst.engine.slots == 3 and inst.room() == 3
 
             # It ran 4 at once with others waiting: its batch. Once it is no longer saturated,
             # it is given that batch and a headroom of 2 at most (not the limiter's 16).
-            assert inst.engine_batch == 4
+            assert inst.engine.batch == 4
             pages.page = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 0\n"
             await scraper.scrape_pool(pool, admission, limit)
-            assert not inst.saturated and inst.room() == 4 + 2
+            assert not inst.engine.saturated and inst.room() == 4 + 2
             # Running more without a queue shows a larger batch: the cap follows.
             pages.page = b"llamacpp:requests_processing 12\nllamacpp:requests_deferred 0\n"
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_batch == 12 and inst.room() == 12 + 3
+            assert inst.engine.batch == 12 and inst.room() == 12 + 3
             # A read that fails (the network, a restart) forgets the saturation but keeps the
             # pace the engine showed: not the limiter's, learned from the same faults.
             assert inst.limiter is not None
             inst.limiter.record(0.0, 1.0, 1, overloaded=True)
             pages.status = 500
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is None and inst.room() == 12 + 3
+            assert inst.engine.gauges is None and inst.room() == 12 + 3
             pages.status = 200
 
             # A page of other metrics (a plain exporter): no gauges. The limiter paces it.
             pages.page = b"process_cpu_seconds_total 12.5\n"
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is False and not inst.saturated
+            assert inst.engine.gauges is False and not inst.engine.saturated
             assert inst.room() == inst.limiter.limit < 1024
 
             # A failed read (5xx) forgets the signals but is asked again next time.
             scraper._recheck_at.clear()
             pages.status = 500
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.engine_gauges is None and not inst.saturated
+            assert inst.engine.gauges is None and not inst.engine.saturated
             count = len(recorder.requests)
             await scraper.scrape_pool(pool, admission, limit)
             assert len(recorder.requests) == count + 1
@@ -248,7 +248,7 @@ async def test_an_engine_without_gauges_is_left_to_the_limiter_and_asked_again_l
             pages.page = b'vllm:num_requests_waiting{model_name="m"} 40\n'
             inst.in_flight = 2
             await scraper.scrape_pool(pool, admission, limit)
-            assert inst.saturated and inst.engine_slots == 1
+            assert inst.engine.saturated and inst.engine.slots == 1
     finally:
         server.stop()
 

@@ -400,7 +400,9 @@ class TokenBudget:
 
     __slots__ = ("budget", "capacity_tokens", "overcommit", "used")
 
-    def __init__(self, capacity_tokens: int, overcommit: float = 1.3) -> None:
+    def __init__(self, capacity_tokens: int, overcommit: float = 1.3, used: int = 0) -> None:
+        """`used`: tokens already held when it is made (a budget sized again, its requests in
+        flight still counted)."""
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be at least 1, got {capacity_tokens}")
         if not 0.0 < overcommit < math.inf:
@@ -408,7 +410,7 @@ class TokenBudget:
         self.capacity_tokens = capacity_tokens
         self.overcommit = overcommit
         self.budget = max(1, math.floor(capacity_tokens * overcommit + _EPSILON))
-        self.used = 0
+        self.used = used
 
     @property
     def available(self) -> int:

@@ -105,6 +105,11 @@ class LatencyState:
         `AttemptTimeouts.backoff`) got no first byte: the next ones double once more than it."""
         self.timeouts_in_row = max(self.timeouts_in_row, backoff + 1)
 
+    def idle_timed_out(self) -> None:
+        """A stream's idle timeout cut it: the next streams' gaps wait twice as long, up to
+        `MAX_DOUBLINGS` times (`attempt_timeouts`), until a stream ends whole."""
+        self.idle_timeouts_in_row += 1
+
     def set_smoothing(self, smoothing: float) -> None:
         for estimate in self.estimators:
             estimate.smoothing = smoothing

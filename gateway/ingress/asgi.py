@@ -59,7 +59,9 @@ from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing
-from gateway.upstream.registry import InstanceState, PoolState, Registry
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 from gateway.upstream.response import UpstreamResponse
 
 log = logging.getLogger("gateway.ingress")

@@ -43,7 +43,8 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.runtime import Clock
-from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 # A stream is moved for its pace when its mean gap over `PACE_WINDOW` chunks, in
@@ -235,7 +236,7 @@ class StreamResume:
         best: float | None = None
         min_samples = self._pool.policy.timeouts.min_samples
         for other in self._pool.routable:
-            if other is instance or other.breaker.state != ADMITTING or other.saturated:
+            if other is instance or other.breaker.state != ADMITTING or other.engine.saturated:
                 continue
             gap = other.latency.gap
             if gap.samples >= min_samples and (best is None or gap.mean < best):

@@ -73,7 +73,7 @@ class ChunkedWriter:
         if not pending:
             return
         body = pending[0] if len(pending) == 1 else b"".join(pending)
-        pending.clear()
+        self._pending = []  # a new list rather than a `clear()` call: one call less per piece
         transport = self._transport
         if not transport.is_closing():  # else the client is gone, and these with it
             transport.write(b"%x\r\n%b\r\n" % (len(body), body))

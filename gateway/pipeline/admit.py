@@ -56,7 +56,8 @@ from gateway.core.fair_queue import Entry
 from gateway.core.histogram import Histogram
 from gateway.errors import Shed
 from gateway.pipeline.call import Call, Handler
-from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 PRIORITIES: Final = frozenset(CLASSES)
@@ -265,7 +266,7 @@ class PoolAdmission:
                 continue
             if inst.in_flight > own:
                 beyond += inst.in_flight - own
-            elif inst.not_before <= now:  # paused by a Retry-After: the pick layer waits too
+            elif not inst.paused(now):  # paused by a Retry-After: the pick layer waits too
                 # Its idle slots only, not the headroom of its room past them (requests
                 # that would wait in its engine's own queue, where none can move to a slot
                 # that frees elsewhere first, as they can from the gateway's queue).
@@ -290,15 +291,18 @@ class PoolAdmission:
         for inst in self.pool.routable:
             if inst.breaker.state != ADMITTING:
                 continue
-            if inst.saturated and inst.in_flight >= inst.engine_slots:
+            if inst.engine.saturated and inst.in_flight >= inst.engine.slots:
                 continue  # its engine has no room: this one's tokens would wait there
             budget = inst.budget
             if budget is None:
-                if not inst.saturated:
+                if not inst.engine.saturated:
                     return inst  # nothing to rank it by: no budget, and room in its engine
             elif not budget.fits(tokens):
                 continue
-            rank = (0 if inst.saturated else 1, budget.available if budget is not None else 0)
+            rank = (
+                0 if inst.engine.saturated else 1,
+                budget.available if budget is not None else 0,
+            )
             if rank > most:
                 best, most = inst, rank
         return best

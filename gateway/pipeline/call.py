@@ -10,7 +10,8 @@ from gateway.config.routes import Route
 from gateway.core.admission import Priority
 from gateway.core.timeouts import AttemptTimeouts
 from gateway.runtime import Cancellation
-from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 

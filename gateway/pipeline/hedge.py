@@ -40,7 +40,7 @@ from gateway.core.timeouts import large_prompt
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler, Layer
 from gateway.runtime import SUPERSEDED, Cancellation, Clock
-from gateway.upstream.registry import InstanceState
+from gateway.upstream.instance import InstanceState
 from gateway.upstream.response import UpstreamResponse
 
 # The part of the pool's retry budget hedges may spend: the rest is the retries'.
@@ -272,7 +272,8 @@ class Hedge:
             return
         now = self._clock()
         pace = loser.pool.latency_prior(now).per_token.mean
-        loser.instance.price_first_byte(now, now - started, pace, bound=True)
+        instance = loser.instance
+        instance.price.first_byte(now, now - started, instance.latency, pace, bound=True)
 
     @staticmethod
     def _count_attempts(race: _Race) -> None:

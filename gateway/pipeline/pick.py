@@ -8,7 +8,8 @@ from gateway.core.panic import least_bad
 from gateway.errors import NoInstanceAvailable
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
-from gateway.upstream.registry import InstanceState, PoolState
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
 
 
@@ -69,12 +70,12 @@ class Pick:
                 admitting.append(inst)
                 budget = inst.budget
                 if (
-                    inst.not_before <= now
+                    not inst.paused(now)
                     and inst not in tried
                     and (budget is None or inst is reserved or budget.fits(tokens))
                 ):
                     if inst.in_flight < inst.room():
-                        (queueing if inst.saturated else fresh).append(inst)
+                        (queueing if inst.engine.saturated else fresh).append(inst)
                     elif inst.room_guessed:
                         over.append(inst)
             elif probe is None:
@@ -125,16 +126,16 @@ def _all_full(admitting: list[InstanceState], now: float) -> bool:
 
 def _balance(pool: PoolState, candidates: list[InstanceState], now: float) -> InstanceState:
     def cost(inst: InstanceState) -> float:
-        weight = inst.ramp(now)  # its slow start (`PoolState.rejoined`)
-        if inst.penalty is not None:
-            latency = inst.cost_latency(now)
-        elif inst.peak.learned:
-            latency = inst.peak.get(now)
+        weight = inst.price.ramp(now)  # its slow start (`PoolState.rejoined`)
+        if inst.price.penalty is not None:
+            latency = inst.price.cost_latency(now)
+        elif inst.price.peak.learned:
+            latency = inst.price.peak.get(now)
         else:
             # No answer timed yet, so no latency of its own: costed at its peers' average,
             # neither shunned (a made-up high guess) nor flooded (a guess of zero).
             # With none to go by, one guess for all: their loads and weights still count.
-            measured = [i.peak.get(now) for i in candidates if i.peak.learned]
+            measured = [i.price.peak.get(now) for i in candidates if i.price.peak.learned]
             latency = sum(measured) / len(measured) if measured else DEFAULT_RTT_S
         return load_cost(latency, inst.in_flight, weight)
 

@@ -36,7 +36,7 @@ from gateway.core.outcome import Outcome, Phase
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
-from gateway.upstream.registry import PoolState
+from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
 from gateway.upstream.stats import outcome_label
 
@@ -222,6 +222,6 @@ def _honour_retry_after(
     if not pause:
         return 0.0
     instance = response.instance
-    instance.not_before = now + pause
-    unblocked = any(i.not_before <= now for i in pool.instances)
+    instance.pause_until(now + pause)
+    unblocked = any(not i.paused(now) for i in pool.instances)
     return 0.0 if unblocked else pause

@@ -24,7 +24,8 @@ from gateway.core.discovery import Endpoint
 from gateway.runtime import Clock, cancel_and_wait
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.dns_records import DnsSource
-from gateway.upstream.registry import PoolState, Registry
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.discovery")
 

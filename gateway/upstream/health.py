@@ -23,7 +23,9 @@ import aiohttp
 
 from gateway.core.health import HealthChange
 from gateway.runtime import Clock, cancel_and_wait
-from gateway.upstream.registry import InstanceState, PoolState, Registry
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.health")
 

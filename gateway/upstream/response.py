@@ -14,7 +14,7 @@ from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
 if TYPE_CHECKING:
     from gateway.runtime import Cancellation
-    from gateway.upstream.registry import InstanceState
+    from gateway.upstream.instance import InstanceState
 
 
 class HeaderLookup(Protocol):
@@ -286,7 +286,8 @@ class UpstreamResponse:
         self.gaps += 1
         if self.max_gap_s is None or gap > self.max_gap_s:
             self.max_gap_s = gap
-        self.last_at = self.instance.progress_at = arrived
+        self.last_at = arrived
+        self.instance.progressed(arrived)
         self.before_tail = self.tail
         self.tail = chunk
 

@@ -32,10 +32,12 @@ import logging
 import aiohttp
 
 from gateway.config.models import AdmissionPolicy, VllmSignalsPolicy
-from gateway.core.concurrency import TokenBudget, vllm_saturated
+from gateway.core.concurrency import vllm_saturated
 from gateway.core.vllm_metrics import EngineLoad, read_engine_load
 from gateway.runtime import cancel_and_wait
-from gateway.upstream.registry import InstanceState, PoolState, Registry
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
+from gateway.upstream.registry import Registry
 
 log = logging.getLogger("gateway.vllm_load")
 
@@ -133,8 +135,7 @@ class VllmLoadScraper:
         if load.empty:
             now = asyncio.get_running_loop().time()
             self._recheck_at[instance] = now + policy.recheck
-            instance.engine_batch = instance.engine_peak = 0  # nothing to cap it by any more
-            if instance.engine_gauges is not False:
+            if instance.engine.gauges is not False:
                 log.info(
                     "no engine load gauges: the concurrency limiter alone paces this instance",
                     extra={
@@ -148,7 +149,7 @@ class VllmLoadScraper:
                 )
         else:
             self._recheck_at.pop(instance, None)
-        instance.engine_gauges = instance.engine_paced = not load.empty
+        instance.engine.found(not load.empty)  # none: nothing to cap it by any more
         return load
 
     async def _scrape(
@@ -163,47 +164,30 @@ class VllmLoadScraper:
         assert policy is not None
         load = await self._read(pool, instance, policy, limit)
         if load is None:
-            instance.engine_gauges = None
+            instance.engine.unread()
             load = EngineLoad()
-        waiting, running = load.waiting, load.running
-        if waiting and running and running > instance.capacity_seen:
-            # Requests wait inside the engine: it runs all it can at once.
-            instance.capacity_seen = int(running)
-        if running:
-            instance.engine_peak = max(instance.engine_peak, int(running))
-            if waiting or instance.engine_batch:
-                instance.engine_batch = max(instance.engine_batch, int(running))
         if admission.tokens is not None and load.kv_tokens:
-            _size_budget(instance, load.kv_tokens, admission.tokens.overcommit)
-        was = instance.saturated
-        instance.vllm_waiting = waiting
-        instance.vllm_cache_usage = load.cache_usage
-        instance.saturated = vllm_saturated(
-            waiting, load.cache_usage, policy.max_waiting, policy.max_cache_usage
+            instance.size_budget(load.kv_tokens, admission.tokens.overcommit)
+        was = instance.engine.saturated
+        saturated = vllm_saturated(
+            load.waiting, load.cache_usage, policy.max_waiting, policy.max_cache_usage
         )
-        if instance.saturated:
-            # The requests beyond the engine's room, this gateway's share of them (other
-            # replicas and clients have theirs in its queue too).
-            excess = max(0.0, (waiting or 0.0) - policy.max_waiting)
-            queued = (running or 0.0) + (waiting or 0.0)
-            if queued > 0:
-                excess *= min(1.0, instance.in_flight / queued)
-            instance.engine_slots = max(1, instance.in_flight - round(excess))
-        if instance.saturated != was:
+        unsaturated = instance.engine_read(load, saturated, policy.max_waiting)
+        if saturated != was:
             log.info(
                 "vllm load",
                 extra={
                     "fields": {
                         "pool": instance.pool_name,
                         "instance": instance.name,
-                        "saturated": instance.saturated,
-                        "waiting": waiting,
+                        "saturated": saturated,
+                        "waiting": load.waiting,
                         "cache_usage": load.cache_usage,
-                        "engine_slots": instance.engine_slots if instance.saturated else None,
+                        "engine_slots": instance.engine.slots if saturated else None,
                     }
                 },
             )
-        return was and not instance.saturated
+        return unsaturated
 
 
 async def _page(response: aiohttp.ClientResponse) -> bytes:
@@ -216,15 +200,3 @@ async def _page(response: aiohttp.ClientResponse) -> bytes:
         if size >= MAX_PAGE_BYTES:
             break
     return b"".join(chunks)[:MAX_PAGE_BYTES]
-
-
-def _size_budget(instance: InstanceState, kv_tokens: int, overcommit: float) -> None:
-    """The instance's token budget from its engine's own KV-cache size (which wins over the
-    policy's `capacity`: one pool may mix GPU types); tokens in use stay counted."""
-    budget = instance.budget
-    if budget is not None and budget.capacity_tokens == kv_tokens:
-        return
-    resized = TokenBudget(kv_tokens, overcommit)
-    # Tokens in use stay counted: those its attempts hold even before it had a budget.
-    resized.used = budget.used if budget is not None else instance.tokens_held
-    instance.budget = resized
