@@ -13,8 +13,9 @@ does, and no more:
   complete; bytes after the response's end (a second message, a body longer than its
   Content-Length, a stray byte) are never parsed into it and taint the connection, which is
   then closed, never pooled; trailers are dropped; only `chunked` as the final transfer coding
-  is read; a head beyond `MAX_HEAD_BYTES` or `MAX_HEAD_FIELDS`, a status outside 100-599, a
-  header name with whitespace before its colon, or a body on a 1xx answer is a protocol error;
+  is read (codings before it stay on the body, and are added to its Content-Encoding); a head
+  beyond `MAX_HEAD_BYTES` or `MAX_HEAD_FIELDS`, a status outside 100-599, a header name with
+  whitespace before its colon, or a body on a 1xx answer is a protocol error;
 - connections reused only after a complete response that allows it, and dropped after
   `keepalive_s` idle (or a second less than the backend's `Keep-Alive: timeout=`), before the
   backend drops them. An idle connection the backend closes leaves the pool by itself. When a

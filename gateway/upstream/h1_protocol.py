@@ -174,9 +174,17 @@ class _ResponseProtocol(asyncio.Protocol):
                 codings.extend(c.strip() for c in value.lower().split(b",") if c.strip())
             elif lower == b"keep-alive":
                 self.keepalive_hint = _keepalive_timeout(value)
-        if codings and (codings[-1] != b"chunked" or b"chunked" in codings[:-1]):
-            # RFC 9112 6.1: chunked must come last, once; anything else cannot be framed.
-            raise UpstreamProtocolError("the upstream sent a transfer coding it cannot frame")
+        if codings:
+            coded = codings[:-1]  # what the body is still in once the chunks are joined
+            if codings[-1] != b"chunked" or b"chunked" in coded:
+                # RFC 9112 6.1: chunked must come last, once; anything else cannot be framed.
+                raise UpstreamProtocolError("the upstream sent a transfer coding it cannot frame")
+            if coded:
+                # `gzip, chunked`: only the chunks are undone; the body goes on gzipped. The
+                # Transfer-Encoding that says so is hop-by-hop, dropped on the way to the client
+                # (`ingress.headers.response_headers`), who would get gzip bytes nothing names.
+                # Added to the Content-Encoding, the codings travel with the body they are on.
+                self._raw_headers = _with_content_codings(self._raw_headers, coded)
         self._until_close = not (length or codings) and status not in (204, 304)
         self._head_done = True
         head = self._head
@@ -243,6 +251,24 @@ class _ResponseProtocol(asyncio.Protocol):
             wake.set_exception(error)
         if close and self.transport is not None:
             self.transport.close()
+
+
+def _with_content_codings(
+    raw: list[tuple[bytes, bytes]], codings: list[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """`raw` with `codings` appended to its Content-Encoding (RFC 9110 8.4: the codings in the
+    order they were applied, the upstream's own first), as one field; `identity` is no coding
+    and is left out."""
+    fields: list[tuple[bytes, bytes]] = []
+    declared: list[bytes] = []
+    for name, value in raw:
+        if name.lower() == b"content-encoding":
+            declared.extend(c.strip() for c in value.split(b",") if c.strip())
+        else:
+            fields.append((name, value))
+    named = [c for c in declared if c.lower() != b"identity"] + codings
+    fields.append((b"content-encoding", b", ".join(named)))
+    return fields
 
 
 def _keepalive_timeout(value: bytes) -> float | None:
