@@ -72,6 +72,21 @@ def gzip_stream_cut(sock: socket.socket) -> None:
     time.sleep(0.2)
 
 
+GZIPPED_ANSWER = json.dumps({"choices": [{"text": "squeezed " * 100}]}).encode()
+
+
+def gzip_transfer_coded(sock: socket.socket) -> None:
+    # gzip as a transfer coding, under chunked: no Content-Encoding from the backend.
+    coded = gzip.compress(GZIPPED_ANSWER)
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: gzip, chunked\r\n\r\n"
+        + chunk(coded[:20])
+        + chunk(coded[20:])
+        + b"0\r\n\r\n"
+    )
+
+
 def status_600(sock: socket.socket) -> None:
     sock.sendall(b"HTTP/1.1 600 Beyond\r\ncontent-length: 2\r\n\r\nhi")
 
@@ -160,6 +175,7 @@ SCRIPTS = {
     "trickled-headers": trickled_headers,
     "trickled-stream": trickled_stream,
     "gzip-stream-cut": gzip_stream_cut,
+    "gzip-transfer-coded": gzip_transfer_coded,
     "status-600": status_600,
     "two-answers": two_answers,
     "with-trailers": with_trailers,
@@ -277,6 +293,17 @@ def test_compressed_stream_is_aborted_not_corrupted(client: httpx.Client) -> Non
         client.stream("POST", "/v1/chat/completions", json=post("gzip-stream-cut")) as response,
     ):
         b"".join(response.iter_bytes())
+
+
+def test_a_gzip_transfer_coding_is_relayed_as_the_content_coding(client: httpx.Client) -> None:
+    request = {"model": "gzip-transfer-coded", "messages": []}
+    with client.stream("POST", "/v1/chat/completions", json=request) as response:
+        raw = b"".join(response.iter_raw())  # as sent: httpx would undo the gzip itself
+    assert response.status_code == 200
+    assert response.headers.get_list("content-encoding") == ["gzip"]
+    # The gateway frames the body its own way; the backend's codings are not repeated.
+    assert response.headers.get("transfer-encoding", "chunked") == "chunked"
+    assert gzip.decompress(raw) == GZIPPED_ANSWER
 
 
 def protocol_attempts(gateway: Gateway) -> float:

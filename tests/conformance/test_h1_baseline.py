@@ -4,14 +4,16 @@ can be framed, and when a connection is (and is not) reused."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import ssl
 
 import pytest
 
 from gateway.errors import UpstreamReset
+from gateway.ingress.headers import response_headers
 from gateway.upstream.h1 import H1Client
 
-from .client import fetch, post, read_exactly
+from .client import Reply, fetch, post, read_exactly
 from .upstream import (
     Abort,
     Close,
@@ -189,13 +191,64 @@ async def test_an_interim_103_is_skipped_and_its_headers_are_not_merged(
 
 async def test_chunked_as_the_final_coding_after_another_is_dechunked(client: H1Client) -> None:
     """`gzip, chunked`: chunked is the final coding, so it frames the body; the gzip coding is
-    left for the client to undo (the bytes pass through as they are)."""
+    left for the client to undo (the bytes pass through as they are), named as its content
+    coding (`identity` is none)."""
     coded = chunked_head(headers=[("content-encoding", "identity")], coding="gzip, chunked")
     script = answer(coded + chunk(b"\x1f\x8b") + chunk(b"rest") + last_chunk())
     async with ScriptedUpstream(script) as upstream:
         reply = await fetch(client, upstream.url())
     assert reply.status == 200
     assert reply.body == b"\x1f\x8brest"
+    assert reply.values("content-encoding") == ["gzip"]
+
+
+def relayed_headers(reply: Reply) -> dict[bytes, list[bytes]]:
+    """The reply's headers as the relay hands them to the client, every value by name."""
+    fields: dict[bytes, list[bytes]] = {}
+    for name, value in response_headers(reply.raw_headers, drop_length=False):
+        fields.setdefault(name, []).append(value)
+    return fields
+
+
+async def test_a_gzip_transfer_coding_reaches_the_client_as_its_content_coding(
+    client: H1Client,
+) -> None:
+    """The body stays gzipped and the Transfer-Encoding is hop-by-hop: the client is told the
+    gzip by a Content-Encoding, and undoes it to the backend's bytes."""
+    original = b'{"choices":[{"text":"' + b"squeezed " * 200 + b'"}]}'
+    coded = gzip.compress(original)
+    half = len(coded) // 2
+    head = chunked_head(headers=JSON, coding="gzip, chunked")
+    script = answer(head + chunk(coded[:half]) + chunk(coded[half:]) + last_chunk())
+    async with ScriptedUpstream(script) as upstream:
+        reply = await fetch(client, upstream.url())
+    assert reply.status == 200
+    assert reply.body == coded
+    relayed = relayed_headers(reply)
+    assert relayed[b"content-encoding"] == [b"gzip"]
+    assert b"transfer-encoding" not in relayed
+    assert relayed[b"content-type"] == [b"application/json"]
+    assert gzip.decompress(reply.body) == original
+
+
+async def test_transfer_codings_follow_the_content_codings_the_backend_declared(
+    client: H1Client,
+) -> None:
+    """`Content-Encoding: br` and `Transfer-Encoding: gzip, chunked`: brotli was applied first,
+    then gzip; the client is told both, in that order, in one field."""
+    brotli = b"\x8b\x02\x80 stands in for a brotli-coded body"  # relayed, never decoded
+    coded = gzip.compress(brotli)
+    head = chunked_head(headers=[("content-encoding", "br")], coding="gzip, chunked")
+    script = answer(head + chunk(coded) + last_chunk(), response(body=b"next"))
+    async with ScriptedUpstream(script) as upstream:
+        reply = await fetch(client, upstream.url())
+        assert (await fetch(client, upstream.url())).body == b"next"
+    assert reply.values("content-encoding") == ["br, gzip"]
+    relayed = relayed_headers(reply)
+    assert relayed[b"content-encoding"] == [b"br, gzip"]
+    assert b"transfer-encoding" not in relayed
+    assert gzip.decompress(reply.body) == brotli
+    assert len(upstream.connections) == 1  # the chunked end still ends the message
 
 
 async def test_a_head_of_exactly_100_fields_is_accepted(client: H1Client) -> None:
