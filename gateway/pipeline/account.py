@@ -327,20 +327,20 @@ class Account:
             _LOST_RACE,
             now,
             waited_s,
-            call.probe,
+            call.attempt.probe,
             self._on_transition,
         )
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
-        instance = call.instance
+        instance = call.attempt.instance
         assert instance is not None, "the pick layer runs first"
-        tokens = call.tokens
+        tokens = call.attempt.tokens
         instance.in_flight += 1
         instance.tokens_held += tokens
         sent_with = instance.in_flight
-        reserved = call.reserved
+        reserved = call.attempt.reserved
         if reserved is not None:  # admission held the tokens; this attempt takes them over
-            call.reserved = None
+            call.attempt.reserved = None
             if reserved.budget is not None:
                 reserved.budget.release(tokens)
         if instance.budget is not None:
@@ -358,7 +358,7 @@ class Account:
             if error.local:
                 # The gateway's own limit (all connections to it busy): the request never
                 # reached the instance, so it says nothing of it (a probe did not happen).
-                if call.probe:
+                if call.attempt.probe:
                     instance.breaker.release_probe(now)
                 raise
             outcome = error.outcome
@@ -379,10 +379,10 @@ class Account:
                 outcome,
                 now,
                 now - started,
-                call.probe,
+                call.attempt.probe,
                 self._on_transition,
                 queueing=queueing,
-                backoff=call.timeouts.backoff if call.timeouts is not None else 0,
+                backoff=call.attempt.timeouts.backoff if call.attempt.timeouts is not None else 0,
                 sent_with=sent_with,
                 modelled=call.route.modelled,
                 judged=judged,
@@ -393,7 +393,7 @@ class Account:
         except asyncio.CancelledError:
             _end(instance, tokens)  # the client left: nobody's fault, but a probe is lost
             now = self._clock()
-            if call.probe:
+            if call.attempt.probe:
                 instance.breaker.release_probe(now)
             if call.cancellation.pending(SUPERSEDED):
                 if queued:  # left in the engine's queue until it notices: a ghost meanwhile
@@ -406,7 +406,7 @@ class Account:
                 waited_s = response.first_at - response.started_at
                 pace = call.pool.latency_prior(response.first_at).per_token.mean
                 instance.price_first_byte(response.first_at, waited_s, pace)
-            if call.probe:
+            if call.attempt.probe:
                 self._probe_streamed(call.pool, instance, response.first_at - started)
             response.tokens = tokens
             response.queued = queued
@@ -437,7 +437,7 @@ class Account:
             outcome,
             now,
             now - started,
-            call.probe,
+            call.attempt.probe,
             self._on_transition,
             tokens=generated,
             sent_with=sent_with,
