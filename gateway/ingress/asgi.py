@@ -365,20 +365,7 @@ class DataPlane:
             resume: StreamResume, body: bytes, broken: InstanceState
         ) -> tuple[UpstreamResponse, float]:
             left.append(broken)
-            continued = dataclasses.replace(
-                call,
-                body=body,
-                attempts=0,
-                hedges=0,
-                tried=[],
-                avoid=[*left, *call.avoid],
-                instance=None,
-                timeouts=None,
-                probe=False,
-                reserved=None,
-                tokens=0,
-                prompt_tokens=0,
-            )
+            continued = call.for_continuation(body, left)
             if traced:
                 trace.get_current_span().add_event(
                     "stream resumed",
@@ -392,8 +379,8 @@ class DataPlane:
                 response = await handler(continued)
             finally:
                 resume.attempts += continued.attempts
-                if continued.instance is not None:
-                    resume.instance = continued.instance
+                if continued.attempt.instance is not None:
+                    resume.instance = continued.attempt.instance
             if response.status != 200 or not response.is_sse:
                 # The engine refused the continuation (an engine that does not continue a
                 # final message answers 400): the stream ends as it would have.
@@ -402,7 +389,7 @@ class DataPlane:
                 raise UpstreamProtocolError(
                     f"the continuation was answered with HTTP {response.status}"
                 )
-            timeouts = continued.timeouts
+            timeouts = continued.attempt.timeouts
             assert timeouts is not None
             return response, timeouts.idle_s or timeouts.first_byte_s
 
@@ -550,7 +537,7 @@ class DataPlane:
                 status = error.status
                 await send_error(send, error, call.attempts, dialect)
                 return
-            timeouts = call.timeouts
+            timeouts = call.attempt.timeouts
             assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
             # A non-streamed body that still comes in pieces may pause as long as its first byte.
             idle_s = timeouts.idle_s or timeouts.first_byte_s
@@ -674,4 +661,5 @@ def _instance_name(call: Call, resume: StreamResume | None) -> str | None:
     """The instance that served the end of the answer."""
     if resume is not None and resume.instance is not None:
         return resume.instance.name
-    return call.instance.name if call.instance is not None else None
+    instance = call.attempt.instance
+    return instance.name if instance is not None else None

@@ -138,17 +138,17 @@ class Account:
             _LOST_RACE,
             now,
             waited_s,
-            call.probe,
+            call.attempt.probe,
             self._on_transition,
         )
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
-        instance = call.instance
+        instance = call.attempt.instance
         assert instance is not None, "the pick layer runs first"
-        tokens = call.tokens
-        reserved = call.reserved
+        tokens = call.attempt.tokens
+        reserved = call.attempt.reserved
         if reserved is not None:  # admission held the tokens; this attempt takes them over
-            call.reserved = None
+            call.attempt.reserved = None
             reserved.unreserve(tokens)
         sent_with = instance.attempt_started(tokens)
         # Sent behind as many attempts as the instance was ever seen serving at once: it
@@ -163,7 +163,7 @@ class Account:
             if error.local:
                 # The gateway's own limit (all connections to it busy): the request never
                 # reached the instance, so it says nothing of it (a probe did not happen).
-                if call.probe:
+                if call.attempt.probe:
                     instance.breaker.release_probe(now)
                 raise
             outcome = error.outcome
@@ -184,10 +184,10 @@ class Account:
                 outcome,
                 now,
                 now - started,
-                call.probe,
+                call.attempt.probe,
                 self._on_transition,
                 queueing=queueing,
-                backoff=call.timeouts.backoff if call.timeouts is not None else 0,
+                backoff=call.attempt.timeouts.backoff if call.attempt.timeouts is not None else 0,
                 sent_with=sent_with,
                 modelled=call.route.modelled,
                 judged=judged,
@@ -198,7 +198,7 @@ class Account:
         except asyncio.CancelledError:
             instance.attempt_ended(tokens)  # the client left: nobody's fault, but a probe is lost
             now = self._clock()
-            if call.probe:
+            if call.attempt.probe:
                 instance.breaker.release_probe(now)
             if call.cancellation.pending(SUPERSEDED):
                 if queued:  # left in the engine's queue until it notices: a ghost meanwhile
@@ -211,7 +211,7 @@ class Account:
                 waited_s = response.first_at - response.started_at
                 pace = call.pool.latency_prior(response.first_at).per_token.mean
                 instance.price.first_byte(response.first_at, waited_s, instance.latency, pace)
-            if call.probe:
+            if call.attempt.probe:
                 self._probe_streamed(call.pool, instance, response.first_at - started)
             response.tokens = tokens
             response.queued = queued
@@ -239,7 +239,7 @@ class Account:
             outcome,
             now,
             now - started,
-            call.probe,
+            call.attempt.probe,
             self._on_transition,
             tokens=generated,
             sent_with=sent_with,

@@ -574,24 +574,25 @@ class Admit:
             # slot and queues behind nothing, as going direct.
             return await next_handler(call)
         priority = call.priority or admission.policy.default_priority
+        attempt = call.attempt  # what admission holds, for its first attempt to take over
         if admission.policy.tokens is not None:
             # What it may decode: none on a route that generates nothing (an embedding).
             max_tokens = call.facts.max_tokens if call.route.generates else 0
-            call.tokens = estimate_tokens(
+            attempt.tokens = estimate_tokens(
                 call.prompt_bytes(), max_tokens, call.pool.policy.timeouts.assumed_max_tokens
             )
         tenants = admission.policy.tenants
         slot = await admission.enter(
-            priority, call.tokens, lambda: tenant_of(call.headers, tenants)
+            priority, attempt.tokens, lambda: tenant_of(call.headers, tenants)
         )
-        call.reserved = slot.reserved
+        attempt.reserved = slot.reserved
         over = slot.over
         clock = admission.clock
         admitted = clock()
         try:
             response = await next_handler(call)
         except BaseException:
-            unreserve(call.reserved, call.tokens)  # when no attempt was made to take it over
+            unreserve(attempt.reserved, attempt.tokens)  # when no attempt was made to take it over
             admission.leave(over=over)
             raise
         if response.body is not None:

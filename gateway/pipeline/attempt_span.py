@@ -58,8 +58,9 @@ class AttemptSpans:
         return response
 
     def _start(self, call: Call) -> trace.Span:
-        instance = call.instance
-        timeouts = call.timeouts
+        attempt = call.attempt
+        instance = attempt.instance
+        timeouts = attempt.timeouts
         assert instance is not None and timeouts is not None, "runs after pick and deadline"
         url = instance.url_of(call.path)
         attributes: dict[str, str | int | float | bool] = {
@@ -69,7 +70,7 @@ class AttemptSpans:
             "server.port": url.port or 0,
             "gateway.instance": instance.name,
             "gateway.attempt": call.attempts,
-            "gateway.probe": call.probe,
+            "gateway.probe": attempt.probe,
             "gateway.tier.k": call.k,
             "gateway.timeout.connect_s": timeouts.connect_s,
             "gateway.timeout.first_byte_s": timeouts.first_byte_s,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from gateway.config.routes import Route
@@ -30,8 +30,35 @@ class RequestFacts:
 
 
 @dataclass(slots=True)
+class Attempt:
+    """The state of a call's current attempt: where it went, on what terms, and what it holds.
+
+    The pick and deadline layers set theirs for each attempt, admission what the first attempt
+    takes over; a retry goes on in the same one. A hedge or a stream's continuation is a call
+    of its own whose attempt starts as a new `Attempt` (`Call.for_hedge`,
+    `Call.for_continuation`), and a hedge that answers first hands its attempt over whole
+    (`Call.adopt`): nothing added here can be carried into a new call, nor left behind by one
+    that wins.
+    """
+
+    instance: InstanceState | None = None
+    probe: bool = False  # it is its isolated instance's one probe
+    timeouts: AttemptTimeouts | None = None
+    # Its estimated KV-cache need, in pools that budget tokens (set by admission, which a hedge
+    # and a continuation do not go through: theirs hold none).
+    tokens: int = 0
+    # Where admission reserved those tokens, until the first attempt takes them over.
+    reserved: InstanceState | None = None
+
+
+@dataclass(slots=True)
 class Call:
-    """One client request: what to send, where it may go, and what happened so far."""
+    """One client request: what to send, where it may go, and what happened so far.
+
+    The request's own fields, which every call made for it carries (a continuation with a body
+    of its own); the history of its retry loop (attempts, what was tried and avoided); and its
+    current attempt (`attempt`), which a hedge's or a continuation's call starts anew.
+    """
 
     pool: PoolState
     route: Route
@@ -46,6 +73,10 @@ class Call:
     # Sending it twice could do something twice (`config.routes.acts`): sent again only when
     # it never left, never hedged, never resent on a connection that dropped.
     acts: bool = False
+    priority: Priority | None = None  # x-gateway-priority; None: the pool's default
+    # Its prompt's estimated size, worked out from `body` once (by the deadline or the hedge
+    # layer) for every attempt that sends it.
+    prompt_tokens: int = 0
     attempts: int = 0
     # Of those, hedges (`pipeline.hedge`): upstream attempts, but no retry's, so they leave
     # the retry tier's allowance as it was.
@@ -53,6 +84,7 @@ class Call:
     # The attempt after which the retry tier allows no other (a retry on a lone instance may
     # still come): that one is not given up on early (see `attempt_timeouts`' `final`).
     last_attempt: int = 1
+    k: float = 1.0  # the deviation multiplier of the pool's current retry tier
     tried: list[InstanceState] = field(default_factory=list)
     # Instances that refused this request's connection, dropped it before answering or let it
     # time out: no retry goes back to them while any other instance could take it, isolated
@@ -62,15 +94,59 @@ class Call:
     # unlearned instance gets (or with their health checks unanswered), and when the attempt
     # began: while one has sent no byte to anyone since, it is not asked again (`silent`).
     timed_out: list[tuple[InstanceState, float]] = field(default_factory=list)
-    instance: InstanceState | None = None  # of the current attempt
-    k: float = 1.0  # the deviation multiplier of the pool's current retry tier
-    probe: bool = False  # the current attempt is its isolated instance's one probe
-    timeouts: AttemptTimeouts | None = None  # of the current attempt
-    priority: Priority | None = None  # x-gateway-priority; None: the pool's default
-    tokens: int = 0  # its estimated KV-cache need, in pools that budget tokens
-    prompt_tokens: int = 0  # its prompt's estimated size (set by the deadline layer)
-    # Where admission reserved those tokens, until the first attempt takes them over.
-    reserved: InstanceState | None = None
+    attempt: Attempt = field(default_factory=Attempt)
+
+    def for_hedge(self) -> Call:
+        """The call a hedge of the current attempt sends (`pipeline.hedge`): the same request
+        and retry loop (its attempts counted on from this call's, what either tries or times
+        out on seen by both), avoiding the current attempt's instance."""
+        instance = self.attempt.instance
+        assert instance is not None, "a hedge follows an attempt the pick layer sent"
+        return self._next(
+            body=self.body,
+            prompt_tokens=self.prompt_tokens,
+            attempts=self.attempts,
+            hedges=self.hedges,
+            tried=self.tried,
+            avoid=[instance, *self.avoid],
+        )
+
+    def for_continuation(self, body: bytes, avoid: list[InstanceState]) -> Call:
+        """The call that continues a stream broken after its first byte, with `body` (the
+        request and what was relayed): a retry loop of its own (no attempts yet, nothing
+        tried), avoiding `avoid` (the instances that broke the stream) and this call's
+        avoided ones. Instances that timed out stay silent for it as for this call."""
+        return self._next(
+            body=body, prompt_tokens=0, attempts=0, hedges=0, tried=[], avoid=[*avoid, *self.avoid]
+        )
+
+    def _next(
+        self,
+        *,
+        body: bytes,
+        prompt_tokens: int,
+        attempts: int,
+        hedges: int,
+        tried: list[InstanceState],
+        avoid: list[InstanceState],
+    ) -> Call:
+        """The next call made for this request: what is named here, the rest of the request as
+        this call's, and an attempt of its own."""
+        return replace(
+            self,
+            body=body,
+            prompt_tokens=prompt_tokens,
+            attempts=attempts,
+            hedges=hedges,
+            tried=tried,
+            avoid=avoid,
+            attempt=Attempt(),
+        )
+
+    def adopt(self, hedge: Call) -> None:
+        """Go on with `hedge`'s attempt, which answered first: its instance, timeouts and all
+        else it holds become this call's (its attempts are counted by the hedge layer)."""
+        self.attempt = hedge.attempt
 
     def silent(self, instance: InstanceState) -> bool:
         """Whether `instance` let this request's first byte time out and has sent no byte on

@@ -22,7 +22,8 @@ class DeadlineLayer:
         self._clock = clock
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
-        instance = call.instance
+        attempt = call.attempt
+        instance = attempt.instance
         assert instance is not None, "the pick layer runs first"
         pool = call.pool
         policy = pool.policy.timeouts
@@ -33,7 +34,7 @@ class DeadlineLayer:
             # Nothing predicts it: it may take as long as the request may, as it would going
             # direct (a stream's gaps too).
             left = max(0.0, call.deadline - now)
-            call.timeouts = AttemptTimeouts(
+            attempt.timeouts = AttemptTimeouts(
                 first_byte_s=left,
                 idle_s=left if call.facts.stream else None,
                 connect_s=min(policy.connect, left),
@@ -41,7 +42,7 @@ class DeadlineLayer:
             return await next_handler(call)
         if not call.prompt_tokens:
             call.prompt_tokens = prompt_tokens(call.prompt_bytes())
-        call.timeouts = pool.timeouts_for(
+        attempt.timeouts = pool.timeouts_for(
             instance,
             call.k,
             now,

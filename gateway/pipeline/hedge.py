@@ -32,7 +32,6 @@ layer counts the losses in a row (`Account`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 from gateway.core.concurrency import prompt_tokens
@@ -84,12 +83,13 @@ class Hedge:
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
         pool = call.pool
         policy = pool.policy.hedging
-        instance = call.instance
+        attempt = call.attempt
+        instance = attempt.instance
         assert instance is not None, "the pick layer runs first"
         if (
             not policy.enabled
             or call.attempts != 1
-            or call.probe
+            or attempt.probe
             or call.acts
             or not call.route.hedged
         ):
@@ -143,7 +143,7 @@ class Hedge:
                     return hedged
                 return response
             hedge = race.hedge
-            if hedge is not None and hedge.instance is None:
+            if hedge is not None and hedge.attempt.instance is None:
                 # The first attempt answered as its hedge was leaving, before it chose an
                 # instance: nothing was sent, nothing was wasted, and the budget is given back.
                 pool.stats.hedged("late")
@@ -165,12 +165,13 @@ class Hedge:
         if race.first_done:
             return
         pool = call.pool
-        assert call.instance is not None
+        instance = call.attempt.instance
+        assert instance is not None
         now = self._clock()
-        if _in_its_turn(call.instance, race.started, now):
+        if _in_its_turn(instance, race.started, now):
             pool.stats.hedged("in_order")
             return
-        if not pool.has_room(call.instance, now, call.avoid):
+        if not pool.has_room(instance, now, call.avoid):
             # Every other instance is as full: a hedge would only queue there too, and leave
             # a cancelled request in an engine's queue.
             pool.stats.hedged("no_room")
@@ -178,15 +179,7 @@ class Hedge:
         if not pool.budget.try_spend(now, HEDGE_SHARE):
             pool.stats.hedged("no_budget")
             return
-        hedge = dataclasses.replace(
-            call,
-            avoid=[call.instance, *call.avoid],
-            instance=None,
-            timeouts=None,
-            probe=False,
-            reserved=None,
-            tokens=0,
-        )
+        hedge = call.for_hedge()
         race.hedge = hedge
         race.hedge_started = now
         task = asyncio.get_running_loop().create_task(self._run(race, hedge, next_handler))
@@ -210,11 +203,7 @@ class Hedge:
         assert hedge is not None and isinstance(response, UpstreamResponse)
         call.pool.stats.hedged("won")
         self._slow(call, race.started)
-        # The request goes on with the hedge's attempt: its instance, timeouts and deadline.
-        call.instance = hedge.instance
-        call.timeouts = hedge.timeouts
-        call.probe = hedge.probe
-        call.prompt_tokens = hedge.prompt_tokens
+        call.adopt(hedge)  # the request goes on with the hedge's attempt
         self._count_attempts(race)
         response.bind(call.cancellation, call.deadline)
         return response
@@ -268,11 +257,13 @@ class Hedge:
         """The attempt that lost took at least this long without answering: what the
         balancer learns of its instance (its attempt was cancelled, so it is accounted as
         neither a success nor a failure), or it would keep getting first attempts."""
-        if loser is None or loser.instance is None:
+        if loser is None:
+            return
+        instance = loser.attempt.instance
+        if instance is None:
             return
         now = self._clock()
         pace = loser.pool.latency_prior(now).per_token.mean
-        instance = loser.instance
         instance.price.first_byte(now, now - started, instance.latency, pace, bound=True)
 
     @staticmethod

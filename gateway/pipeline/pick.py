@@ -52,8 +52,9 @@ class Pick:
         pool = call.pool
         now = self._clock()
         tried = call.tried
-        tokens = call.tokens
-        reserved = call.reserved  # holds this request's tokens already
+        attempt = call.attempt
+        tokens = attempt.tokens
+        reserved = attempt.reserved  # holds this request's tokens already
         # One pass: a due probe wins; else the admitting instances this request may use.
         fresh: list[InstanceState] = []
         queueing: list[InstanceState] = []  # saturated, but with room for this one
@@ -111,8 +112,8 @@ class Pick:
                     retry_after_s=_retry_after_s(pool, now),
                 )
             instance = _balance(pool, panic, now)
-        call.probe = probe is not None
-        call.instance = instance
+        attempt.probe = probe is not None
+        attempt.instance = instance
         tried.append(instance)
         call.attempts += 1
         return await next_handler(call)

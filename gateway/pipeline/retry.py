@@ -81,13 +81,13 @@ class Retry:
             except UpstreamError as error:
                 failure = error
                 outcome = error.outcome
-                if outcome.kind in _AVOID_AFTER and call.instance is not None:
-                    call.avoid.append(call.instance)
+                if outcome.kind in _AVOID_AFTER and call.attempt.instance is not None:
+                    call.avoid.append(call.attempt.instance)
                     waited = _waited_in_vain(call, outcome)
                     if waited is not None:
                         # Silent from when it was asked: bytes it sent anyone since say
                         # it is busy, not gone.
-                        call.timed_out.append((call.instance, clock() - waited))
+                        call.timed_out.append((call.attempt.instance, clock() - waited))
             now = clock()
             wait_s = 0.0
             if response is not None:
@@ -96,10 +96,10 @@ class Retry:
             if (
                 max_retries < pool.tiers.most_retries
                 and outcome.kind in _TRANSIENT
-                and call.instance is not None
+                and call.attempt.instance is not None
                 and (
                     # A lone instance: retrying it is the only way to an answer.
-                    pool.alone(call.instance, now, call.avoid)
+                    pool.alone(call.attempt.instance, now, call.avoid)
                     # A pool whose failures sit on some instances (its rate high, its tier's
                     # retries few) with a sound one left untried: a retry there is no storm.
                     or pool.sound_elsewhere(call.tried, now)
@@ -165,7 +165,7 @@ def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> b
     the instance stayed busy for the connect timeout) with no other instance free to take the
     request: another attempt would wait out the same busy connections again. Answered at once
     (503 + Retry-After) instead of after one connect timeout per retry."""
-    instance = call.instance
+    instance = call.attempt.instance
     return (
         failure is not None
         and failure.local
@@ -181,7 +181,7 @@ def _waited_in_vain(call: Call, outcome: Outcome) -> float | None:
     either. A shorter, learned wait proves less: a retry there waits longer (the last attempt
     is stretched, the more after timeouts in a row), up to that same allowance. None: not
     such a timeout."""
-    instance, timeouts = call.instance, call.timeouts
+    instance, timeouts = call.attempt.instance, call.attempt.timeouts
     if outcome.kind != "timeout" or outcome.phase is not Phase.FIRST_BYTE or instance is None:
         return None
     waited = timeouts.first_byte_s if timeouts is not None else 0.0

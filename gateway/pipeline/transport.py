@@ -65,9 +65,9 @@ class Transport:
         self._loop_time = clock
 
     async def __call__(self, call: Call) -> UpstreamResponse:
-        instance = call.instance
+        instance = call.attempt.instance
         assert instance is not None, "the pick layer runs before the transport"
-        timeouts = call.timeouts
+        timeouts = call.attempt.timeouts
         assert timeouts is not None, "the deadline layer runs before the transport"
         wait_s = timeouts.first_byte_s
         started_at = self._loop_time()
