@@ -5,7 +5,7 @@ each took a wake-up of the request's task (a future resolved, the task scheduled
 resumed) and a `send` call building a message dict, for one `write` on the client's socket;
 that was most of the Python time a relayed piece cost. `relay` now hands the pieces that need no
 more than a write (`ingress.relay._Tap`) straight to a `BodyWriter` from the upstream
-connection's callback (`upstream.h1_connection._Connection.pump`), and the rest go the ASGI way
+connection's callback (`upstream.h1_connection.H1Connection.pump`), and the rest go the ASGI way
 as before.
 
 `HardenedProtocol` makes one writer per client connection and puts it in each request's scope

@@ -60,7 +60,7 @@ from gateway.upstream.h1_pool import (
     ConnectionCounts,
     ConnectionUse,
     Origin,
-    _OriginPool,
+    OriginPool,
 )
 from gateway.upstream.h1_protocol import MAX_HEAD_BYTES, MAX_HEAD_FIELDS
 
@@ -95,9 +95,9 @@ class H1Client:
 
     def __init__(self, keepalive_s: float) -> None:
         self._keepalive_s = keepalive_s
-        self._pools: dict[Origin, _OriginPool] = {}
+        self._pools: dict[Origin, OriginPool] = {}
         # By URL, TLS setting and limits: its pool and request-line parts, worked out once.
-        self._targets: dict[_TargetKey, tuple[_OriginPool, str, str]] = {}
+        self._targets: dict[_TargetKey, tuple[OriginPool, str, str]] = {}
         self._default_tls: ssl.SSLContext | None = None
         self._counts: dict[Address, ConnectionCounts] = {}
 
@@ -162,7 +162,7 @@ class H1Client:
 
     def _target(
         self, key: _TargetKey, url: URL, tls: ssl.SSLContext | bool, remember: bool = True
-    ) -> tuple[_OriginPool, str, str]:
+    ) -> tuple[OriginPool, str, str]:
         _, _, max_connections, max_idle = key
         target = (self._pool(url, tls, max_connections, max_idle), *_request_line_parts(url))
         if remember:
@@ -177,7 +177,7 @@ class H1Client:
         tls: ssl.SSLContext | bool,
         max_connections: int | None,
         max_idle: int | None,
-    ) -> _OriginPool:
+    ) -> OriginPool:
         context: ssl.SSLContext | None = None
         if url.scheme == "https":
             if isinstance(tls, ssl.SSLContext):
@@ -218,9 +218,7 @@ class H1Client:
                 if len(self._counts) > _MAX_TARGETS:  # addresses long gone: start afresh
                     self._counts.clear()
                 counts = self._counts[address] = ConnectionCounts()
-            pool = _OriginPool(
-                origin, context, self._keepalive_s, max_connections, max_idle, counts
-            )
+            pool = OriginPool(origin, context, self._keepalive_s, max_connections, max_idle, counts)
             self._pools[origin] = pool
         return pool
 

@@ -16,7 +16,7 @@ from typing import Final, cast, overload
 
 from gateway.core.outcome import Phase
 from gateway.errors import UpstreamReset
-from gateway.upstream.h1_protocol import _ResponseProtocol
+from gateway.upstream.h1_protocol import ResponseProtocol
 
 _RESET: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST
 
@@ -45,9 +45,9 @@ class Headers:
         return isinstance(name, str) and name.lower() in self._by_name
 
 
-class _Connection(_ResponseProtocol):
+class H1Connection(ResponseProtocol):
     """One connection to an origin; at most one request in flight on it. How its bytes are
-    read is `_ResponseProtocol`'s."""
+    read is `ResponseProtocol`'s."""
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -259,8 +259,8 @@ class UpstreamResponseHead:
 
     __slots__ = ("_conn", "content_length", "headers", "raw_headers", "status")
 
-    def __init__(self, conn: _Connection) -> None:
-        self._conn: _Connection | None = conn
+    def __init__(self, conn: H1Connection) -> None:
+        self._conn: H1Connection | None = conn
         self.status = conn.status
         self.raw_headers = conn.raw_headers
         self.headers = Headers(conn.raw_headers)
@@ -282,7 +282,8 @@ class UpstreamResponseHead:
         return await conn.read_chunk()
 
     async def pump(self, tap: Callable[[bytes], bool]) -> bytes | None:
-        """`readany`, with the pieces that arrive meanwhile handed to `tap` (`_Connection.pump`)."""
+        """`readany`, with the pieces that arrive meanwhile handed to `tap`
+        (`H1Connection.pump`)."""
         conn = self._conn
         if conn is None:
             return b""

@@ -20,7 +20,7 @@ from gateway.errors import (
     UpstreamReset,
     UpstreamTimeout,
 )
-from gateway.upstream.h1_connection import _Connection
+from gateway.upstream.h1_connection import H1Connection
 
 # A pooled connection leaves the pool this long before the backend's announced keep-alive
 # timeout ends, so that a request is not written into it as the backend closes it.
@@ -60,7 +60,7 @@ class ConnectionUse(NamedTuple):
     opening: int
 
 
-class _OriginPool:
+class OriginPool:
     """Connections to one origin: the idle ones (the most recently used first), the requests
     waiting for one while all `max_connections` are busy (served in order: a connection that
     comes back goes straight to the first of them), and how many are being opened."""
@@ -81,17 +81,17 @@ class _OriginPool:
         self.keepalive_s = keepalive_s
         self.max_connections = max_connections
         self.max_idle = max_idle
-        self._idle: deque[_Connection] = deque()
-        self._all: set[_Connection] = set()
+        self._idle: deque[H1Connection] = deque()
+        self._all: set[H1Connection] = set()
         self._connecting = 0  # opening now: they count against `max_connections` already
         # Requests waiting: each is handed a connection, or None for room to open one.
-        self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
+        self._waiters: deque[asyncio.Future[H1Connection | None]] = deque()
         # The host's addresses, resolved at most every `_DNS_TTL_S` (a literal IP never is).
         self._addresses: list[tuple[int, tuple[Any, ...]]] = []
         self._resolved_until = 0.0
         self._literal = _is_ip(self.host)
 
-    def take(self) -> _Connection | None:
+    def take(self) -> H1Connection | None:
         """An idle connection still fresh enough to write a request into, or None."""
         now = self.loop.time()
         idle = self._idle
@@ -120,7 +120,7 @@ class _OriginPool:
         limit = self.max_connections
         return limit is not None and len(self._all) + self._connecting >= limit
 
-    async def acquire(self, connect_s: float, fresh: bool = False) -> tuple[_Connection, bool]:
+    async def acquire(self, connect_s: float, fresh: bool = False) -> tuple[H1Connection, bool]:
         """A connection for a request, and whether it was reused: an idle one (unless
         `fresh`), else a new one while under `max_connections`, else the first to come free
         within `connect_s` (after those already waiting)."""
@@ -142,9 +142,9 @@ class _OriginPool:
             if not self._full:
                 return await self.connect(connect_s), False
 
-    async def _wait(self, deadline: float) -> _Connection | None:
+    async def _wait(self, deadline: float) -> H1Connection | None:
         """Queue for a connection (or room to open one) until `deadline`."""
-        waiter: asyncio.Future[_Connection | None] = self.loop.create_future()
+        waiter: asyncio.Future[H1Connection | None] = self.loop.create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout_at(deadline):
@@ -164,7 +164,7 @@ class _OriginPool:
                 ) from None
             raise
 
-    def _pass_on(self, conn: _Connection | None) -> bool:
+    def _pass_on(self, conn: H1Connection | None) -> bool:
         """Hand `conn` (None: room to open one) to the first request still waiting; whether
         one was."""
         waiters = self._waiters
@@ -189,14 +189,14 @@ class _OriginPool:
         self._resolved_until = now + _DNS_TTL_S
         return self._addresses
 
-    async def connect(self, connect_s: float) -> _Connection:
+    async def connect(self, connect_s: float) -> H1Connection:
         server_hostname = self.host if self.context is not None else None
         self._connecting += 1
         try:
             async with asyncio.timeout(connect_s):
                 if self._literal:
                     _, conn = await self.loop.create_connection(
-                        lambda: _Connection(self),
+                        lambda: H1Connection(self),
                         self.host,
                         self.port,
                         ssl=self.context,
@@ -223,7 +223,7 @@ class _OriginPool:
         self.counts.opened += 1
         return conn
 
-    async def _connect_resolved(self, server_hostname: str | None) -> _Connection:
+    async def _connect_resolved(self, server_hostname: str | None) -> H1Connection:
         """Connect to the first of the host's cached addresses that takes the connection;
         when none does, the cache is dropped (the next connect resolves again)."""
         error: OSError | None = None
@@ -233,7 +233,7 @@ class _OriginPool:
                 sock.setblocking(False)
                 await self.loop.sock_connect(sock, address)
                 _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self),
+                    lambda: H1Connection(self),
                     sock=sock,
                     ssl=self.context,
                     server_hostname=server_hostname,
@@ -248,7 +248,7 @@ class _OriginPool:
         self._resolved_until = 0.0
         raise error or OSError("the host resolved to no address")
 
-    def put(self, conn: _Connection) -> None:
+    def put(self, conn: H1Connection) -> None:
         """A connection whose answer ended whole: to the first request waiting, else idle."""
         if conn.transport is None:
             return
@@ -265,7 +265,7 @@ class _OriginPool:
             return
         self._pass_on(conn)
 
-    def _keep_idle(self, conn: _Connection) -> None:
+    def _keep_idle(self, conn: H1Connection) -> None:
         max_idle = self.max_idle
         conn.idle = True
         if max_idle is not None and len(self._idle) >= max_idle:
@@ -273,7 +273,7 @@ class _OriginPool:
             return
         self._idle.append(conn)
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: H1Connection) -> None:
         if conn not in self._all:
             return
         self._all.discard(conn)

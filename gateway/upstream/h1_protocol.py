@@ -3,7 +3,7 @@ bytes that arrive, parsed by httptools as one response at a time, its body held 
 takes it (or handed to the relay's tap as it arrives).
 
 What a request does with the connection, and the connection's life (opened, reused, lost), are
-`h1_connection`'s `_Connection`, a subclass of the class here: the state is one object's, so a
+`h1_connection`'s `H1Connection`, a subclass of the class here: the state is one object's, so a
 body's piece goes from the socket to its reader through no call the callbacks did not make
 already.
 """
@@ -21,7 +21,7 @@ import httptools
 from gateway.errors import UpstreamProtocolError
 
 if TYPE_CHECKING:
-    from gateway.upstream.h1_pool import _OriginPool
+    from gateway.upstream.h1_pool import OriginPool
 
 # Above this many bytes received but not yet taken by the relay, stop reading the socket (until
 # the relay takes them): a slow client must not make the gateway buffer a fast backend's whole
@@ -42,11 +42,11 @@ class _Extra(Exception):
     """Raised from the parser's callbacks: bytes after the response's end."""
 
 
-class _ResponseProtocol(asyncio.Protocol):
+class ResponseProtocol(asyncio.Protocol):
     """The bytes of one connection to an origin, read as one response at a time."""
 
-    def __init__(self, pool: _OriginPool) -> None:
-        # The connection's whole state, read and written by both halves: `_Connection` adds
+    def __init__(self, pool: OriginPool) -> None:
+        # The connection's whole state, read and written by both halves: `H1Connection` adds
         # methods, no fields.
         self._pool = pool
         self._loop = pool.loop
