@@ -775,12 +775,23 @@ def tracing_section(
         sampled_served = served_counts(sampled.port("admin"))
         sampled.stop()
         sampled_received = sink_stats(sampled_sink.port())
+        # The SDK's stock exporter (its own protobuf encoder) on the same batch processor, every
+        # request sampled: what the gateway's encoder saves (throughput only).
+        sdk_sink = ManagedProcess(python_module("loadtests.otlp_sink", "--port", "0"))
+        stack.callback(sdk_sink.stop)
+        sdk_env = {**tracing_env(url_of(sdk_sink)), "GATEWAY_OTLP_ENCODER": "sdk"}
+        sdk = start_traced_gateway(tmp, rig.pools, placement.proxy_core, sdk_env, "sdk")
+        stack.callback(sdk.stop)
+        throughput["on_sdk_encoder"], _ = tool.run_counted(url_of(sdk, "data"), settings)
+        sdk.stop()
+        sdk_received = sink_stats(sdk_sink.port())
     on_vs_off = _ratio(throughput["on"], throughput["off"])
     cost = None if on_vs_off is None else 1.0 - on_vs_off
     off_latency, on_latency = latency["off"]["latency"], latency["on"]["latency"]
     sampled_vs_off = _ratio(throughput["on_sampled"], throughput["off"])
     sampled_latency = latency["on_sampled"]["latency"]
     sampled_expected = None if sampled_served is None else sum(sampled_served)
+    sdk_vs_off = _ratio(throughput["on_sdk_encoder"], throughput["off"])
     return {
         "exporter": "OTLP HTTP/protobuf, BatchSpanProcessor",
         "sampler": TRACING_SAMPLER,
@@ -832,6 +843,12 @@ def tracing_section(
                 "rejected_exports": sampled_received["rejected"],
             },
         },
+        "sdk_encoder": {
+            "on_vs_off": sdk_vs_off,
+            "cost": None if sdk_vs_off is None else 1.0 - sdk_vs_off,
+            "spans_received": sdk_received["spans"],
+            "rejected_exports": sdk_received["rejected"],
+        },
     }
 
 
@@ -849,7 +866,10 @@ def _ms(value: float | None) -> str:
 
 def render_tracing(section: Json | None) -> str:
     """Phase 4 of the plain-text report (the other phases are `render`'s)."""
-    title = "5. Tracing cost, off vs on (every request sampled, and one in ten)"
+    title = (
+        "5. Tracing cost, off vs on (every request sampled, and one in ten; and every request "
+        "sampled with the SDK's own encoder)"
+    )
     if section is None:
         return f"{title}: skipped (--skip-tracing)\n"
     if "error" in section:
@@ -928,8 +948,20 @@ def render_tracing(section: Json | None) -> str:
         f"  for {served}: {_fmt(spans['per_request'], 3)} spans per request",
         accounting,
         *_render_sampled(section["sampled"]),
+        *_render_sdk_encoder(section["sdk_encoder"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _render_sdk_encoder(sdk: Json) -> list[str]:
+    cost = sdk["cost"]
+    return [
+        "   the SDK's own encoder (GATEWAY_OTLP_ENCODER=sdk, every request sampled), the "
+        "on_sdk_encoder row above",
+        f"  tracing on / off: {_fmt(sdk['on_vs_off'], 3)}, throughput cost "
+        f"{'-' if cost is None else f'{cost * 100:.1f} %'}; {sdk['spans_received']:,} spans "
+        f"received, {sdk['rejected_exports']:,} exports rejected",
+    ]
 
 
 def _render_sampled(sampled: Json) -> list[str]:

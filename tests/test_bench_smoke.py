@@ -122,6 +122,12 @@ def check_tracing(section: dict[str, Any], report: str) -> None:
     assert_positive(sampled, "on_vs_off")
     assert 0 < sampled["spans"]["received"] < sampled["spans"]["all_spans"] / 3
     assert "sampled: parentbased_traceidratio (ratio 0.1)" in report
+    # The SDK's own encoder, every request sampled: its spans arrive too.
+    sdk = section["sdk_encoder"]
+    assert_positive(section["throughput"]["runs"]["on_sdk_encoder"], "rps", "requests")
+    assert_positive(sdk, "on_vs_off", "spans_received")
+    assert sdk["rejected_exports"] == 0
+    assert "the SDK's own encoder (GATEWAY_OTLP_ENCODER=sdk" in report
 
 
 @pytest.mark.timeout(QUICK_TIMEOUT_S + 60)

@@ -14,12 +14,15 @@ import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanKind
 
 from gateway.config.models import TelemetryPolicy
+from gateway.telemetry import tracing as tracing_module
+from gateway.telemetry.otlp_encoder import FastOtlpSpanExporter
 from gateway.telemetry.otlp_json import encode_json
 from gateway.telemetry.tracing import TracingConfigError, setup_tracing
 from tests.otlp_receiver import OtlpReceiver, _parse_otlp_json
@@ -180,6 +183,7 @@ def test_no_exporter_means_no_tracing(
         ("OTEL_TRACES_EXPORTER", "zipkin", "OTEL_TRACES_EXPORTER: 'zipkin' is not supported"),
         ("OTEL_PROPAGATORS", "tracecontext,xray", "OTEL_PROPAGATORS: 'xray' is not installed"),
         ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/xml", "'http/xml' is not supported"),
+        ("GATEWAY_OTLP_ENCODER", "cython", "GATEWAY_OTLP_ENCODER: 'cython' is not supported"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_naming_the_variable(
@@ -217,3 +221,23 @@ def test_a_gateway_refusing_its_environment_says_why_and_exits(
     )
     assert ran.returncode == 1
     assert "OTEL_PROPAGATORS: 'xray' is not installed" in ran.stderr
+
+
+@pytest.mark.parametrize(("encoder", "fast"), [(None, True), ("fast", True), ("sdk", False)])
+def test_the_sdk_encoder_is_used_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch, encoder: str | None, fast: bool
+) -> None:
+    """`GATEWAY_OTLP_ENCODER=sdk`: the SDK's stock OTLP/HTTP exporter, encoder and all (to
+    compare their costs, or to rule the gateway's encoder out); else the gateway's."""
+    if encoder is None:
+        monkeypatch.delenv("GATEWAY_OTLP_ENCODER", raising=False)
+    else:
+        monkeypatch.setenv("GATEWAY_OTLP_ENCODER", encoder)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    exporter = tracing_module._exporter("otlp")
+    try:
+        assert isinstance(exporter, OTLPSpanExporter)
+        assert isinstance(exporter, FastOtlpSpanExporter) is fast
+    finally:
+        exporter.shutdown()
