@@ -24,18 +24,32 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import uvicorn
-
 from gateway.config.models import DrainPolicy
 from gateway.errors import shutting_down
 from gateway.ingress.dialect import Dialect, dialect_for
 from gateway.ingress.streams import OpenStreams
+from gateway.ingress.uvicorn_server import GatewayServer, LateAnswer
 
 log = logging.getLogger("gateway")
 
 # After the deadline: time for the ended streams to flush their last event, and then for the
 # cancelled requests to be answered, before the process stops waiting for them.
 END_GRACE_S = 1.0
+
+
+def late_answers() -> LateAnswer:
+    """The 503 `shutting_down` for a request on a path, in its route's dialect (OpenAI's when
+    the route is unknown): its headers and body, made once per dialect."""
+    answers: dict[Dialect, tuple[list[tuple[bytes, bytes]], bytes]] = {}
+
+    def answer(path: str | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        dialect = dialect_for(path or "")
+        made = answers.get(dialect)
+        if made is None:
+            made = answers[dialect] = _late_answer(dialect)
+        return made
+
+    return answer
 
 
 def _late_answer(dialect: Dialect) -> tuple[list[tuple[bytes, bytes]], bytes]:
@@ -51,32 +65,6 @@ def _late_answer(dialect: Dialect) -> tuple[list[tuple[bytes, bytes]], bytes]:
     return headers, body
 
 
-def _path(cycle: Any) -> str | None:
-    scope = getattr(cycle, "scope", None)
-    path = scope.get("path") if isinstance(scope, dict) else None
-    return path if isinstance(path, str) else None
-
-
-async def _answer_unanswered(connections: Any) -> None:
-    """Answer 503 `shutting_down` on every connection whose request has no response yet, in the
-    error shape of the route it called (OpenAI's when the route is unknown)."""
-    answers: dict[Dialect, tuple[list[tuple[bytes, bytes]], bytes]] = {}
-    for connection in list(connections):
-        cycle = getattr(connection, "cycle", None)  # uvicorn's request-response cycle
-        if cycle is None or cycle.response_started or cycle.response_complete:
-            continue
-        dialect = dialect_for(_path(cycle) or "")
-        answer = answers.get(dialect)
-        if answer is None:
-            answer = answers[dialect] = _late_answer(dialect)
-        headers, body = answer
-        try:
-            await cycle.send({"type": "http.response.start", "status": 503, "headers": headers})
-            await cycle.send({"type": "http.response.body", "body": body})
-        except Exception:  # the client left, or uvicorn refused: the cancel below still ends it
-            log.debug("could not answer a request at the drain's deadline", exc_info=True)
-
-
 class Drain:
     """Runs the steps above once the first signal comes (see `signal`), with the `drain`
     settings `policy` gives then (a policy reload may change them until SIGTERM)."""
@@ -84,9 +72,9 @@ class Drain:
     def __init__(
         self,
         policy: Callable[[], DrainPolicy],
-        data: uvicorn.Server,
+        data: GatewayServer,
         data_task: asyncio.Task[None],
-        admin: Sequence[uvicorn.Server],
+        admin: Sequence[GatewayServer],
         set_draining: Callable[[bool], None],
         streams: OpenStreams,
     ) -> None:
@@ -126,9 +114,9 @@ class Drain:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        state = self._data.server_state
-        in_flight = len(state.tasks)
-        answered = state.total_requests  # uvicorn counts a request when its response completes
+        data = self._data
+        in_flight = data.in_flight
+        answered = data.answered
         policy = self._policy()  # read once: a reload during the drain does not change it
         self._set_draining(True)
         fields: dict[str, Any] = {
@@ -143,25 +131,22 @@ class Drain:
             await self._wait(policy.delay, self._data_task)
             # uvicorn notices within its 0.1 s tick: it closes the listener and idle
             # connections, and gives the busy ones `Connection: close`.
-            self._data.should_exit = True
+            data.should_exit = True
             await self._wait(policy.timeout, self._data_task)
             ended = self._streams.end_all()
             if not self._data_task.done():
                 await asyncio.wait([self._data_task], timeout=END_GRACE_S)
             if not self._data_task.done():
-                await _answer_unanswered(state.connections)
-                leftover = list(state.tasks)
-                cut = len(leftover)
-                for task in leftover:
-                    task.cancel("the drain's deadline passed")
+                await data.answer_unanswered(late_answers())
+                cut = data.cancel_requests("the drain's deadline passed")
                 await asyncio.wait([self._data_task], timeout=END_GRACE_S)
-                self._data.force_exit = True
+                data.force_exit = True
         finally:
             for server in self._admin:  # the admin plane (and the metrics listener)
                 server.should_exit = True
             fields = {
                 # answered during the drain (in flight at its start, or new during the delay)
-                "completed": max(0, state.total_requests - answered - ended - cut),
+                "completed": max(0, data.answered - answered - ended - cut),
                 "ended_at_deadline": ended,
                 "cancelled": cut,
                 "duration_s": round(loop.time() - started, 3),

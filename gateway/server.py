@@ -9,8 +9,6 @@ import logging
 import resource
 import signal
 import socket
-from collections.abc import Callable, Generator
-from typing import Any, cast
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -19,43 +17,10 @@ from gateway.admin import admin_exposure_error
 from gateway.app import Gateway
 from gateway.config import Policy, split_host_port
 from gateway.drain import Drain
-from gateway.ingress.accept import BatchAcceptor
+from gateway.ingress.uvicorn_server import GatewayServer
 from gateway.telemetry.logs import LogFormat
 
 log = logging.getLogger("gateway")
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the process (two servers share it) and
-    accepts its connections many at a time (`BatchAcceptor`)."""
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if sockets is None:
-            raise ValueError("the gateway's servers serve pre-bound sockets (bind_listener)")
-        await super().startup(sockets=[])  # uvicorn listens on nothing itself
-        loop = asyncio.get_running_loop()
-        config = self.config
-
-        # Typed as asyncio.Protocol's class, built with uvicorn's keywords.
-        protocol_class = cast(Callable[..., asyncio.Protocol], config.http_protocol_class)
-
-        def protocol() -> asyncio.Protocol:
-            # What uvicorn's own listener builds for each connection.
-            return protocol_class(
-                config=config,
-                server_state=self.server_state,
-                app_state=self.lifespan.state,
-                _loop=loop,
-            )
-
-        # Typed as asyncio servers: uvicorn only closes them (`close`, `wait_closed`) when it
-        # stops accepting.
-        acceptors = [BatchAcceptor(loop, sock, protocol) for sock in sockets]
-        self.servers = cast(list[Any], acceptors)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -143,12 +108,12 @@ async def serve(
     await gateway.start()
     _tune_gc()
     servers = [
-        _Server(_uvicorn_config(gateway.data_app)),
-        _Server(_uvicorn_config(gateway.admin_app)),
+        GatewayServer(_uvicorn_config(gateway.data_app)),
+        GatewayServer(_uvicorn_config(gateway.admin_app)),
     ]
     sockets = [data_sock, admin_sock]
     if metrics_sock is not None:
-        servers.append(_Server(_uvicorn_config(gateway.metrics_app)))
+        servers.append(GatewayServer(_uvicorn_config(gateway.metrics_app)))
         sockets.append(metrics_sock)
 
     def stop() -> None:

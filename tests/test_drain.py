@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.drain import _answer_unanswered
+from gateway.drain import late_answers
+from gateway.ingress.uvicorn_server import answer_unanswered
 from loadtests.procs import wait_until
 from tests.support import Backend, Gateway, pool_policy, running_backends, start_gateway
 
@@ -286,7 +287,7 @@ async def test_the_late_answer_speaks_each_routes_dialect() -> None:
     no_scope = FakeCycle(None)
     answered = FakeCycle({"type": "http", "path": "/v1/messages"}, response_started=True)
     cycles = (messages, chat, no_scope, answered, None)
-    await _answer_unanswered([FakeConnection(c) for c in cycles])
+    await answer_unanswered([FakeConnection(c) for c in cycles], late_answers())
 
     status, headers, body = late_answer(messages)
     assert status == 503 and headers[b"x-gateway-error"] == b"shutting_down"

@@ -44,12 +44,12 @@ from gateway.config.models import LimitsPolicy
 from gateway.ingress.refusals import IngressRefusals
 
 PROTOCOL = "gateway/ingress/protocol.py (HardenedProtocol)"
-DRAIN = "gateway/drain.py (Drain._run, _answer_unanswered)"
-SERVER = "gateway/server.py (_Server, _uvicorn_config, serve)"
+DRAIN = "gateway/ingress/uvicorn_server.py (GatewayServer's view of requests, for the drain)"
+SERVER = "gateway/ingress/uvicorn_server.py (GatewayServer), gateway/server.py (_uvicorn_config)"
 SERVING = "loadtests/serving.py (the fake vLLM's server, also in the image's `fake` stage)"
 EXPORTER = "gateway/telemetry/otlp_encoder.py (FastOtlpSpanExporter.export)"
 ENCODER = "gateway/telemetry/otlp_encoder.py (OtlpSpanEncoder._attributes, _span)"
-TRACING = "gateway/telemetry/tracing.py (_exporter)"
+TRACING = "gateway/telemetry/otlp_encoder.py (fast_exporter), used by tracing._exporter"
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -393,7 +393,7 @@ async def test_the_hardened_protocol_hands_the_app_its_transport() -> None:
         assert writer.client_writer({**scope, "extensions": {}}) is None  # another server
 
 
-# --- uvicorn: the server (gateway/server.py, gateway/drain.py, loadtests/serving.py) ----------
+# --- uvicorn: the server (gateway/ingress/uvicorn_server.py, loadtests/serving.py) ------------
 
 
 def test_the_server_state_and_flags_the_drain_uses() -> None:
@@ -444,7 +444,7 @@ def test_uvicorn_config_takes_the_settings_the_gateway_and_the_rig_pass() -> Non
 
 
 async def test_uvicorn_installs_its_signal_handlers_in_capture_signals() -> None:
-    # _Server overrides capture_signals so that uvicorn leaves SIGTERM and SIGINT to the
+    # GatewayServer overrides capture_signals so that uvicorn leaves SIGTERM and SIGINT to the
     # gateway (the drain): that works only while uvicorn installs them there.
     assert threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM)
@@ -481,10 +481,11 @@ async def test_a_running_server_exposes_what_the_drain_reads_and_stops_as_it_exp
         await send({"type": "http.response.body", "body": b"ok"})
 
     gateway_server = module("gateway.server", SERVER)
+    server_class = module("gateway.ingress.uvicorn_server", SERVER).GatewayServer
     hardened = module("gateway.ingress.protocol", PROTOCOL).HardenedProtocol
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     # The gateway's own server class and settings.
-    server = gateway_server._Server(gateway_server._uvicorn_config(app))
+    server = server_class(gateway_server._uvicorn_config(app))
     state = server.server_state
     writers: list[asyncio.StreamWriter] = []
     with gateway_server.bind_listener("127.0.0.1", 0) as sock:

@@ -46,7 +46,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 from opentelemetry.trace import SpanContext, SpanKind
 
-__all__ = ["FastOtlpSpanExporter", "OtlpSpanEncoder", "encode_spans"]
+__all__ = ["FastOtlpSpanExporter", "OtlpSpanEncoder", "encode_spans", "fast_exporter"]
 
 _logger = logging.getLogger(__name__)
 
@@ -595,3 +595,15 @@ class FastOtlpSpanExporter(OTLPSpanExporter):
                     result.error_attrs = {HTTP_RESPONSE_STATUS_CODE: sent.status_code}
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+
+def fast_exporter() -> FastOtlpSpanExporter | None:
+    """A `FastOtlpSpanExporter` configured from the environment as the stock one is, or None
+    when this SDK's exporter lacks the private state its `export` uses (`_client`, `_metrics`,
+    `_max_request_size`): then the stock exporter serves instead."""
+    exporter = FastOtlpSpanExporter()
+    try:
+        _ = (exporter._client, exporter._metrics, exporter._max_request_size)
+    except AttributeError:
+        return None
+    return exporter

@@ -30,6 +30,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterable
+from importlib.metadata import entry_points
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -44,7 +45,6 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.trace import Tracer
-from opentelemetry.util._importlib_metadata import entry_points
 
 from gateway.config.models import TelemetryPolicy
 from gateway.core.breaker import Transition
@@ -208,18 +208,18 @@ def _exporter(name: str) -> SpanExporter:
     if encoder not in ("fast", "sdk"):
         raise TracingConfigError(f"{ENCODER_VARIABLE}: {encoder!r} is not supported (fast or sdk)")
     if encoder == "fast":
+        # The stock exporter with a body encoder five times faster (the stock one costs about
+        # 50 µs of this process's CPU per span). It leans on the exporter's internals: with an
+        # SDK whose internals differ, the stock exporter is used, as it is when asked for
+        # (`sdk`: to compare their costs, or to rule this one out).
         try:
-            # The stock exporter with a body encoder five times faster (the stock one costs
-            # about 50 µs of this process's CPU per span). It leans on the exporter's
-            # internals: with an SDK whose internals differ, the stock exporter is used, as it
-            # is when asked for (`sdk`: to compare their costs, or to rule this one out).
-            from gateway.telemetry.otlp_encoder import FastOtlpSpanExporter
-
-            exporter = FastOtlpSpanExporter()
-            _ = (exporter._client, exporter._metrics, exporter._max_request_size)
-            return exporter
-        except (ImportError, AttributeError):
+            from gateway.telemetry.otlp_encoder import fast_exporter
+        except ImportError:
             pass
+        else:
+            exporter = fast_exporter()
+            if exporter is not None:
+                return exporter
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpExporter,
     )
