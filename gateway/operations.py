@@ -6,15 +6,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gateway.core.breaker import ADMITTING, Transition
-from gateway.core.ewma import Ewma
 from gateway.ingress.refusals import IngressRefusals
+from gateway.pipeline.admission_snapshot import AdmissionSnapshot, admission_snapshot
 from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import ReloadStats
-from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
+from gateway.upstream.snapshot import (
+    DiscoverySnapshot,
+    InstanceSnapshot,
+    PoolSnapshot,
+    pool_snapshot,
+)
 
 # Shares a transition with the other replicas; True: an operator's (it overrides theirs).
 ShareTransition = Callable[[str, Transition, bool], None]
@@ -80,45 +85,17 @@ class Operations:
     def state(self) -> dict[str, Any]:
         """The operator's view, served as /admin/state."""
         now = self._clock()
-        wall = self._wall()
+        clocks = _Clocks(now, self._wall())
+        decided_by = self._decisions.decided_by
         pools: dict[str, Any] = {}
         for name, pool in self._pools.items():
-            rate = pool.failure.rate
-            tier = pool.tiers.choose(rate)
-            requests, retries = pool.budget.counts(now)
-            pools[name] = {
-                "models": list(pool.policy.models),
-                # Where the pool's upstream credential comes from, never its value.
-                "credentials": (
-                    {"header": creds.header, "source": creds.source}
-                    if (creds := pool.policy.credentials) is not None
-                    else None
-                ),
-                "failure_rate": rate,
-                "tier": {
-                    "index": tier.index,
-                    "max_retries": tier.max_retries,
-                    "backoff_s": tier.backoff_s,
-                    "k": tier.k,
-                },
-                "retry_budget": {"requests": requests, "retries": retries},
-                # Streams continued after their first byte, by instance and reason, those that
-                # broke and could not be, and hedged first attempts by result.
-                "resumes": [
-                    {"instance": instance, "reason": reason, "count": count}
-                    for (instance, reason), count in sorted(pool.stats.resumes.items())
-                ],
-                "resume_refusals": dict(pool.stats.resume_refusals),
-                "hedges": dict(pool.stats.hedges),
-                "admission": self._admissions[name].state(now)
-                if name in self._admissions
-                else None,
-                "discovery": _discovery_state(pool, now, wall),
-                "instances": [
-                    _instance_state(pool, inst, tier.k, now, wall, self._decisions.decided_by)
-                    for inst in pool.instances
-                ],
-            }
+            admission = self._admissions.get(name)
+            pools[name] = _pool_state(
+                pool_snapshot(pool, now),
+                admission_snapshot(admission, now) if admission is not None else None,
+                clocks,
+                decided_by,
+            )
         return {
             "pools": pools,
             "shared_state": self._decisions.status(),
@@ -128,25 +105,90 @@ class Operations:
         }
 
 
-def _discovery_state(pool: PoolState, now: float, wall: float) -> dict[str, Any] | None:
+class _Clocks(NamedTuple):
+    """The event-loop time of a view (the snapshots' times) and the wall-clock time it shows
+    them in."""
+
+    now: float
+    wall: float
+
+    def wall_time(self, moment: float) -> float:
+        """Event-loop time `moment` as wall-clock time."""
+        return self.wall - (self.now - moment)
+
+
+def _pool_state(
+    pool: PoolSnapshot,
+    admission: AdmissionSnapshot | None,
+    clocks: _Clocks,
+    decided_by: Callable[[str, str], str | None],
+) -> dict[str, Any]:
+    tier = pool.tier
+    requests, retries = pool.retry_budget
+    stats = pool.stats
+    return {
+        "models": list(pool.models),
+        # Where the pool's upstream credential comes from, never its value.
+        "credentials": (
+            {"header": pool.credentials[0], "source": pool.credentials[1]}
+            if pool.credentials is not None
+            else None
+        ),
+        "failure_rate": pool.failure_rate,
+        "tier": {
+            "index": tier.index,
+            "max_retries": tier.max_retries,
+            "backoff_s": tier.backoff_s,
+            "k": tier.k,
+        },
+        "retry_budget": {"requests": requests, "retries": retries},
+        # Streams continued after their first byte, by instance and reason, those that
+        # broke and could not be, and hedged first attempts by result.
+        "resumes": [
+            {"instance": instance, "reason": reason, "count": count}
+            for (instance, reason), count in sorted(stats.resumes.items())
+        ],
+        "resume_refusals": dict(stats.resume_refusals),
+        "hedges": dict(stats.hedges),
+        "admission": _admission_state(admission) if admission is not None else None,
+        "discovery": _discovery_state(pool.discovery, clocks),
+        "instances": [
+            _instance_state(inst, clocks, decided_by(pool.name, inst.name))
+            for inst in pool.instances
+        ],
+    }
+
+
+def _admission_state(admission: AdmissionSnapshot) -> dict[str, Any]:
+    return {
+        "running": admission.running,
+        "over": admission.over,
+        "room": admission.room,
+        "queued": admission.queued,
+        "shed": admission.shed,
+        "overflow": admission.overflow,
+        "flood": admission.flood,
+        "engine_refused": admission.engine_refused,
+        "weights": admission.weights,
+        "tenants": {
+            "queued": admission.tenants_queued,
+            "shed": dict(admission.tenants_shed),
+        },
+    }
+
+
+def _discovery_state(found: DiscoverySnapshot | None, clocks: _Clocks) -> dict[str, Any] | None:
     """Where the pool's instances come from, what was last found and when, the last error."""
-    policy, found = pool.declared.discovery, pool.found
-    if policy is None or found is None:
+    if found is None:
         return None
-    if policy.dns is not None:
-        target = f"{policy.dns.type} {policy.dns.name}"
-    else:
-        assert policy.kubernetes is not None
-        k8s = policy.kubernetes
-        target = f"{k8s.namespace or '(own namespace)'}/{k8s.service or k8s.selector}"
 
     def at(moment: float | None) -> float | None:
-        return None if moment is None else wall - (now - moment)
+        return None if moment is None else clocks.wall_time(moment)
 
     return {
-        "source": policy.source,
-        "target": target,
-        "instances": [e.name for e in found.endpoints],
+        "source": found.source,
+        "target": found.target,
+        "instances": list(found.instances),
         "refreshed_at": at(found.refreshed_at),  # wall clock of the last answer
         "last_error": found.last_error,  # since the last answer (null: none)
         "failed_at": at(found.failed_at),
@@ -162,76 +204,55 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _estimate(ewma: Ewma) -> dict[str, float | int]:
-    return {"mean_s": ewma.mean, "deviation_s": ewma.deviation, "samples": ewma.samples}
-
-
 def _instance_state(
-    pool: PoolState,
-    inst: InstanceState,
-    k: float,
-    now: float,
-    wall: float,
-    decided_by: Callable[[str, str], str | None],
+    inst: InstanceSnapshot, clocks: _Clocks, decided_by: str | None
 ) -> dict[str, Any]:
-    stream = pool.timeouts_for(inst, k, now, stream=True, max_tokens=None)
-    whole = pool.timeouts_for(inst, k, now, stream=False, max_tokens=None)
     return {
         "name": inst.name,
-        "url": inst.base_url,
-        "state": inst.breaker.state,
+        "url": inst.url,
+        "state": inst.state,
         # Wall-clock time of the last change of state; who decided an isolation shared with us.
-        "state_since": _finite(wall - (now - inst.breaker.changed_at)),
-        "decided_by": decided_by(pool.name, inst.name),
-        "isolations": inst.breaker.isolations,
-        "isolation_remaining_s": _finite(inst.breaker.remaining_s(now)),
-        "forced": inst.breaker.forced,
+        "state_since": _finite(clocks.wall_time(inst.state_changed_at)),
+        "decided_by": decided_by,
+        "isolations": inst.isolations,
+        "isolation_remaining_s": _finite(inst.isolation_remaining_s),
+        "forced": inst.forced,
         "in_flight": inst.in_flight,
-        "concurrency_limit": inst.limiter.limit if inst.limiter is not None else None,
+        "concurrency_limit": inst.concurrency_limit,
         # What it may have in flight now: its engine's pace, or the limit (`InstanceState.room`).
-        "room": inst.room() if inst.limiter is not None else None,
+        "room": inst.room,
         "kv_tokens": (
-            {"in_use": inst.budget.used, "budget": inst.budget.budget}
-            if inst.budget is not None
+            {"in_use": inst.kv_tokens_in_use, "budget": inst.kv_tokens_budget}
+            if inst.kv_tokens_budget is not None
             else None
         ),
         "vllm": {
             # Whether its engine exports load gauges (null: not read yet, or the read failed).
-            "gauges": inst.engine.gauges,
-            "saturated": inst.engine.saturated,
-            "waiting": inst.engine.waiting,
-            "cache_usage": inst.engine.cache_usage,
-            "engine_slots": inst.engine.slots if inst.engine.saturated else None,
-            "engine_batch": inst.engine.batch or None,
+            "gauges": inst.engine_gauges,
+            "saturated": inst.saturated,
+            "waiting": inst.engine_waiting,
+            "cache_usage": inst.engine_cache_usage,
+            "engine_slots": inst.engine_slots,
+            "engine_batch": inst.engine_batch,
         },
         "requests": inst.requests,
         "failures": inst.failures,
         "streaming": inst.streaming,
         "capacity_seen": inst.capacity_seen,
-        "prefill_holds": inst.holds,
+        "prefill_holds": inst.prefill_holds,
         "timeouts_by_phase": [
             {"phase": phase, "blamed": blamed, "count": count}
             for (phase, blamed), count in sorted(inst.stats.timeouts.items())
         ],
-        "peak_ewma_s": inst.price.peak.peek(now),
-        "penalty_s": inst.price.penalty.peek(now) if inst.price.penalty is not None else None,
-        "retry_after_remaining_s": max(0.0, inst.not_before - now),
+        "peak_ewma_s": inst.peak_ewma_s,
+        "penalty_s": inst.penalty_s,
+        "retry_after_remaining_s": inst.retry_after_remaining_s,
         "health": {
-            "healthy": inst.health.healthy,
-            "reason": inst.health.last_reason,
-            "cold_start_s": inst.health.cold_start_s,
+            "healthy": inst.healthy,
+            "reason": inst.health_reason,
+            "cold_start_s": inst.cold_start_s,
         },
-        "ewma": {
-            "ttfb": _estimate(inst.latency.ttfb),
-            "gap": _estimate(inst.latency.gap),
-            "per_token": _estimate(inst.latency.per_token),
-            "prefill_per_token": _estimate(inst.latency.prefill),
-            "service": _estimate(inst.latency.service),
-        },
-        "timeouts": {
-            "connect_s": stream.connect_s,
-            "stream_first_byte_s": stream.first_byte_s,
-            "stream_idle_s": stream.idle_s,
-            "whole_first_byte_s": whole.first_byte_s,  # at assumed_max_tokens
-        },
+        "ewma": {name: estimate._asdict() for name, estimate in inst.estimates._asdict().items()},
+        # The stream's first byte and idle gap; a whole answer's at assumed_max_tokens.
+        "timeouts": inst.timeouts._asdict(),
     }

@@ -12,6 +12,7 @@ from gateway.config.models import TenantsPolicy
 from gateway.config.routes import KNOWN_ROUTES
 from gateway.core.admission import ArrivalRate
 from gateway.errors import Shed
+from gateway.pipeline.admission_snapshot import admission_snapshot
 from gateway.pipeline.admit import (
     Admit,
     PoolAdmission,
@@ -275,7 +276,11 @@ async def test_waiting_tenants_are_served_by_weight_and_a_flood_drops_its_own() 
     for _ in range(3):
         await asyncio.sleep(0)
     assert order == ["shed flood", "shed flood"]  # the flood gave up its newest two
-    assert adm.state(0.0)["tenants"]["queued"]["batch"] == {"flood": 2, "gold": 2, "(other)": 0}
+    assert admission_snapshot(adm, 0.0).tenants_queued["batch"] == {
+        "flood": 2,
+        "gold": 2,
+        "(other)": 0,
+    }
     for _ in range(4):
         adm.leave()
         await asyncio.sleep(0)
@@ -320,9 +325,10 @@ async def test_without_a_flood_a_learned_limit_holds_nothing_back() -> None:
     assert slot.over and slot.reserved is None
     # They hold none of the room's slots.
     assert (adm.running, adm.over, len(adm.queues)) == (1, 2, 0)
-    assert adm.state(0.0)["running"] == 3 and adm.state(0.0)["over"] == 2
+    seen = admission_snapshot(adm, 0.0)
+    assert seen.running == 3 and seen.over == 2
     assert adm.queues.overflow == {"interactive": 1, "standard": 0, "batch": 1}
-    assert adm.state(0.0)["overflow"] == adm.queues.overflow
+    assert admission_snapshot(adm, 0.0).overflow == adm.queues.overflow
     assert adm.queues.shed == {"interactive": 0, "standard": 0, "batch": 0}
 
 
@@ -382,7 +388,7 @@ async def test_a_flood_starts_at_twice_the_peak_and_lasts_until_arrivals_are_bac
         for _ in range(arrivals):
             adm.arrivals.arrive(now + later)
         assert adm.flooded(now + later) is flood, (later, adm.arrivals.qps(now + later))
-    assert adm.state(now + 4)["flood"] is True
+    assert admission_snapshot(adm, now + 4).flood is True
     # Not asked about for longer than two windows: a new rate is judged as a start.
     for _ in range(12):
         adm.arrivals.arrive(now + 10)
@@ -401,7 +407,7 @@ async def test_once_the_engine_refuses_for_load_a_learned_limit_holds_without_a_
     # The engine answers one out of memory (or 429, 503, 529): its own word that it is full.
     limiter.record(now, None, in_flight=2, overloaded=True, refused=True)
     assert inst.room_guessed and adm.room() == 1
-    assert adm.state(now)["engine_refused"] and not adm.flooded(now)
+    assert admission_snapshot(adm, now).engine_refused and not adm.flooded(now)
     # Now a request waits for room, and the one sent past before counts against that room;
     # one that would wait longer than its class's queue time is shed with a time to come back.
     waiting = asyncio.ensure_future(adm.enter("batch"))

@@ -46,7 +46,7 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Final
 
 from gateway.config.models import AdmissionPolicy, TenantsPolicy
 from gateway.core.admission import CLASSES, AdmissionQueues, ArrivalRate, Priority
@@ -200,34 +200,6 @@ class PoolAdmission:
         self.queues.reconfigure(*_queue_settings(policy))
         self.queues.set_tenant_weight(_weights(policy.tenants))
         self.dispatch()  # the new weights or bounds may let someone through
-
-    def state(self, now: float) -> dict[str, Any]:
-        """The operator's view, in /admin/state."""
-        queues = self.queues
-        return {
-            "running": self.running + self.over,
-            "over": self.over,
-            "room": self.room(),
-            "queued": {name: queues.length(name) for name in CLASSES},
-            "shed": dict(queues.shed),
-            "overflow": dict(queues.overflow),
-            "flood": self.flood,
-            "engine_refused": self.refused_lately(now),
-            "weights": queues.weights(now),
-            "tenants": {
-                "queued": {name: self.tenants_queued(name) for name in CLASSES},
-                "shed": dict(self.tenant_shed.items()),
-            },
-        }
-
-    def tenants_queued(self, priority: Priority, top: int = 20) -> dict[str, int]:
-        """The `top` tenants with the most requests waiting in the class, the rest added up
-        under `other` (bounded, for metrics and the operator's view)."""
-        ranked = sorted(self.queues.tenants(priority).items(), key=lambda kv: -kv[1])
-        shown = {tenant or ANONYMOUS: count for tenant, count in ranked[:top]}
-        # Always there (0 when nobody else waits): a series that never goes missing.
-        shown[OTHER_TENANTS] = shown.get(OTHER_TENANTS, 0) + sum(c for _, c in ranked[top:])
-        return shown
 
     def room(self) -> int:
         """Slots in the pool: the concurrency limits of the instances taking new work, held
