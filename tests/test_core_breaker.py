@@ -58,7 +58,7 @@ def test_three_consecutive_timeouts_isolate() -> None:
         "a", ADMITTING, ISOLATED, "3 consecutive timeouts", 5.3, silent=True
     )
     assert b.state == ISOLATED
-    assert (b.streak, b.isolations, b.isolated_until) == (1, 1, 5.3)
+    assert (b.backoff.streak, b.isolations, b.isolated_until) == (1, 1, 5.3)
 
 
 @pytest.mark.parametrize(
@@ -131,12 +131,12 @@ def test_the_window_slides_per_second() -> None:
         fail(b, 0.5)  # second 0
     for _ in range(30):
         ok(b, 30.5)  # second 30
-    assert b.window_counts(30.5) == (40, 10)
+    assert b.counts.window_counts(30.5) == (40, 10)
     # Second 59 still holds second 0 (60 buckets: 0..59); second 60 has dropped it.
-    assert b.window_counts(59.9) == (40, 10)
-    assert b.window_counts(60.0) == (30, 0)
+    assert b.counts.window_counts(59.9) == (40, 10)
+    assert b.counts.window_counts(60.0) == (30, 0)
     # Second 90 drops second 30 too.
-    assert b.window_counts(90.0) == (0, 0)
+    assert b.counts.window_counts(90.0) == (0, 0)
 
 
 def test_old_failures_leave_the_window_before_they_can_trip() -> None:
@@ -150,15 +150,15 @@ def test_old_failures_leave_the_window_before_they_can_trip() -> None:
     for _ in range(5):
         fail(b, 60.0)
     assert b.state == ADMITTING
-    assert b.window_counts(60.0) == (10, 5)
+    assert b.counts.window_counts(60.0) == (10, 5)
 
 
 def test_a_long_gap_empties_the_window() -> None:
     b = breaker()
     for _ in range(19):
         fail(b, 100.0)
-    assert b.window_counts(100.0) == (19, 19)
-    assert b.window_counts(10_000.0) == (0, 0)
+    assert b.counts.window_counts(100.0) == (19, 19)
+    assert b.counts.window_counts(10_000.0) == (0, 0)
     fail(b, 10_000.0)
     assert b.state == ADMITTING
 
@@ -167,14 +167,14 @@ def test_a_clock_that_goes_back_counts_in_the_newest_bucket() -> None:
     b = breaker()
     ok(b, 10.0)
     ok(b, 5.0)
-    assert b.window_counts(10.0) == (2, 0)
+    assert b.counts.window_counts(10.0) == (2, 0)
 
 
 def test_a_fractional_window_has_whole_second_buckets() -> None:
     b = breaker(BreakerPolicy(consecutive_failures=10_000, window=0.5, min_requests=2))
     ok(b, 0.1)
-    assert b.window_counts(0.9) == (1, 0)
-    assert b.window_counts(1.0) == (0, 0)
+    assert b.counts.window_counts(0.9) == (1, 0)
+    assert b.counts.window_counts(1.0) == (0, 0)
 
 
 # -- ISOLATED: how long -------------------------------------------------------------------------
@@ -197,15 +197,15 @@ def test_isolations_double_up_to_the_cap_and_decay_after_successful_probes() -> 
         assert transition.until is not None
         durations.append(transition.until - now)
     assert durations == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
-    assert (b.streak, b.isolations) == (6, 6)
+    assert (b.backoff.streak, b.isolations) == (6, 6)
 
     # A successful probe: ADMITTING, the streak down by one (6 -> 5).
     now = b.isolated_until
     assert b.try_admit(now)
     assert ok(b, now, probe=True) == Transition("a", PROBING, ADMITTING, "probe succeeded")
-    assert b.streak == 5
-    assert b.window_counts(now) == (0, 0)
-    assert b.consecutive_timeouts == 0
+    assert b.backoff.streak == 5
+    assert b.counts.window_counts(now) == (0, 0)
+    assert b.counts.consecutive_timeouts == 0
     # Tripping again at once is the 6th in the streak: still at the cap.
     assert trip_on_timeouts(b, now).until == now + 60.0
 
@@ -231,15 +231,15 @@ def test_the_streak_decays_with_probes_and_with_time_admitting(
         now = b.isolated_until
         b.try_admit(now)
         fail(b, now, probe=True)
-    assert b.streak == 4
+    assert b.backoff.streak == 4
     now = b.isolated_until
     b.try_admit(now)
     ok(b, now, probe=True)
-    assert b.streak == 3  # the successful probe forgave one
+    assert b.backoff.streak == 3  # the successful probe forgave one
     now += admitting_s
     transition = trip_on_timeouts(b, now)
     assert transition.until == now + isolation_s
-    assert b.streak == streak_before + 1
+    assert b.backoff.streak == streak_before + 1
 
 
 def test_jitter_stays_within_ten_percent() -> None:
@@ -314,7 +314,7 @@ def test_a_released_probe_lets_the_next_caller_probe() -> None:
     assert b.release_probe(7.0) is None  # not probing: nothing to release
     assert b.try_admit(7.0)
     assert not b.try_admit(7.0)
-    assert b.streak == 1  # a cancelled probe is no evidence either way
+    assert b.backoff.streak == 1  # a cancelled probe is no evidence either way
 
 
 def test_a_probe_outstanding_longer_than_max_isolation_lets_another_through() -> None:
@@ -354,7 +354,8 @@ def test_operator_isolate_overrides_a_probe_and_restore_clears_everything() -> N
     assert ok(b, 7.0, probe=True) is None  # the probe's late result changes nothing
     assert b.state == ISOLATED
     assert b.restore(8.0) is not None
-    assert (b.streak, b.consecutive_timeouts, b.window_counts(8.0)) == (0, 0, (0, 0))
+    assert (b.backoff.streak, b.counts.consecutive_timeouts) == (0, 0)
+    assert b.counts.window_counts(8.0) == (0, 0)
     assert b.isolations == 2
 
 

@@ -260,9 +260,9 @@ def test_an_expired_lease_does_not_start_a_probe() -> None:
 def test_lift_after_a_probe_elsewhere_lowers_the_streak() -> None:
     b = BreakerState(POLICY, "a", jitter=0.0)
     b.record(0.0, True, True, RNG)
-    assert b.streak == 1
+    assert b.backoff.streak == 1
     b.lift(1.0, "restored by r2")
-    assert b.streak == 0 and b.state == ADMITTING and b.consecutive_timeouts == 0
+    assert b.backoff.streak == 0 and b.state == ADMITTING and b.counts.consecutive_timeouts == 0
 
 
 def test_a_newer_isolation_elsewhere_supersedes_ours() -> None:

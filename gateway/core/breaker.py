@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from gateway.config.models import BreakerPolicy
-from gateway.core.window import WindowPair
+from gateway.core.failure_counts import FailureCounts, Trip
 
 StateName = Literal["ADMITTING", "ISOLATED", "PROBING"]
 ADMITTING: Final = "ADMITTING"
@@ -71,34 +71,78 @@ def isolation_cap(fraction: float, size: int) -> int:
     return max(1, math.floor(fraction * size + _EPSILON))
 
 
+class IsolationBackoff:
+    """How long a breaker's isolations last, and the streak that lengthens them.
+
+    Each isolation adds one to `streak` and, with n the new streak, lasts
+    `min(isolation · 2^(n-1), max_isolation) * f`, f drawn uniformly from `[1 - jitter,
+    1 + jitter]` with the rng passed in (so up to `1.1 * max_isolation` with the default jitter).
+    A return to ADMITTING after a probe takes one off (`readmitted`); an operator clears it
+    (`forget`).
+
+    The streak also decays with time, as Envoy's ejection multiplier does: at a trip, one step
+    is forgiven per whole `max_isolation` spent ADMITTING since the last return to ADMITTING
+    (`streak = max(0, streak - ⌊admitting time / max_isolation⌋)` before adding 1). Without it
+    the streak could only go up by one per trip and down by one per probe, so an instance that
+    tripped a few times a week would keep long isolations forever. `streak` as read is the
+    value before that forgiveness.
+    """
+
+    __slots__ = ("_admitting_since", "_isolation_s", "_jitter", "max_isolation_s", "streak")
+
+    def __init__(self, policy: BreakerPolicy, jitter: float = JITTER) -> None:
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.streak = 0
+        self._admitting_since = -_INF
+        self._jitter = jitter
+        self.configure(policy)
+
+    def configure(self, policy: BreakerPolicy) -> None:
+        """Take a reloaded policy's lengths, keeping the streak."""
+        self._isolation_s = policy.isolation
+        self.max_isolation_s = policy.max_isolation
+
+    def next_isolation_s(self, now: float, rng: random.Random, after_admitting: bool) -> float:
+        """How long the isolation starting at `now` lasts, a step longer than the last one;
+        `after_admitting` (a trip, not a failed probe): the steps earned by the time spent
+        admitting are forgiven first (rules in the class docstring)."""
+        if after_admitting and self.streak:
+            forgiven = (now - self._admitting_since) // self.max_isolation_s
+            if forgiven > 0:
+                self.streak -= int(min(forgiven, self.streak))
+        self.streak += 1
+        nominal = self._isolation_s * 2.0 ** min(self.streak - 1, _MAX_DOUBLINGS)
+        duration = min(nominal, self.max_isolation_s)
+        jitter = self._jitter
+        if jitter:
+            duration *= 1.0 + jitter * (2.0 * rng.random() - 1.0)
+        return duration
+
+    def readmitted(self, now: float) -> None:
+        """Back to ADMITTING at `now` (a probe answered well, here or on another replica): a
+        step off the streak, and the time spent admitting counts from now."""
+        self.streak = max(0, self.streak - 1)
+        self._admitting_since = now
+
+    def forget(self) -> None:
+        """An operator vouches for the instance: its next isolation is a first one."""
+        self.streak = 0
+
+
 class BreakerState:
     """One instance's breaker. The rules, exactly:
 
     **ADMITTING** (`try_admit` → True). `record` counts every finished attempt the caller
-    classified (a client's 4xx is not recorded at all; `timeout` implies `failed`):
-
-    - `consecutive_timeouts` rises on a timeout and drops to 0 on any other result, failure or
-      success; `consecutive_failures` rises on any failure and drops to 0 on a success (a
-      dead instance refusing connections is isolated after a few attempts, not once its
-      window's error rate catches up with minutes of past successes);
-    - a sliding window of `ceil(policy.window)` one-second buckets (a fixed ring keyed by
-      `floor(now)`: the current second and the ones before it) counts results and failures.
-
-    The trip is checked when a failure is recorded, never on a success (a success that brings
-    the window to `min_requests` must not isolate an instance that just answered well):
-    it trips when `consecutive_timeouts ≥ policy.consecutive_timeouts`, or when
-    `consecutive_failures ≥ policy.consecutive_failures`, else when the window
-    holds `≥ policy.min_requests` results and `failures / results > policy.error_rate`
-    (strictly above: exactly 15 % with a 15 % threshold does not trip).
+    classified (a client's 4xx is not recorded at all; `timeout` implies `failed`) in `counts`,
+    whose `FailureCounts` rules say when it trips: only ever on a failure.
 
     **Trip.** If the pool's guard (`may_isolate`, see `PoolBreakers`) refuses, the breaker stays
     ADMITTING with its counters untouched, `suppressed_isolations` rises and `record` returns a
     Transition with `suppressed=True`; the next failure checks again, so the instance is
-    isolated as soon as there is room and it still fails. Otherwise it becomes **ISOLATED**:
-    `streak` rises by one and, with n the new streak, the isolation lasts
-    `min(isolation · 2^(n-1), max_isolation) * f`, f drawn uniformly from `[1 - jitter,
-    1 + jitter]` with the rng passed in (so up to `1.1 * max_isolation` with the default jitter).
-    `isolated_until = now + that`.
+    isolated as soon as there is room and it still fails. Otherwise it becomes **ISOLATED**
+    until `isolated_until = now +` the length `backoff` gives (`IsolationBackoff`: `streak`
+    rises by one, the length doubles with it up to `max_isolation`, jittered).
 
     **ISOLATED** (`try_admit` → False before `isolated_until`). At `now ≥ isolated_until`, the
     next `try_admit` turns the breaker to **PROBING** and returns True: that caller holds the
@@ -112,13 +156,6 @@ class BreakerState:
     `try_admit(now, early=True)`, which the caller asks only while every instance still
     admitting is full, probes it before `isolated_until`, at most once per `EARLY_PROBE_GAP_S`.
 
-    The streak also decays with time, as Envoy's ejection multiplier does: at a trip, one step
-    is forgiven per whole `max_isolation` spent ADMITTING since the last return to ADMITTING
-    (`streak = max(0, streak - ⌊admitting time / max_isolation⌋)` before adding 1). Without it
-    the streak could only go up by one per trip and down by one per probe, so an instance that
-    tripped a few times a week would keep long isolations forever. `streak` as read is the
-    value before that forgiveness.
-
     A probe that never reports (its request was cancelled) must not wedge the breaker:
     `release_probe(now)` puts it back to ISOLATED with `isolated_until` already passed, so the
     next `try_admit` probes again; and a probe outstanding longer than `max_isolation` lets one
@@ -127,12 +164,9 @@ class BreakerState:
     Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
     requests admitted before the isolation, and describe the instance before the pause.
 
-    **Operator.** `isolate(now, rng, reason)` forces ISOLATED with `isolated_until = inf` from
-    any state, regardless of the pool's cap, until `restore(now)`; `restore` returns to
-    ADMITTING with the window, `consecutive_timeouts` and `streak` cleared.
-    `isolate(..., forced=False)` is an automatic isolation from outside the request path (a
-    health check, a decision shared by another replica): a trip as above, capped, from ADMITTING
-    only.
+    **Operator.** `isolate(now, rng, reason)` holds it ISOLATED, whatever the pool's cap, until
+    `restore(now)` clears its record; `isolate(..., forced=False)` is an automatic trip from
+    outside the request path (the rules in their docstrings).
 
     **Shared decisions.** `adopt` and `lift` apply what another replica decided (see their
     docstrings). `lease_until` gates the ISOLATED → PROBING step: a probe starts only while
@@ -145,22 +179,11 @@ class BreakerState:
     """
 
     __slots__ = (
-        "_admitting_since",
-        "_error_rate",
-        "_failure_limit",
-        "_guard",
-        "_isolation_s",
-        "_jitter",
-        "_make_room",
-        "_max_isolation_s",
-        "_min_requests",
-        "_timeout_limit",
-        "_window",
-        "_window_s",
+        "_pool",
         "answered_at",
+        "backoff",
         "changed_at",
-        "consecutive_failures",
-        "consecutive_timeouts",
+        "counts",
         "early_probe",
         "instance",
         "isolated_until",
@@ -168,7 +191,6 @@ class BreakerState:
         "lease_until",
         "probe_started_at",
         "state",
-        "streak",
         "suppressed_isolations",
     )
 
@@ -176,12 +198,11 @@ class BreakerState:
         self,
         policy: BreakerPolicy,
         instance: str = "",
-        may_isolate: Callable[[float, str], bool] | None = None,
+        pool: PoolBreakers | None = None,
         jitter: float = JITTER,
-        make_room: MakeRoom | None = None,
     ) -> None:
-        if not 0.0 <= jitter < 1.0:
-            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.backoff = IsolationBackoff(policy, jitter)
+        self.counts = FailureCounts(policy)
         self.instance = instance
         self.state: StateName = ADMITTING
         self.isolated_until = 0.0
@@ -192,53 +213,24 @@ class BreakerState:
         self.probe_started_at = 0.0
         # When the state last changed (monotonic), for the operator's view.
         self.changed_at = -_INF
-        # Until when this replica may start a probe. `inf`: no one else to ask. A shared
-        # decision store sets it to 0 and grants a moment at a time, so that one replica at a
-        # time probes an instance they all isolated.
+        # Until when this replica may start a probe. `inf`: no one else to ask (a shared
+        # decision store grants a moment at a time: "Shared decisions" above).
         self.lease_until = _INF
-        self.streak = 0
         self.isolations = 0
         self.suppressed_isolations = 0
-        self.consecutive_timeouts = 0
-        self.consecutive_failures = 0
         # When an attempt on it last ended well, in any state (answers while isolated are not
         # counted, but they show which isolated instance works: see PoolBreakers).
         self.answered_at = -_INF
-        self._admitting_since = -_INF
-        self._jitter = jitter
-        self._window_s = policy.window
-        # first: results, second: failures
-        self._window = WindowPair(max(1, math.ceil(policy.window)))
-        self._settings(policy, may_isolate, make_room)
+        # The pool whose cap it asks before an automatic trip (None: no cap).
+        self._pool = pool
 
-    def reconfigure(
-        self,
-        policy: BreakerPolicy,
-        may_isolate: Callable[[float, str], bool] | None,
-        make_room: MakeRoom | None = None,
-    ) -> None:
-        """Take a reloaded policy's settings (and the new pool's guard), keeping the state:
-        ISOLATED stays isolated until its `isolated_until`, the streak and counts stay. The
-        window keeps its counts unless its length changed (then it starts empty)."""
-        self._settings(policy, may_isolate, make_room)
-        if max(1, math.ceil(policy.window)) != max(1, math.ceil(self._window_s)):
-            self._window = WindowPair(max(1, math.ceil(policy.window)))
-        self._window_s = policy.window
-
-    def _settings(
-        self,
-        policy: BreakerPolicy,
-        may_isolate: Callable[[float, str], bool] | None,
-        make_room: MakeRoom | None,
-    ) -> None:
-        self._guard = may_isolate
-        self._make_room = make_room
-        self._timeout_limit = policy.consecutive_timeouts
-        self._failure_limit = policy.consecutive_failures
-        self._error_rate = policy.error_rate
-        self._min_requests = policy.min_requests
-        self._isolation_s = policy.isolation
-        self._max_isolation_s = policy.max_isolation
+    def reconfigure(self, policy: BreakerPolicy, pool: PoolBreakers | None) -> None:
+        """Take a reloaded policy's settings (and the new pool, whose cap it asks), keeping the
+        state: ISOLATED stays isolated until its `isolated_until`, the streak and counts stay.
+        The window keeps its counts unless its length changed (then it starts empty)."""
+        self._pool = pool
+        self.counts.configure(policy)
+        self.backoff.configure(policy)
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -265,7 +257,7 @@ class BreakerState:
             self.changed_at = now
             return True
         # PROBING: one probe at a time, unless the outstanding one looks lost.
-        if now - self.probe_started_at > self._max_isolation_s:
+        if now - self.probe_started_at > self.backoff.max_isolation_s:
             self.probe_started_at = now
             return True
         return False
@@ -289,49 +281,10 @@ class BreakerState:
             if probe and self.state == PROBING:
                 return self._probe_result(now, failed or timeout, timeout, rng)
             return None
-        window = self._window
-        slot = window.advance(now)
-        window.add_first(slot)
-        if not (failed or timeout):
-            self.consecutive_timeouts = 0
-            self.consecutive_failures = 0
+        trip = self.counts.count(now, failed, timeout)
+        if trip is None:
             return None
-        window.add_second(slot)
-        self.consecutive_failures += 1
-        if timeout:
-            self.consecutive_timeouts += 1
-            if self.consecutive_timeouts >= self._timeout_limit:
-                return self._trip(
-                    now,
-                    rng,
-                    f"{self.consecutive_timeouts} consecutive timeouts",
-                    in_a_row=True,
-                    silent=True,
-                )
-        else:
-            self.consecutive_timeouts = 0
-        if self.consecutive_failures >= self._failure_limit:
-            return self._trip(
-                now,
-                rng,
-                f"{self.consecutive_failures} consecutive failures",
-                in_a_row=True,
-                answered=not timeout,
-            )
-        results = window.first_total
-        if results >= self._min_requests:
-            failures = window.second_total
-            # A division, not `failures > rate * results`: the quotient is correctly rounded,
-            # so an exact 3/20 equals 0.15 while 0.15 * 20 need not equal 3.
-            rate = failures / results
-            if rate > self._error_rate:
-                return self._trip(
-                    now,
-                    rng,
-                    f"error rate {rate:.2f} over {self._window_s:g} s ({failures}/{results})",
-                    answered=not timeout,
-                )
-        return None
+        return self._trip(now, rng, trip)
 
     def release_probe(self, now: float) -> Transition | None:
         """The probe ended without a result (cancelled): back to ISOLATED, already expired.
@@ -356,7 +309,8 @@ class BreakerState:
         capped: bool = True,
     ) -> Transition | None:
         """Isolate now. Forced (the operator): from any state, ignoring the pool's cap, with
-        `isolated_until = inf` until `restore`; None if already so. Not forced: an automatic
+        `isolated_until = inf` until `restore`; None if already so. Not forced (from outside
+        the request path: a health check, a decision shared by another replica): an automatic
         trip (streak, backoff, jitter) from ADMITTING, within the pool's cap unless `capped`
         is False (the instance is known down, not suspected: see `PoolBreakers`); None from
         the other states.
@@ -365,16 +319,12 @@ class BreakerState:
             if self.state != ADMITTING:
                 return None
             if not capped:
-                return self._isolate(now, rng, reason, ADMITTING)
-            return self._trip(now, rng, reason)
+                return self._isolate(now, rng, Trip(reason), ADMITTING)
+            return self._trip(now, rng, Trip(reason))
         if self.state == ISOLATED and self.isolated_until == _INF:
             return None
         state_from = self.state
-        self.state = ISOLATED
-        self.early_probe = False
-        self.changed_at = now
-        self.isolated_until = _INF
-        self.isolations += 1
+        self._enter_isolation(now, _INF)
         return Transition(self.instance, state_from, ISOLATED, reason, _INF)
 
     def restore(self, now: float, reason: str = "operator") -> Transition | None:
@@ -382,15 +332,12 @@ class BreakerState:
 
         From ADMITTING it only clears those (None): the operator vouches for the instance.
         """
-        self._clear()
-        self.streak = 0
+        self.counts.clear()
+        self.backoff.forget()
         if self.state == ADMITTING:
             return None
         state_from = self.state
-        self.state = ADMITTING
-        self.changed_at = now
-        self._admitting_since = now
-        self.isolated_until = min(self.isolated_until, now)
+        self._readmit(now)
         return Transition(self.instance, state_from, ADMITTING, reason)
 
     # -- decisions shared by other replicas ---------------------------------------------------
@@ -414,17 +361,10 @@ class BreakerState:
             return None
         if state != ADMITTING:
             return None
-        guard = self._guard
-        if guard is not None and not guard(now, self.instance):
-            self.suppressed_isolations += 1
-            return Transition(
-                self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
-            )
-        self.state = ISOLATED
-        self.early_probe = False
-        self.changed_at = now
-        self.isolated_until = until
-        self.isolations += 1
+        pool = self._pool
+        if pool is not None and not pool.may_isolate(now, self.instance):
+            return self._suppressed(reason)
+        self._enter_isolation(now, until)
         return Transition(self.instance, ADMITTING, ISOLATED, reason, until)
 
     def back_up(self, now: float) -> bool:
@@ -449,15 +389,17 @@ class BreakerState:
         if self.state == ADMITTING or (self.forced and not operator):
             return None
         state_from = self.state
-        self._clear()
-        self.streak = 0 if operator else max(0, self.streak - 1)
-        self.state = ADMITTING
-        self.changed_at = now
-        self._admitting_since = now
-        self.isolated_until = min(self.isolated_until, now)
+        self.counts.clear()
+        if operator:
+            self.backoff.forget()
+        self._readmit(now)
         return Transition(self.instance, state_from, ADMITTING, reason)
 
     # -- introspection (for /admin/state and metrics) ----------------------------------------
+
+    def failure_share(self, now: float) -> float:
+        """The share of its attempts it fails now (`FailureCounts.failure_share`)."""
+        return self.counts.failure_share(now)
 
     def remaining_s(self, now: float) -> float:
         """Seconds of isolation left: `max(0, isolated_until - now)` when ISOLATED (inf when
@@ -466,20 +408,6 @@ class BreakerState:
             return 0.0
         return max(0.0, self.isolated_until - now)
 
-    def window_counts(self, now: float) -> tuple[int, int]:
-        """`(results, failures)` in the window that ends at `now`."""
-        self._window.advance(now)
-        return self._window.first_total, self._window.second_total
-
-    def failure_share(self, now: float) -> float:
-        """The share of its attempts it fails now: its window's failure rate, and at least
-        `n / (n + 1)` after n failures in a row (a window long in successes says little of an
-        instance failing everything since). 1 with nothing in the window."""
-        results, failures = self.window_counts(now)
-        rate = failures / results if results else 1.0
-        streak = self.consecutive_failures
-        return max(rate, streak / (streak + 1))
-
     @property
     def forced(self) -> bool:
         """Whether an operator's isolation holds it (only `restore` ends it)."""
@@ -487,84 +415,66 @@ class BreakerState:
 
     def __repr__(self) -> str:
         return (
-            f"BreakerState({self.instance!r}, {self.state}, streak={self.streak}, "
+            f"BreakerState({self.instance!r}, {self.state}, streak={self.backoff.streak}, "
             f"until={self.isolated_until:.6g})"
         )
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _trip(
-        self,
-        now: float,
-        rng: random.Random,
-        reason: str,
-        in_a_row: bool = False,
-        silent: bool = False,
-        answered: bool = False,
-    ) -> Transition:
-        guard = self._guard
-        if guard is not None and not guard(now, self.instance):
-            make_room = self._make_room
-            if in_a_row and make_room is not None:
-                displaced = make_room(now, self)
-                if displaced is not None and guard(now, self.instance):
-                    isolated = self._isolate(now, rng, reason, ADMITTING, silent, answered)
+    def _trip(self, now: float, rng: random.Random, trip: Trip) -> Transition:
+        pool = self._pool
+        if pool is not None and not pool.may_isolate(now, self.instance):
+            if trip.in_a_row:
+                displaced = pool.make_room(now, self)
+                if displaced is not None and pool.may_isolate(now, self.instance):
+                    isolated = self._isolate(now, rng, trip, ADMITTING)
                     return replace(isolated, displaced=displaced)
             # Counters stay: the next failure asks again, and isolates once there is room.
-            self.suppressed_isolations += 1
-            return Transition(
-                self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
-            )
-        return self._isolate(now, rng, reason, ADMITTING, silent, answered)
+            return self._suppressed(trip.reason)
+        return self._isolate(now, rng, trip, ADMITTING)
+
+    def _suppressed(self, reason: str) -> Transition:
+        """A trip the pool's cap refused: nothing changes, but the shell logs and counts it."""
+        self.suppressed_isolations += 1
+        return Transition(
+            self.instance, ADMITTING, ADMITTING, f"{reason} (suppressed: cap)", None, True
+        )
 
     def _isolate(
-        self,
-        now: float,
-        rng: random.Random,
-        reason: str,
-        state_from: StateName,
-        silent: bool = False,
-        answered: bool = False,
+        self, now: float, rng: random.Random, trip: Trip, state_from: StateName
     ) -> Transition:
-        if state_from == ADMITTING and self.streak:
-            forgiven = (now - self._admitting_since) // self._max_isolation_s
-            if forgiven > 0:
-                self.streak -= int(min(forgiven, self.streak))
-        self.streak += 1
-        nominal = self._isolation_s * 2.0 ** min(self.streak - 1, _MAX_DOUBLINGS)
-        duration = min(nominal, self._max_isolation_s)
-        jitter = self._jitter
-        if jitter:
-            duration *= 1.0 + jitter * (2.0 * rng.random() - 1.0)
+        until = now + self.backoff.next_isolation_s(now, rng, state_from == ADMITTING)
+        self._enter_isolation(now, until, trip.answered)
+        reason = trip.reason
+        return Transition(self.instance, state_from, ISOLATED, reason, until, silent=trip.silent)
+
+    def _enter_isolation(self, now: float, until: float, early_probe: bool = False) -> None:
         self.state = ISOLATED
-        self.early_probe = answered
+        self.early_probe = early_probe
         self.changed_at = now
-        self.isolated_until = now + duration
+        self.isolated_until = until
         self.isolations += 1
-        return Transition(
-            self.instance, state_from, ISOLATED, reason, self.isolated_until, silent=silent
-        )
+
+    def _readmit(self, now: float) -> None:
+        """Back to ADMITTING for a decision taken elsewhere (an operator, another replica): an
+        isolation under way ends now."""
+        self.backoff.readmitted(now)
+        self.state = ADMITTING
+        self.changed_at = now
+        self.isolated_until = min(self.isolated_until, now)
 
     def _probe_result(
         self, now: float, failed: bool, timeout: bool, rng: random.Random
     ) -> Transition:
         if failed:
             reason = "probe timed out" if timeout else "probe failed"
-            return self._isolate(now, rng, reason, PROBING, silent=timeout, answered=not timeout)
-        self._clear()
-        self.streak = max(0, self.streak - 1)
+            trip = Trip(reason, silent=timeout, answered=not timeout)
+            return self._isolate(now, rng, trip, PROBING)
+        self.counts.clear()
+        self.backoff.readmitted(now)
         self.state = ADMITTING
         self.changed_at = now
-        self._admitting_since = now
         return Transition(self.instance, PROBING, ADMITTING, "probe succeeded")
-
-    def _clear(self) -> None:
-        self.consecutive_timeouts = 0
-        self.consecutive_failures = 0
-        self._window.clear()
-
-
-MakeRoom = Callable[[float, "BreakerState"], "Transition | None"]
 
 
 class PoolBreakers:
@@ -620,11 +530,9 @@ class PoolBreakers:
         for name in instances:
             kept = existing.get(name) if existing is not None else None
             if kept is None:
-                self.breakers[name] = BreakerState(
-                    policy, name, self.may_isolate, jitter, self.make_room
-                )
+                self.breakers[name] = BreakerState(policy, name, self, jitter)
             else:
-                kept.reconfigure(policy, self.may_isolate, self.make_room)
+                kept.reconfigure(policy, self)
                 self.breakers[name] = kept
 
     def __getitem__(self, instance: str) -> BreakerState:

@@ -124,48 +124,21 @@ def attempt_timeouts(
     estimate, with `h = PRIOR_HEADROOM · 2^timeouts_in_row` times its mean and deviation; else
     `pred = policy.initial` (`policy.initial_per_token` for the per-token rate) and `dev = 0`,
     and the prefill and service estimates count as 0. Every result is clamped to
-    `[policy.floor, policy.ceiling]`.
+    `[policy.floor, policy.ceiling]`. The steps, each with its rule:
 
-    - the prompt's own prefill: `prefill = p·rate·(1 + h)` with `p = load.prompt_tokens`,
-      `h = policy.token_headroom` and `rate` the slope of the instance's first byte on its
-      prompt size (`PrefillFit`) or, where it cannot be told, `prefill_pred` (a long prompt
-      waits for its prefill before any byte);
-    - the queue the gateway itself put on the instance: with `c = max(1, load.capacity)` and
-      `n = load.in_flight + 1` (this attempt included), `waves = ceil((n - c) / c)` when
-      `n > c`, else 0; `queue = waves · (service_pred + k·service_dev)`: each wave waits for a
-      whole exchange to end and free a slot; 0 when the instance has been quiet
-      (`load.quiet_s`) for longer than one such exchange: a queue that does not move is no
-      reason to wait;
-    - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`,
-      `idle = gap_pred + k·gap_dev + jitter` (`gap` is the largest gap of a stream), doubled
-      for each of the instance's `idle_timeouts_in_row` (never past `policy.initial`): an
-      instance whose streams all turned slower would otherwise have every stream cut, and
-      never finish one to learn from;
-    - non-streamed (the first byte is the whole generation):
-      `first_byte = max(ttfb_pred, prefill) + m·tok_pred·(1 + h) + k·sqrt(ttfb_dev² +
-      (m·tok_dev)²) + queue + jitter`, with `m = max(0, max_tokens)` (0 for an embedding), or
-      `policy.assumed_max_tokens` when the request sets none: decoding slows as a batch fills,
-      far beyond what the deviation of past requests shows, and a healthy long generation must
-      never time out. `idle = None`. (The deviations add as independent errors would.) When
-      only non-streamed responses taught the instance (`ttfb` unlearned, `per_token` learned),
-      `ttfb_pred = ttfb_dev = 0`: their per-token rate already includes the prefill.
-    - `final` (no retry may follow this attempt, so giving up early gains nothing and a busy
-      instance's late answer is worth waiting for): with `n = latency.timeouts_in_row` first-
-      byte timeouts in a row on an instance timed from its own figures (0 for one timed from
-      the prior, whose headroom counts them already), `s = FINAL_ATTEMPT_HEADROOM · 2^n` and
-      `first_byte` becomes `max(first_byte, min(s · max(first_byte, policy.floor), static))`
-      (stretched from what it would wait anyway, the floor included), where `static` is
-      what it would be with nothing learned (`policy.initial`, plus the tokens at
-      `initial_per_token` for a whole answer): an instance that turned slower than it was
-      learns its new pace from the requests that have nowhere else to go;
-    - `pause = prefill` when the prompt is at least `LARGE_PROMPT` times the instance's usual
-      size and `prefill` exceeds the stream idle timeout (`gap_pred + k·gap_dev + jitter`,
-      clamped), else 0: a pause this prompt will impose on the instance's running streams
-      beyond what they tolerate anyway;
+    - `idle`: the longest gap a stream may wait between chunks (`_idle_s`); None for a
+      non-streamed request: its body comes in one piece after the first byte;
+    - `prefill`: the prompt's own prefill, and `pause`: what of it the instance's running
+      streams will feel beyond what they tolerate anyway (`_prefill_s`);
+    - `queue`: the wait behind the gateway's own attempts on a full instance (`_queue_s`);
+    - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`;
+    - non-streamed (the first byte is the whole generation): `first_byte = whole + queue +
+      jitter`, `whole` the time of the whole answer (`_whole_answer_s`);
+    - `final` (no retry may follow this attempt): the first byte is stretched
+      (`_final_first_byte_s`);
     - `connect = policy.connect`, fixed.
     """
     floor = policy.floor
-    ceiling = policy.ceiling
     min_samples = policy.min_samples
     doublings = min(latency.timeouts_in_row, MAX_DOUBLINGS)
     backoff = 2.0**doublings
@@ -178,78 +151,144 @@ def attempt_timeouts(
         )
 
     ttfb = estimate(_TTFB)
-    ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (policy.initial, 0.0)
     gap = estimate(_GAP)
+    idle = _idle_s(gap, latency, policy, k, jitter_s)
+    extra_s = jitter_s
+    prefill_s = pause_s = 0.0
+    if load is not NO_LOAD:
+        prefill_s, pause_s = _prefill_s(latency, prior, policy, load.prompt_tokens, headroom, idle)
+        extra_s += _queue_s(estimate(_SERVICE), k, load)
+    if stream:
+        ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (policy.initial, 0.0)
+        first_byte = max(ttfb_pred, prefill_s) + k * ttfb_dev + extra_s
+        static_s = policy.initial
+    else:
+        n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
+        whole_s = _whole_answer_s(ttfb, estimate(_PER_TOKEN), n, policy, k, prefill_s)
+        first_byte = whole_s + extra_s
+        static_s = policy.initial + n * policy.initial_per_token * (1.0 + policy.token_headroom)
+    if final:
+        own = ttfb is not None and latency.ttfb.samples >= min_samples
+        first_byte = _final_first_byte_s(first_byte, backoff if own else 1.0, floor, static_s)
+    return AttemptTimeouts(
+        min(max(first_byte, floor), policy.ceiling),
+        idle if stream else None,
+        policy.connect,
+        pause_s,
+        doublings,
+        stream and gap is None,
+    )
+
+
+def _idle_s(
+    gap: tuple[float, float] | None,
+    latency: LatencyState,
+    policy: TimeoutsConfig,
+    k: float,
+    jitter_s: float,
+) -> float:
+    """A stream's idle timeout: `gap_pred + k·gap_dev + jitter` (`gap` is the largest gap of a
+    stream), doubled for each of the instance's `idle_timeouts_in_row` (never past
+    `policy.initial`): an instance whose streams all turned slower would otherwise have every
+    stream cut, and never finish one to learn from. Clamped as every timeout is."""
     gap_pred, gap_dev = gap if gap is not None else (policy.initial, 0.0)
     idle = gap_pred + k * gap_dev + jitter_s
     if latency.idle_timeouts_in_row:
         backed_off = idle * 2.0 ** min(latency.idle_timeouts_in_row, MAX_DOUBLINGS)
         idle = max(idle, min(backed_off, policy.initial))
-    idle = min(max(idle, floor), ceiling)
-    extra_s = jitter_s
-    pause_s = holds_s = 0.0
-    if load is not NO_LOAD:
-        prompt = load.prompt_tokens
-        rate = latency.fit.slope()
-        if rate is None:
-            ratio = _learned(
-                latency.estimators[_PREFILL],
-                prior.prefill if prior is not None else None,
-                min(min_samples, PREFILL_MIN_SAMPLES),
-                headroom,
-            )
-            rate = ratio[0] if ratio is not None else None
-        if rate is not None and prompt > 0:
-            pause_s = prompt * rate * (1.0 + policy.token_headroom)
-            # Only a prompt well beyond the usual ones pauses the streams more than they are
-            # used to: usual prefills are in the gaps the idle timeout learned.
-            large = prompt >= LARGE_PROMPT * latency.fit.mean_tokens
-            holds_s = pause_s if large and pause_s > idle else 0.0
-        extra_s += _queue_s(estimate(_SERVICE), k, load)
-    # The last attempt is stretched, the more after timeouts in a row (the prior's headroom
-    # has those already), never past what an unlearned instance gets. Earlier attempts keep
-    # their learned time: a retry elsewhere beats waiting on an instance that turned slow.
-    stretch = 1.0
-    if final:
-        own = ttfb is not None and latency.ttfb.samples >= min_samples
-        stretch = FINAL_ATTEMPT_HEADROOM * (backoff if own else 1.0)
-    if stream:
-        first_byte = max(ttfb_pred, pause_s) + k * ttfb_dev + extra_s
-        if stretch > 1.0:
-            # Stretched from what it would wait anyway (the floor included): four times a
-            # learned 10 ms is still far below the floor, and would stretch nothing.
-            stretched = stretch * max(first_byte, floor)
-            first_byte = max(first_byte, min(stretched, policy.initial))
-        return AttemptTimeouts(
-            min(max(first_byte, floor), ceiling),
-            idle,
-            policy.connect,
-            holds_s,
-            doublings,
-            gap is None,
+    return min(max(idle, policy.floor), policy.ceiling)
+
+
+def _prefill_s(
+    latency: LatencyState,
+    prior: LatencyState | None,
+    policy: TimeoutsConfig,
+    prompt_tokens: int,
+    headroom: float,
+    idle_s: float,
+) -> tuple[float, float]:
+    """`(prefill, pause)`: the prompt's own prefill, and the pause it will impose on the
+    streams the instance is already decoding beyond their idle timeout `idle_s`; 0 for each
+    while the instance's prefill rate is unknown.
+
+    - `prefill = p·rate·(1 + h)` with `p = prompt_tokens`, `h = policy.token_headroom` and
+      `rate` the slope of the instance's first byte on its prompt size (`PrefillFit`) or,
+      where it cannot be told, `prefill_pred` (a long prompt waits for its prefill before any
+      byte);
+    - `pause = prefill` when the prompt is at least `LARGE_PROMPT` times the instance's usual
+      size and `prefill` exceeds the stream idle timeout (`gap_pred + k·gap_dev + jitter`,
+      clamped), else 0.
+    """
+    rate = latency.fit.slope()
+    if rate is None:
+        ratio = _learned(
+            latency.estimators[_PREFILL],
+            prior.prefill if prior is not None else None,
+            min(policy.min_samples, PREFILL_MIN_SAMPLES),
+            headroom,
         )
-    n = policy.assumed_max_tokens if max_tokens is None else max(0, max_tokens)
-    per_token = estimate(_PER_TOKEN)
+        rate = ratio[0] if ratio is not None else None
+    if rate is None or prompt_tokens <= 0:
+        return 0.0, 0.0
+    prefill_s = prompt_tokens * rate * (1.0 + policy.token_headroom)
+    # Only a prompt well beyond the usual ones pauses the streams more than they are
+    # used to: usual prefills are in the gaps the idle timeout learned.
+    large = prompt_tokens >= LARGE_PROMPT * latency.fit.mean_tokens
+    return prefill_s, prefill_s if large and prefill_s > idle_s else 0.0
+
+
+def _whole_answer_s(
+    ttfb: tuple[float, float] | None,
+    per_token: tuple[float, float] | None,
+    n: int,
+    policy: TimeoutsConfig,
+    k: float,
+    prefill_s: float,
+) -> float:
+    """How long a whole non-streamed answer of up to `n` tokens may take, before the queue and
+    the jitter: `max(ttfb_pred, prefill) + m·tok_pred·(1 + h) + k·sqrt(ttfb_dev² +
+    (m·tok_dev)²)`, with `m = n`: `max(0, max_tokens)` (0 for an embedding), or
+    `policy.assumed_max_tokens` when the request sets none: decoding slows as a batch fills,
+    far beyond what the deviation of past requests shows, and a healthy long generation must
+    never time out. (The deviations add as independent errors would.) When only non-streamed
+    responses taught the instance (`ttfb` unlearned, `per_token` learned),
+    `ttfb_pred = ttfb_dev = 0`: their per-token rate already includes the prefill."""
+    ttfb_pred, ttfb_dev = ttfb if ttfb is not None else (policy.initial, 0.0)
     tok_pred, tok_dev = per_token if per_token is not None else (policy.initial_per_token, 0.0)
     if ttfb is None and per_token is not None:
         # Learned from non-streamed responses only: their per-token rate already carries the
         # prefill (see LatencyState.observe_whole), so no separate first-byte guess is added.
         ttfb_pred, ttfb_dev = 0.0, 0.0
     tokens_s = n * tok_pred * (1.0 + policy.token_headroom)
-    first_byte = (
-        max(ttfb_pred, pause_s) + tokens_s + k * math.hypot(ttfb_dev, n * tok_dev) + extra_s
-    )
+    return max(ttfb_pred, prefill_s) + tokens_s + k * math.hypot(ttfb_dev, n * tok_dev)
+
+
+def _final_first_byte_s(first_byte: float, backoff: float, floor: float, static_s: float) -> float:
+    """The first-byte time of a last attempt: no retry may follow it, so giving up early gains
+    nothing and a busy instance's late answer is worth waiting for. With `backoff = 2^n`, `n`
+    the first-byte timeouts in a row on an instance timed from its own figures (1 for one timed
+    from the prior, whose headroom counts them already), `s = FINAL_ATTEMPT_HEADROOM · backoff`
+    and it becomes `max(first_byte, min(s · max(first_byte, policy.floor), static))`, where
+    `static` is what it would be with nothing learned (`policy.initial`, plus the tokens at
+    `initial_per_token` for a whole answer): an instance that turned slower than it was learns
+    its new pace from the requests that have nowhere else to go, never waited on past what an
+    unlearned instance gets. Earlier attempts keep their learned time: a retry elsewhere beats
+    waiting on an instance that turned slow."""
+    stretch = FINAL_ATTEMPT_HEADROOM * backoff
     if stretch > 1.0:
-        static = policy.initial + n * policy.initial_per_token * (1.0 + policy.token_headroom)
-        first_byte = max(first_byte, min(stretch * max(first_byte, floor), static))
-    return AttemptTimeouts(
-        min(max(first_byte, floor), ceiling), None, policy.connect, holds_s, doublings
-    )
+        # Stretched from what it would wait anyway (the floor included): four times a
+        # learned 10 ms is still far below the floor, and would stretch nothing.
+        first_byte = max(first_byte, min(stretch * max(first_byte, floor), static_s))
+    return first_byte
 
 
 def _queue_s(service: tuple[float, float] | None, k: float, load: Load) -> float:
-    """The wait behind the attempts the gateway already put on a full instance (rule in
-    `attempt_timeouts`): whole exchanges, while the queue moves."""
+    """The wait behind the attempts the gateway already put on a full instance: with
+    `c = max(1, load.capacity)` and `n = load.in_flight + 1` (this attempt included),
+    `waves = ceil((n - c) / c)` when `n > c`, else 0; `queue = waves · (service_pred +
+    k·service_dev)`: each wave waits for a whole exchange to end and free a slot; 0 when the
+    instance has been quiet (`load.quiet_s`) for longer than one such exchange: a queue that
+    does not move is no reason to wait."""
     capacity = max(1, load.capacity)
     waiting = load.in_flight + 1 - capacity
     if waiting <= 0 or service is None:
