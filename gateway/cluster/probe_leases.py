@@ -66,7 +66,7 @@ class ProbeLeases:
         if connected:
             for key, breaker in breakers.items():
                 if key not in self._breakers:
-                    breaker.lease_until = 0.0  # new here: coordinate as the others do
+                    breaker.lease_probes(0.0)  # new here: coordinate as the others do
         self._breakers, self._keys = breakers, keys
         for table in (self._held, self._renewed):
             for key in [key for key in table if key not in breakers]:
@@ -78,14 +78,14 @@ class ProbeLeases:
     def coordinate(self) -> None:
         """Connected: from now on, probes need the lease."""
         for breaker in self._breakers.values():
-            breaker.lease_until = 0.0
+            breaker.lease_probes(0.0)
 
     def alone(self) -> None:
         """Disconnected: nobody to ask, every replica probes for itself."""
         self._held.clear()
         self._renewed.clear()
         for breaker in self._breakers.values():
-            breaker.lease_until = math.inf
+            breaker.lease_probes(math.inf)
 
     async def release_all(self) -> None:
         for key in list(self._held):
@@ -111,7 +111,7 @@ class ProbeLeases:
             elif held is not None:
                 del self._held[key]
                 self._renewed.pop(key, None)
-                breaker.lease_until = 0.0
+                breaker.lease_probes(0.0)
                 work.append((key, "release"))
         if not work:
             return
@@ -152,7 +152,7 @@ class ProbeLeases:
         if not granted:
             self._held.pop(key, None)
             self._renewed.pop(key, None)
-            breaker.lease_until = 0.0
+            breaker.lease_probes(0.0)
             return
         now = self._clock()
         if action == "acquire":
@@ -161,4 +161,4 @@ class ProbeLeases:
         self._renewed[key] = now
         # Our permission ends a call's length before Redis's, so that we never start a probe
         # on a lease that has already lapsed there.
-        breaker.lease_until = now + self._lease_s - self._timeout_s
+        breaker.lease_probes(now + self._lease_s - self._timeout_s)

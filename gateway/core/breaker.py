@@ -234,6 +234,11 @@ class BreakerState:
 
     # -- the request path ---------------------------------------------------------------------
 
+    def lease_probes(self, until: float) -> None:
+        """Probes may start only before `until` (0: none now, the lease is another replica's
+        or not asked for yet; `inf`: always, nobody to coordinate with)."""
+        self.lease_until = until
+
     def try_admit(self, now: float, early: bool = False) -> bool:
         """May this instance take a new request at `now`? (Rules in the class docstring.)
 
