@@ -21,7 +21,8 @@ from gateway.metrics import Observed
 from gateway.operations import Operations
 from gateway.pipeline.admit import PoolAdmission
 from gateway.reload import PolicyDiff, Reloader, ReloadStats
-from gateway.request_path import build_pipeline
+from gateway.request_path import RequestPath, build_pipeline
+from gateway.runtime import Clock
 from gateway.telemetry.logs import AccessLogSwitch, LogFormat
 from gateway.telemetry.tracing import setup_tracing, traced_transitions
 from gateway.upstream.clients import new_client, new_session
@@ -70,6 +71,24 @@ class Gateway:
         self.decisions = build_store(policy, self.registry)
         self.watchdog = Watchdog()
         self.watchdog.start()
+        path = self._request_path(clock)
+        # Client authentication: as long-lived as the data plane, its keys swapped on reload.
+        self.auth = ClientAuth(policy.auth)
+        self.data_app = DataPlane(
+            self.registry,
+            path.handle,
+            auth=self.auth,
+            access_log=self.access_log.current,
+            max_request_bytes=policy.limits.max_request_bytes,
+            readiness=self.readiness,
+            tracing=self.tracing,
+            limits=policy.limits,
+            resume_handler=path.resume,
+        )
+        self._admin_apps(policy, clock)
+
+    def _request_path(self, clock: Clock) -> RequestPath:
+        """The pipeline, with the pools' admission and the pools it accounts attempts in."""
         on_transition: OnTransition = self._on_transition
         if self.tracing is not None:
             on_transition = traced_transitions(on_transition)
@@ -84,7 +103,7 @@ class Gateway:
         # The pools the account layer records into: the current ones and those a reload
         # dropped while requests were in flight on them (until those have finished).
         self._account_pools: dict[str, PoolState] = dict(self.registry.pools)
-        path = build_pipeline(  # the request path: gateway.request_path
+        return build_pipeline(  # the request path: gateway.request_path
             admissions=self.admissions,
             account_pools=self._account_pools,
             on_transition=on_transition,
@@ -93,19 +112,9 @@ class Gateway:
             clock=clock,
             tracing=self.tracing,
         )
-        # Client authentication: as long-lived as the data plane, its keys swapped on reload.
-        self.auth = ClientAuth(policy.auth)
-        self.data_app = DataPlane(
-            self.registry,
-            path.handle,
-            auth=self.auth,
-            access_log=self.access_log.current,
-            max_request_bytes=policy.limits.max_request_bytes,
-            readiness=self.readiness,
-            tracing=self.tracing,
-            limits=policy.limits,
-            resume_handler=path.resume,
-        )
+
+    def _admin_apps(self, policy: Policy, clock: Clock) -> None:
+        """The operator's side: the admin API and the metrics, over what the data plane runs."""
         self.operations = Operations(
             self.registry.pools,
             self.admissions,

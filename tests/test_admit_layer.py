@@ -340,7 +340,7 @@ async def test_a_learned_limit_holds_back_a_flood_and_sheds_its_standard_and_bat
     await asyncio.sleep(0)
     # Arrivals more than twice what the pool completed: a flood, held back and shed as ever.
     now = adm.clock()
-    assert adm.arrivals.qps(now) > 2 * adm.served.peak(now)
+    assert adm.flood_watch.arrivals.qps(now) > 2 * adm.flood_watch.served.peak(now)
     assert not queued[0].done()  # the one place in the batch queue
     assert all(isinstance(task.exception(), Shed) for task in queued[1:])
     with pytest.raises(Shed, match="standard queue would take"):
@@ -365,7 +365,7 @@ async def test_once_the_flood_is_over_what_waits_keeps_its_place_then_goes_on() 
     await asyncio.sleep(0)
     assert not any(task.done() for task in waiting)  # a flood: they queue
     for _ in range(100):  # the pool seen completing far more than arrives
-        adm.served.arrive(adm.clock())
+        adm.flood_watch.served.arrive(adm.clock())
     adm.dispatch()  # a completion: they keep their places in the queue
     await asyncio.sleep(0)
     assert not any(task.done() for task in waiting)
@@ -380,19 +380,22 @@ async def test_a_flood_starts_at_twice_the_peak_and_lasts_until_arrivals_are_bac
     adm = guess_admission()
     now = adm.clock()
     for _ in range(10):
-        adm.served.arrive(now)  # completed at 5 a second (over 2 s): the peak
+        adm.flood_watch.served.arrive(now)  # completed at 5 a second (over 2 s): the peak
     # (seconds later, arrivals then, flood): arrival rates over the last 2 s of 10, 10.5,
     # 5.5, 4.5, 7 and 10 a second (the peak, 5, decays a hair in those seconds).
     steps = ((0, 20, False), (0, 1, True), (2, 11, True), (4, 9, False), (4, 5, False))
     for later, arrivals, flood in (*steps, (4, 6, True)):
         for _ in range(arrivals):
-            adm.arrivals.arrive(now + later)
-        assert adm.flooded(now + later) is flood, (later, adm.arrivals.qps(now + later))
+            adm.flood_watch.arrivals.arrive(now + later)
+        assert adm.flood_watch.flooded(now + later) is flood, (
+            later,
+            adm.flood_watch.arrivals.qps(now + later),
+        )
     assert admission_snapshot(adm, now + 4).flood is True
     # Not asked about for longer than two windows: a new rate is judged as a start.
     for _ in range(12):
-        adm.arrivals.arrive(now + 10)
-    assert not adm.flooded(now + 10)  # 6 a second: over the peak, under twice it
+        adm.flood_watch.arrivals.arrive(now + 10)
+    assert not adm.flood_watch.flooded(now + 10)  # 6 a second: over the peak, under twice it
 
 
 async def test_once_the_engine_refuses_for_load_a_learned_limit_holds_without_a_flood() -> None:
@@ -407,7 +410,7 @@ async def test_once_the_engine_refuses_for_load_a_learned_limit_holds_without_a_
     # The engine answers one out of memory (or 429, 503, 529): its own word that it is full.
     limiter.record(now, None, in_flight=2, overloaded=True, refused=True)
     assert inst.room_guessed and adm.room() == 1
-    assert admission_snapshot(adm, now).engine_refused and not adm.flooded(now)
+    assert admission_snapshot(adm, now).engine_refused and not adm.flood_watch.flooded(now)
     # Now a request waits for room, and the one sent past before counts against that room;
     # one that would wait longer than its class's queue time is shed with a time to come back.
     waiting = asyncio.ensure_future(adm.enter("batch"))
@@ -438,7 +441,9 @@ async def test_requests_sent_past_a_guess_hold_no_slot_an_engine_has_room_for() 
     for _ in range(11):
         assert not (await adm.enter("standard")).over
     assert (await adm.enter("standard")).over  # no flood: past b's guess
-    adm.served = ArrivalRate(window_s=2)  # the pool's history gone: any arrival is a flood
+    adm.flood_watch.served = ArrivalRate(
+        window_s=2
+    )  # the pool's history gone: any arrival is a flood
     adm.leave()  # a slot at a frees
     # Its slot goes to the next request: the one sent past b does not hold it.
     assert not (await asyncio.wait_for(adm.enter("standard"), 5)).over

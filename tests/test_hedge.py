@@ -61,8 +61,8 @@ def test_a_first_attempt_on_a_hung_instance_is_hedged_long_before_its_timeout() 
             [a, _] = p.pool.instances
             loop = asyncio.get_running_loop()
             k = p.pool.tiers.choose(p.pool.failure.rate).k
-            timeout_s = p.pool.timeouts_for(a, k, loop.time(), stream=False, max_tokens=16)
-            delay = p.pool.hedge_delay(a, loop.time(), stream=False, max_tokens=16)
+            timeout_s = p.pool.timing.timeouts_for(a, k, loop.time(), stream=False, max_tokens=16)
+            delay = p.pool.timing.hedge_delay(a, loop.time(), stream=False, max_tokens=16)
             assert delay is not None
             starts: list[float] = []
             outcomes: list[Outcome] = []
@@ -158,7 +158,7 @@ def test_a_hedge_overtaken_before_it_left_is_late_and_gives_its_budget_back() ->
             now = loop.time()
             delay = p.pool.policy.hedging.min_delay
             for inst in p.pool.instances:  # the floor, not a prediction, times either hedge
-                predicted = p.pool.hedge_delay(inst, now, stream=False, max_tokens=16)
+                predicted = p.pool.timing.hedge_delay(inst, now, stream=False, max_tokens=16)
                 assert predicted is not None and predicted < delay
             before = len(p.upstreams.sent)
             # Set before the request, so it fires first at the instant the hedge's timer does.

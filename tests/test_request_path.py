@@ -679,7 +679,7 @@ def test_an_attempt_past_its_deadline_is_given_up_and_retried_elsewhere() -> Non
             [a, _] = p.pool.instances
             k = p.pool.tiers.choose(p.pool.failure.rate).k
             now = asyncio.get_running_loop().time()
-            wait_s = p.pool.timeouts_for(a, k, now, stream=False, max_tokens=16).first_byte_s
+            wait_s = p.pool.timing.timeouts_for(a, k, now, stream=False, max_tokens=16).first_byte_s
             outcomes = [await p.request() for _ in range(4)]
             return p, next(o for o in outcomes if o.attempts == 2), wait_s
         finally:

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from gateway.cluster.redis_store import RedisDecisions, redact
+from gateway.cluster.redis_link import redact
+from gateway.cluster.redis_store import RedisDecisions
 from gateway.config import parse_policy
 from gateway.core.breaker import ADMITTING, ISOLATED, PROBING, BreakerState
 from gateway.core.decision import Decision, decode

@@ -18,9 +18,9 @@ The request path only reads breakers in memory and, on a transition, drops a not
 Every call is bounded by `shared.timeout` and never retried by the client (redis-py's default
 retries would turn a dead Redis into seconds per call). Any failure ends the session: the
 replica is then "disconnected", decides alone (every breaker may probe on its own again),
-logs it once, and reconnects with a capped, jittered backoff; a new session re-writes our own
-decisions and re-reads everyone's, so a Redis restarted empty or flushed is whole again within
-a TTL.
+logs it once, and reconnects with a capped, jittered backoff (`gateway.cluster.redis_link`
+keeps the sessions going); a new session re-writes our own decisions and re-reads everyone's,
+so a Redis restarted empty or flushed is whole again within a TTL.
 """
 
 from __future__ import annotations
@@ -29,19 +29,12 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import AbstractBackoff, NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.cluster.probe_leases import RELEASE_IF_OURS, ProbeLeases
+from gateway.cluster.redis_link import RedisLink, new_client, raise_if_cancelled
 from gateway.cluster.store import Key, TransitionLog, instance_keys
 from gateway.config.models import SharedPolicy
 from gateway.core.breaker import ADMITTING, ISOLATED, Transition
@@ -59,30 +52,6 @@ from gateway.upstream.registry import Registry
 log = logging.getLogger("gateway.shared")
 
 
-_BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 1.0
-_LISTEN_POLL_S = 1.0  # how long one pub/sub read waits before looping (no cost when idle)
-_FAILURES = (RedisError, OSError, TimeoutError, ConnectionError)
-
-
-def _raise_if_cancelled() -> None:
-    """Stop a loop whose cancellation a library call swallowed (redis-py's pub/sub read can
-    return normally when cancelled at the wrong moment): otherwise closing could wait forever."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-def redact(url: str) -> str:
-    """The Redis URL without its password, for logs and /admin/state."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
-
-
 class RedisDecisions:
     def __init__(
         self,
@@ -94,7 +63,6 @@ class RedisDecisions:
         self.replica = replica
         self._log = TransitionLog()
         self._policy = policy
-        self._url = redact(policy.redis_url)
         self._ttl_s = policy.decision_ttl
         self._ttl_ms = max(1, round(policy.decision_ttl * 1000))
         self._timeout_s = policy.timeout
@@ -112,18 +80,7 @@ class RedisDecisions:
         self._heard: dict[Key, float] = {}  # when we last applied an isolation, per instance
         self._advised: dict[Key, float] = {}  # when we last shared a trip kept admitting
         self._wake = asyncio.Event()
-        self._first_attempt = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        # Typed in some redis releases, untyped in others: a typed name for both.
-        no_backoff: Callable[[], AbstractBackoff] = NoBackoff
-        self._client = Redis.from_url(
-            policy.redis_url,
-            socket_timeout=policy.timeout,
-            socket_connect_timeout=policy.timeout,
-            retry=Retry(no_backoff(), 0),
-            retry_on_error=[],
-            health_check_interval=0,
-        )
+        self._client = new_client(policy)
         self._release = self._client.register_script(RELEASE_IF_OURS)
         self._leases = ProbeLeases(
             self._client,
@@ -134,9 +91,16 @@ class RedisDecisions:
             tick_s=self._tick_s,
             timeout_s=policy.timeout,
         )
-        self.connected = False
-        self._changed_at: float | None = None
-        self._last_error: str | None = None
+        self._link = RedisLink(
+            self._client,
+            policy,
+            self._channel,
+            replica,
+            self._leases,
+            resync=self._resync,
+            work=self._work,
+            on_message=self._heard_on_channel,
+        )
         self.counters = dict.fromkeys(
             (
                 "published",
@@ -149,7 +113,6 @@ class RedisDecisions:
                 "malformed",
                 "unknown_instance",
                 "refreshes",
-                "connection_losses",
             ),
             0,
         )
@@ -216,15 +179,19 @@ class RedisDecisions:
     def status(self) -> dict[str, Any]:
         return {
             "configured": True,
-            "connected": self.connected,
-            "url": self._url,
+            "connected": self._link.connected,
+            "url": self._link.url,
             "replica": self.replica,
             "pubsub": self._policy.pubsub,
-            "since": self._changed_at,
-            "last_error": self._last_error,
+            "since": self._link.since,
+            "last_error": self._link.last_error,
             "own_isolations": sorted(f"{p}/{i}" for p, i in self._own),
             "probe_leases": self._leases.held(),
-            "counters": {**self.counters, "leases_acquired": self._leases.acquired},
+            "counters": {
+                **self.counters,
+                "connection_losses": self._link.losses,
+                "leases_acquired": self._leases.acquired,
+            },
         }
 
     def follow(self, registry: Registry) -> None:
@@ -237,107 +204,24 @@ class RedisDecisions:
         for table in (self._own, self._outbox, self._retract, self._heard, self._advised):
             for key in [key for key in table if key not in breakers]:
                 del table[key]
-        self._leases.follow(registry, self.connected)
+        self._leases.follow(registry, self._link.connected)
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether a session with Redis is up: decisions are shared."""
+        return self._link.connected
 
     async def start(self) -> None:
         """Connect in the background; wait (bounded) for the first attempt, so that a replica
         that starts with Redis up knows the others' decisions before it serves."""
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.5, 10 * self._timeout_s)):
-                await self._first_attempt.wait()
+        await self._link.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.connected:
-            # Hand back our probe leases so another replica need not wait for them to lapse.
-            with contextlib.suppress(*_FAILURES):
-                async with asyncio.timeout(self._timeout_s * 2):
-                    await self._leases.release_all()
-        with contextlib.suppress(*_FAILURES):
-            async with asyncio.timeout(self._timeout_s * 2):
-                await self._client.aclose()
+        await self._link.close()
 
-    # -- the session -------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        backoff = _BACKOFF_MIN_S
-        while True:
-            try:
-                await self._session()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # any failure: decide alone, reconnect
-                if self._disconnected(exc):
-                    backoff = _BACKOFF_MIN_S  # a working session ended: try again soon
-            self._first_attempt.set()
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
-
-    async def _session(self) -> None:
-        pubsub: PubSub | None = None
-        try:
-            async with asyncio.timeout(self._timeout_s * 4):
-                await self._client.ping()
-                if self._policy.pubsub:
-                    pubsub = self._client.pubsub()
-                    await pubsub.subscribe(self._channel)
-            await self._resync()
-            self._connected()
-            self._first_attempt.set()
-            tasks = [asyncio.ensure_future(self._work())]
-            if pubsub is not None:
-                tasks.append(asyncio.ensure_future(self._listen(pubsub)))
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            for task in done:
-                task.result()  # re-raise what ended the session
-        finally:
-            if pubsub is not None:
-                with contextlib.suppress(*_FAILURES):
-                    async with asyncio.timeout(self._timeout_s):
-                        # Typed from redis 8.2 on, untyped before: a typed name for both.
-                        close: Callable[[], Awaitable[None]] = pubsub.aclose
-                        await close()
-
-    def _connected(self) -> None:
-        self.connected = True
-        self._changed_at = self._clock()
-        self._last_error = None
-        self._leases.coordinate()
-        log.warning(
-            "shared state: connected to %s as %s (pub/sub %s)",
-            self._url,
-            self.replica,
-            "on" if self._policy.pubsub else "off",
-        )
-
-    def _disconnected(self, exc: BaseException) -> bool:
-        """Decide alone from now on; whether we had been connected."""
-        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        was = self.connected
-        self.connected = False
-        self._leases.alone()
-        if was or self._changed_at is None:
-            self.counters["connection_losses"] += int(was)
-            self._changed_at = self._clock()
-            log.warning(
-                "shared state: %s %s (%s); deciding locally, reconnecting in the background",
-                "lost" if was else "cannot reach",
-                self._url,
-                error,
-            )
-        self._last_error = error
-        return was
+    # -- the session (`RedisLink` runs it) ---------------------------------------------------
 
     async def _resync(self) -> None:
         """A new session: write what we decided (Redis may be new, flushed, or have missed
@@ -360,7 +244,7 @@ class RedisDecisions:
     async def _work(self) -> None:
         next_refresh = self._clock() + self._refresh_s
         while True:
-            _raise_if_cancelled()
+            raise_if_cancelled()
             wait_s = max(0.0, min(self._tick_s, next_refresh - self._clock()))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
@@ -428,15 +312,9 @@ class RedisDecisions:
             trusted_s = self._ttl_s if not isinstance(pttl, int) or pttl < 0 else pttl / 1000
             self._take(raw, min(trusted_s, self._ttl_s), expected=key)
 
-    async def _listen(self, pubsub: PubSub) -> None:
-        while True:
-            _raise_if_cancelled()
-            message = await pubsub.get_message(
-                ignore_subscribe_messages=True, timeout=_LISTEN_POLL_S
-            )
-            if message is not None and message.get("type") == "message":
-                self.counters["received"] += 1
-                self._take(message["data"], self._ttl_s)
+    def _heard_on_channel(self, raw: bytes) -> None:
+        self.counters["received"] += 1
+        self._take(raw, self._ttl_s)
 
     # -- applying the others' decisions ----------------------------------------------------------
 

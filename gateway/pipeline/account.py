@@ -158,75 +158,121 @@ class Account:
         try:
             response = await next_handler(call)
         except UpstreamError as error:
-            instance.attempt_ended(tokens)
-            now = self._clock()
-            if error.local:
-                # The gateway's own limit (all connections to it busy): the request never
-                # reached the instance, so it says nothing of it (a probe did not happen).
-                if call.attempt.probe:
-                    instance.breaker.release_probe(now)
-                raise
-            outcome = error.outcome
-            queueing = outcome.phase == Phase.FIRST_BYTE and waited_in_queue(
-                instance, queued, started, now
-            )
-            if outcome.kind == "timeout" and queued:
-                abandoned(instance, outcome, now, now - started)
-            # A refused connection says the instance is down: with health checks, they take
-            # it out and bring it back (`_refused`); as the breaker's failure it would also be
-            # isolated, for seconds after its checks passed again.
-            refused = isinstance(error, UpstreamConnectError) and error.refused
-            judged = not (refused and call.pool.policy.health.enabled)
-            attempt_finished(
-                self._timeout_log,
-                call.pool,
-                instance,
-                outcome,
-                now,
-                now - started,
-                call.attempt.probe,
-                self._on_transition,
-                queueing=queueing,
-                backoff=call.attempt.timeouts.backoff if call.attempt.timeouts is not None else 0,
-                sent_with=sent_with,
-                modelled=call.route.modelled,
-                judged=judged,
-            )
-            if refused:
-                self._refused(call.pool, instance, now, error.message)
+            self._failed(call, instance, error, tokens, started, queued, sent_with)
             raise
         except asyncio.CancelledError:
-            instance.attempt_ended(tokens)  # the client left: nobody's fault, but a probe is lost
-            now = self._clock()
+            self._cancelled(call, instance, tokens, started, queued)
+            raise
+        if response.body is None:
+            self._streaming(call, instance, response, tokens, started, queued, sent_with)
+        else:
+            self._answered_whole(call, instance, response, tokens, started, sent_with)
+        return response
+
+    def _failed(
+        self,
+        call: Call,
+        instance: InstanceState,
+        error: UpstreamError,
+        tokens: int,
+        started: float,
+        queued: bool,
+        sent_with: int,
+    ) -> None:
+        """The attempt failed before its answer reached the client (the error goes on up)."""
+        instance.attempt_ended(tokens)
+        now = self._clock()
+        if error.local:
+            # The gateway's own limit (all connections to it busy): the request never
+            # reached the instance, so it says nothing of it (a probe did not happen).
             if call.attempt.probe:
                 instance.breaker.release_probe(now)
-            if call.cancellation.pending(SUPERSEDED):
-                if queued:  # left in the engine's queue until it notices: a ghost meanwhile
-                    abandoned(instance, _LOST_RACE, now, now - started)
-                self._lost_race(call, instance, now, now - started)
-            raise
-        route = call.route
-        if response.body is None:
-            if route.modelled and response.outcome.kind == "ok":
-                waited_s = response.first_at - response.started_at
-                pace = call.pool.latency_prior(response.first_at).per_token.mean
-                instance.price.first_byte(response.first_at, waited_s, instance.latency, pace)
-            if call.attempt.probe:
-                self._probe_streamed(call.pool, instance, response.first_at - started)
-            response.tokens = tokens
-            response.queued = queued
-            response.sent_with = sent_with
-            response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
-            instance.stream_started()
-            response.after(self._stream_finished)
-            return response
+            return
+        outcome = error.outcome
+        queueing = outcome.phase == Phase.FIRST_BYTE and waited_in_queue(
+            instance, queued, started, now
+        )
+        if outcome.kind == "timeout" and queued:
+            abandoned(instance, outcome, now, now - started)
+        # A refused connection says the instance is down: with health checks, they take
+        # it out and bring it back (`_refused`); as the breaker's failure it would also be
+        # isolated, for seconds after its checks passed again.
+        refused = isinstance(error, UpstreamConnectError) and error.refused
+        judged = not (refused and call.pool.policy.health.enabled)
+        attempt_finished(
+            self._timeout_log,
+            call.pool,
+            instance,
+            outcome,
+            now,
+            now - started,
+            call.attempt.probe,
+            self._on_transition,
+            queueing=queueing,
+            backoff=call.attempt.timeouts.backoff if call.attempt.timeouts is not None else 0,
+            sent_with=sent_with,
+            modelled=call.route.modelled,
+            judged=judged,
+        )
+        if refused:
+            self._refused(call.pool, instance, now, error.message)
+
+    def _cancelled(
+        self, call: Call, instance: InstanceState, tokens: int, started: float, queued: bool
+    ) -> None:
+        """The attempt was cancelled from above: the client left, or a hedge answered first."""
+        instance.attempt_ended(tokens)  # the client left: nobody's fault, but a probe is lost
+        now = self._clock()
+        if call.attempt.probe:
+            instance.breaker.release_probe(now)
+        if call.cancellation.pending(SUPERSEDED):
+            if queued:  # left in the engine's queue until it notices: a ghost meanwhile
+                abandoned(instance, _LOST_RACE, now, now - started)
+            self._lost_race(call, instance, now, now - started)
+
+    def _streaming(
+        self,
+        call: Call,
+        instance: InstanceState,
+        response: UpstreamResponse,
+        tokens: int,
+        started: float,
+        queued: bool,
+        sent_with: int,
+    ) -> None:
+        """A stream reached its first byte: priced by it now, counted when it ends
+        (`_stream_finished`, from the response's finish hook)."""
+        if call.route.modelled and response.outcome.kind == "ok":
+            waited_s = response.first_at - response.started_at
+            pace = call.pool.timing.latency_prior(response.first_at).per_token.mean
+            instance.price.first_byte(response.first_at, waited_s, instance.latency, pace)
+        if call.attempt.probe:
+            self._probe_streamed(call.pool, instance, response.first_at - started)
+        response.tokens = tokens
+        response.queued = queued
+        response.sent_with = sent_with
+        response.prompt_tokens = call.prompt_tokens  # worked out by the deadline layer
+        instance.stream_started()
+        response.after(self._stream_finished)
+
+    def _answered_whole(
+        self,
+        call: Call,
+        instance: InstanceState,
+        response: UpstreamResponse,
+        tokens: int,
+        started: float,
+        sent_with: int,
+    ) -> None:
+        """An answer read whole: its attempt ends here, counted with its output tokens."""
         instance.attempt_ended(tokens)
+        route = call.route
         outcome = response.outcome
         now = self._clock()
         output_tokens = None
-        if outcome.kind == "ok" and route.modelled:
-            end = response.body[-EDGE_BYTES:]
-            output_tokens = usage_of(end, protocol=route.protocol).output_tokens
+        body = response.body
+        if outcome.kind == "ok" and route.modelled and body is not None:
+            output_tokens = usage_of(body[-EDGE_BYTES:], protocol=route.protocol).output_tokens
         generated = output_tokens
         if generated is None and route.generates:
             generated = call.facts.max_tokens
@@ -248,4 +294,3 @@ class Account:
         if outcome.kind == "ok" and route.modelled:
             instance.latency.observe_whole(response.first_at - response.started_at, output_tokens)
             learning(call.pool, instance)
-        return response

@@ -54,7 +54,7 @@ def admission_snapshot(admission: PoolAdmission, now: float) -> AdmissionSnapsho
         queued={name: queues.length(name) for name in CLASSES},
         shed=dict(queues.shed),
         overflow=dict(queues.overflow),
-        flood=admission.flood,
+        flood=admission.flood_watch.flooding,
         engine_refused=admission.refused_lately(now),
         weights=queues.weights(now),
         tenants_queued={name: _tenants_queued(admission, name) for name in CLASSES},

@@ -164,6 +164,32 @@ class TenantCounts:
         return [*labelled, (OTHER_TENANTS, self.other)]
 
 
+class FloodWatch:
+    """Whether requests flood a pool (see the module docstring): its arrivals, and its
+    completions (`served`), over a short window, against the fastest it was seen to complete
+    them."""
+
+    __slots__ = ("_seen_at", "arrivals", "flooding", "served")
+
+    def __init__(self) -> None:
+        self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
+        self.served = ArrivalRate(window_s=FLOOD_WINDOW_S)
+        self.flooding = False
+        self._seen_at = 0.0  # when `flooded` last found a flood
+
+    def flooded(self, now: float) -> bool:
+        """Whether requests flood the pool: a flood starts when they arrive at more than
+        `FLOOD_RATIO` times the fastest the pool was seen to complete them, and lasts until
+        they arrive at no more than `FLOOD_END_RATIO` times that."""
+        if self.flooding and now - self._seen_at > 2 * FLOOD_WINDOW_S:
+            self.flooding = False  # not asked about for a while: judged afresh, as a start
+        ratio = FLOOD_END_RATIO if self.flooding else FLOOD_RATIO
+        self.flooding = self.arrivals.qps(now) > ratio * self.served.peak(now)
+        if self.flooding:
+            self._seen_at = now
+        return self.flooding
+
+
 class PoolAdmission:
     """One pool's queues and slots."""
 
@@ -176,11 +202,7 @@ class PoolAdmission:
         self.running = 0  # requests holding a slot of the room
         self.over = 0  # requests sent on past the room (a learned limit's, without a flood)
         self.completions = ArrivalRate(window_s=10)
-        # Arrivals and completions over a short window: whether requests flood the pool.
-        self.arrivals = ArrivalRate(window_s=FLOOD_WINDOW_S)
-        self.served = ArrivalRate(window_s=FLOOD_WINDOW_S)
-        self.flood = False
-        self._flood_seen_at = 0.0  # when `flooded` last found a flood
+        self.flood_watch = FloodWatch()
         # The mean time a request holds its slot: with the room, the pool's rate of service
         # while it is full, before 10 s of completions can tell it.
         self.hold_s = 0.0
@@ -296,7 +318,7 @@ class PoolAdmission:
         now = self._loop.time()
         queues = self.queues
         queues.arrived(priority, now)
-        self.arrivals.arrive(now)
+        self.flood_watch.arrivals.arrive(now)
         if not len(queues):
             if self.free(now) > 0 and self._place(tokens) is not None:
                 self.running += 1
@@ -362,7 +384,7 @@ class PoolAdmission:
             self.running -= 1
         now = self._loop.time()
         self.completions.arrive(now)
-        self.served.arrive(now)
+        self.flood_watch.served.arrive(now)
         if held_s is not None:
             self.hold_s += (held_s - self.hold_s) * (_HOLD_WEIGHT if self.hold_s else 1.0)
         self.dispatch()
@@ -413,18 +435,6 @@ class PoolAdmission:
             for inst in self.pool.routable
         )
 
-    def flooded(self, now: float) -> bool:
-        """Whether requests flood the pool: a flood starts when they arrive at more than
-        `FLOOD_RATIO` times the fastest the pool was seen to complete them, and lasts until
-        they arrive at no more than `FLOOD_END_RATIO` times that."""
-        if self.flood and now - self._flood_seen_at > 2 * FLOOD_WINDOW_S:
-            self.flood = False  # not asked about for a while: judged afresh, as a start
-        ratio = FLOOD_END_RATIO if self.flood else FLOOD_RATIO
-        self.flood = self.arrivals.qps(now) > ratio * self.served.peak(now)
-        if self.flood:
-            self._flood_seen_at = now
-        return self.flood
-
     def refused_lately(self, now: float) -> bool:
         """Whether an engine of the pool whose room is a learned limit refused a request for
         load lately (`Limiter.refused_lately`): that limit is then the engine's word."""
@@ -452,7 +462,7 @@ class PoolAdmission:
     def _holding(self, now: float) -> bool:
         """Whether learned limits hold requests back now: in a flood, or while an engine says
         it is full by refusing requests (an out-of-memory error, 429, 503, 529)."""
-        return self.refused_lately(now) or self.flooded(now)
+        return self.refused_lately(now) or self.flood_watch.flooded(now)
 
     def _guessing(self, priority: Priority, tokens: int) -> bool:
         """Whether a request about to be answered 429 is sent on instead: an instance that would

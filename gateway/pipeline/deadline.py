@@ -42,7 +42,7 @@ class DeadlineLayer:
             return await next_handler(call)
         if not call.prompt_tokens:
             call.prompt_tokens = prompt_tokens(call.prompt_bytes())
-        attempt.timeouts = pool.timeouts_for(
+        attempt.timeouts = pool.timing.timeouts_for(
             instance,
             call.k,
             now,

@@ -4,7 +4,7 @@ answer wins.
 Between the pick and the rest of an attempt. When an attempt is the first of its retry loop (a
 client request's, or a resumed stream's continuation) and another instance could take it, a
 timer is set at its instance's predicted first byte plus `hedging.k` deviations
-(`PoolState.hedge_delay`: near its 95th percentile, plus the wait behind the gateway's own
+(`PoolTiming.hedge_delay`: near its 95th percentile, plus the wait behind the gateway's own
 queue there), never sooner than `hedging.min_delay`. Most attempts answer before it and only
 cancel the timer. When it fires, unless its instance serves the attempt in its turn
 (`_in_its_turn`: a hedge would start a long prefill over from nothing), if another instance
@@ -104,7 +104,9 @@ class Hedge:
         if large_prompt(instance.latency, call.prompt_tokens):
             return await next_handler(call)
         facts = call.facts
-        delay = pool.hedge_delay(instance, now, stream=facts.stream, max_tokens=facts.max_tokens)
+        delay = pool.timing.hedge_delay(
+            instance, now, stream=facts.stream, max_tokens=facts.max_tokens
+        )
         if delay is None:
             return await next_handler(call)
         delay = max(delay, policy.min_delay)
@@ -263,7 +265,7 @@ class Hedge:
         if instance is None:
             return
         now = self._clock()
-        pace = loser.pool.latency_prior(now).per_token.mean
+        pace = loser.pool.timing.latency_prior(now).per_token.mean
         instance.price.first_byte(now, now - started, instance.latency, pace, bound=True)
 
     @staticmethod

@@ -33,6 +33,7 @@ from opentelemetry import trace
 
 from gateway.core.backoff import backoff_s, retry_after_s
 from gateway.core.outcome import Outcome, Phase
+from gateway.core.tiers import Tier
 from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
@@ -82,40 +83,13 @@ class Retry:
                 failure = error
                 outcome = error.outcome
                 if outcome.kind in _AVOID_AFTER and call.attempt.instance is not None:
-                    call.avoid.append(call.attempt.instance)
-                    waited = _waited_in_vain(call, outcome)
-                    if waited is not None:
-                        # Silent from when it was asked: bytes it sent anyone since say
-                        # it is busy, not gone.
-                        call.timed_out.append((call.attempt.instance, clock() - waited))
+                    _avoid_instance(call, outcome, clock)
             now = clock()
             wait_s = 0.0
             if response is not None:
                 wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
-            max_retries = tier.max_retries
-            if (
-                max_retries < pool.tiers.most_retries
-                and outcome.kind in _TRANSIENT
-                and call.attempt.instance is not None
-                and (
-                    # A lone instance: retrying it is the only way to an answer.
-                    pool.alone(call.attempt.instance, now, call.avoid)
-                    # A pool whose failures sit on some instances (its rate high, its tier's
-                    # retries few) with a sound one left untried: a retry there is no storm.
-                    or pool.sound_elsewhere(call.tried, now)
-                )
-            ):
-                max_retries = pool.tiers.most_retries
-                call.last_attempt = max_retries + 1
-            allowed = (
-                outcome.retryable(pool.retry_on)
-                # What could act twice is sent again only if it was never sent.
-                and (not call.acts or outcome.kind == "connect_failure")
-                and call.attempts - call.hedges - 1 < max_retries
-                and now < call.deadline
-                and not _full_everywhere(failure, call, now)
-                and not _only_silent_left(call)
-            )
+            max_retries = _max_retries(call, tier, outcome, now)
+            allowed = _may_retry(call, outcome, failure, max_retries, now)
             if allowed:
                 delay = backoff_s(
                     max(1, call.attempts - call.hedges),
@@ -134,30 +108,90 @@ class Retry:
                         spent_at = now  # given back if this retry is answered
                     else:
                         allowed = False
-                        pool.stats.budget_exhausted += 1
-                        if self._traced:
-                            trace.get_current_span().add_event(
-                                "retry budget exhausted", {"gateway.attempt": call.attempts}
-                            )
+                        self._budget_exhausted(call)
             if not allowed:
                 if response is not None:
                     return response  # the backend's own answer, unchanged
                 assert failure is not None
                 raise failure
-            pool.stats.retry(outcome)
-            if self._traced:
-                trace.get_current_span().add_event(
-                    "retry scheduled",
-                    {
-                        "gateway.attempt": call.attempts,
-                        "gateway.retry.reason": outcome_label(outcome),
-                        "gateway.retry.backoff_s": delay,
-                    },
-                )
+            self._scheduled(call, outcome, delay)
             if response is not None:
                 response.finish(ok=False)  # closed before the next attempt starts
             if delay > 0:
                 await asyncio.sleep(delay)
+
+    def _budget_exhausted(self, call: Call) -> None:
+        """A retry the retry budget refused: counted, and an event on the request's span."""
+        call.pool.stats.budget_exhausted += 1
+        if self._traced:
+            trace.get_current_span().add_event(
+                "retry budget exhausted", {"gateway.attempt": call.attempts}
+            )
+
+    def _scheduled(self, call: Call, outcome: Outcome, delay: float) -> None:
+        """A retry is going ahead after `delay`: counted by its reason, and on the span."""
+        call.pool.stats.retry(outcome)
+        if self._traced:
+            trace.get_current_span().add_event(
+                "retry scheduled",
+                {
+                    "gateway.attempt": call.attempts,
+                    "gateway.retry.reason": outcome_label(outcome),
+                    "gateway.retry.backoff_s": delay,
+                },
+            )
+
+
+def _avoid_instance(call: Call, outcome: Outcome, clock: Clock) -> None:
+    """Keep the request's next attempts off an instance that refused, dropped or let it time
+    out (`_AVOID_AFTER`), and note when it went silent if its wait proves it so."""
+    instance = call.attempt.instance
+    assert instance is not None
+    call.avoid.append(instance)
+    waited = _waited_in_vain(call, outcome)
+    if waited is not None:
+        # Silent from when it was asked: bytes it sent anyone since say it is busy, not gone.
+        call.timed_out.append((instance, clock() - waited))
+
+
+def _max_retries(call: Call, tier: Tier, outcome: Outcome, now: float) -> int:
+    """The retries the request may make: its tier's, or, after a transient failure, the most
+    any tier allows (raising `Call.last_attempt` to match) when the instance is alone or a
+    sound instance is left untried (see the module docstring)."""
+    pool = call.pool
+    max_retries = tier.max_retries
+    if (
+        max_retries < pool.tiers.most_retries
+        and outcome.kind in _TRANSIENT
+        and call.attempt.instance is not None
+        and (
+            # A lone instance: retrying it is the only way to an answer.
+            pool.alone(call.attempt.instance, now, call.avoid)
+            # A pool whose failures sit on some instances (its rate high, its tier's
+            # retries few) with a sound one left untried: a retry there is no storm.
+            or pool.sound_elsewhere(call.tried, now)
+        )
+    ):
+        max_retries = pool.tiers.most_retries
+        call.last_attempt = max_retries + 1
+    return max_retries
+
+
+def _may_retry(
+    call: Call, outcome: Outcome, failure: UpstreamError | None, max_retries: int, now: float
+) -> bool:
+    """Whether the attempt's outcome may be retried at all, before backoff and budget: the
+    pool retries it, the request may be sent twice, retries and time are left, and another
+    attempt is not bound to meet the same full or silent instances."""
+    return (
+        outcome.retryable(call.pool.retry_on)
+        # What could act twice is sent again only if it was never sent.
+        and (not call.acts or outcome.kind == "connect_failure")
+        and call.attempts - call.hedges - 1 < max_retries
+        and now < call.deadline
+        and not _full_everywhere(failure, call, now)
+        and not _only_silent_left(call)
+    )
 
 
 def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> bool:

@@ -15,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from yarl import URL
 
 from gateway.core.outcome import Phase
+from gateway.core.timeouts import AttemptTimeouts
 from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
 from gateway.pipeline.call import Call
 from gateway.runtime import Clock
+from gateway.upstream.instance import InstanceState
 from gateway.upstream.response import ResponseHead, UpstreamResponse
 from gateway.upstream.watchdog import Deadline, Watchdog, expired
 
@@ -56,6 +59,75 @@ class UpstreamClient(Protocol):
     ) -> ResponseHead: ...
 
 
+class _Progress:
+    """An attempt's deadline as the attempt moves on: armed for the connect as it starts, moved
+    to the first byte once the request is written (`sent`, the client's `on_sent`), waited on
+    past that while the attempt is queued at a working engine (`_patient`). And the hold a long
+    prompt puts on its instance's streams from then on (`held`: released when the attempt
+    ends)."""
+
+    __slots__ = ("call", "clock", "deadline", "held", "holds", "instance", "wait_s")
+
+    def __init__(
+        self,
+        call: Call,
+        instance: InstanceState,
+        timeouts: AttemptTimeouts,
+        connect_s: float,
+        watchdog: Watchdog,
+        clock: Clock,
+        started_at: float,
+    ) -> None:
+        self.call = call
+        self.instance = instance
+        self.clock = clock
+        wait_s = self.wait_s = timeouts.first_byte_s
+        # Until the request is written: the client bounds the wait for a free connection and
+        # the connect by `connect_s` each; this only backs them up. The first byte's time
+        # starts once the request is out (a wait for our own connection limit is not the
+        # instance's slowness).
+        self.deadline = watchdog.arm(
+            call.cancellation,
+            min(started_at + 2 * connect_s + wait_s, call.deadline),
+            Phase.CONNECT,
+            instance,
+            started_at,
+        )
+        # A prompt whose prefill will pause the instance's streams longer than they tolerate:
+        # their deadlines wait until its first byte (or its own deadline).
+        self.holds = timeouts.pause_s > 0.0
+        self.held = False
+
+    def sent(self) -> None:
+        """The request is written: its first byte's time starts now."""
+        now = self.clock()
+        deadline = self.deadline
+        deadline.move(min(now + self.wait_s, self.call.deadline), Phase.FIRST_BYTE)
+        deadline.waiting_since = now
+        deadline.patience = partial(_patient, self.call, self.instance, now, self.wait_s)
+        if self.holds and not self.held:
+            self.held = True
+            self.instance.hold(now, deadline.at)
+            deadline.holding = True
+
+
+def _patient(
+    call: Call, instance: InstanceState, sent_at: float, wait_s: float, now: float
+) -> float | None:
+    """Until when an attempt whose first-byte wait ran out waits on (`Deadline.patience`), or
+    None. Queued is not stalled: the first-byte wait ran out while the attempt waits its turn
+    at an engine that works through its queue, and no other instance could start it sooner.
+    Leaving would only queue it again at the back elsewhere: it waits on (within the request's
+    deadline), until another has room (then it moves there) or the engine goes quiet."""
+    if (
+        now < call.deadline
+        and instance.serving_a_queue(now, sent_at, wait_s)
+        and not call.pool.has_room(instance, now, call.avoid)
+    ):
+        return min(now + PATIENCE_RECHECK_S, call.deadline)
+    return None
+
+
 class Transport:
     """Sends one attempt and reads it up to the commit point."""
 
@@ -69,54 +141,13 @@ class Transport:
         assert instance is not None, "the pick layer runs before the transport"
         timeouts = call.attempt.timeouts
         assert timeouts is not None, "the deadline layer runs before the transport"
-        wait_s = timeouts.first_byte_s
         started_at = self._loop_time()
         pool = call.pool
         connect_s = pool.policy.timeouts.connect
-        # Until the request is written: the client bounds the wait for a free connection and
-        # the connect by `connect_s` each; this only backs them up. The first byte's time
-        # starts once the request is out (a wait for our own connection limit is not the
-        # instance's slowness).
-        deadline = self._watchdog.arm(
-            call.cancellation,
-            min(started_at + 2 * connect_s + wait_s, call.deadline),
-            Phase.CONNECT,
-            instance,
-            started_at,
+        progress = _Progress(
+            call, instance, timeouts, connect_s, self._watchdog, self._loop_time, started_at
         )
-        # A prompt whose prefill will pause the instance's streams longer than they tolerate:
-        # their deadlines wait until its first byte (or its own deadline).
-        holds = timeouts.pause_s > 0.0
-        held = False
-
-        sent_at = started_at
-
-        def patient(now: float) -> float | None:
-            # Queued is not stalled: the first-byte wait ran out while the attempt waits its
-            # turn at an engine that works through its queue, and no other instance could
-            # start it sooner. Leaving would only queue it again at the back elsewhere: it
-            # waits on (within the request's deadline), until another has room (then it
-            # moves there) or the engine goes quiet.
-            if (
-                now < call.deadline
-                and instance.serving_a_queue(now, sent_at, wait_s)
-                and not pool.has_room(instance, now, call.avoid)
-            ):
-                return min(now + PATIENCE_RECHECK_S, call.deadline)
-            return None
-
-        def request_sent() -> None:
-            nonlocal held, sent_at
-            now = self._loop_time()
-            sent_at = now
-            deadline.move(min(now + wait_s, call.deadline), Phase.FIRST_BYTE)
-            deadline.waiting_since = now
-            deadline.patience = patient
-            if holds and not held:
-                held = True
-                instance.hold(now, deadline.at)
-                deadline.holding = True
-
+        deadline = progress.deadline
         sent = call.headers
         if pool.strip_headers:  # the pool's credential in place of the client's keys
             strip = pool.strip_headers
@@ -133,7 +164,7 @@ class Transport:
                 tls=pool.ssl,
                 max_connections=pool.policy.connections.max,
                 max_idle=pool.policy.connections.max_idle,
-                on_sent=request_sent,
+                on_sent=progress.sent,
                 # What could act twice is not sent again on a fresh connection after a kept
                 # one dropped it (the stale keep-alive race: it may have been received).
                 resend=not call.acts,
@@ -180,7 +211,7 @@ class Transport:
             self._abandon(raw, deadline)
             raise map_upstream_exception(exc, phase=deadline.phase) from exc
         finally:
-            if held:
+            if progress.held:
                 instance.release_hold(self._loop_time())
 
     def _abandon(self, raw: ResponseHead | None, deadline: Deadline) -> None:

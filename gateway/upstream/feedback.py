@@ -198,4 +198,4 @@ def waited_in_queue(instance: InstanceState, queued: bool, started: float, now: 
 def learning(pool: PoolState, instance: InstanceState) -> None:
     """An instance's estimate just became learned: its pool's prior is out of date."""
     if instance.latency.just_learned(pool.policy.timeouts.min_samples):
-        pool.forget_prior()
+        pool.timing.forget_prior()

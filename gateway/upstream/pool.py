@@ -16,10 +16,9 @@ from gateway.core.discovery import DiscoveredSet, Endpoint
 from gateway.core.failure_rate import FailureRateState
 from gateway.core.health import HealthChange, HealthState
 from gateway.core.histogram import Histogram
-from gateway.core.latency import LatencyState, pool_prior
 from gateway.core.tiers import TierTable
-from gateway.core.timeouts import NO_LOAD, AttemptTimeouts, Load, attempt_timeouts, hedge_delay
 from gateway.upstream.instance import InstanceState, budget_for
+from gateway.upstream.pool_timing import PoolTiming
 from gateway.upstream.stats import PoolStats
 from gateway.upstream.tls import client_ssl
 
@@ -45,8 +44,6 @@ class PoolState:
         "name",
         "next_index",
         "policy",
-        "prior",
-        "prior_at",
         "resume_budget",
         "retry_on",
         "rng",
@@ -55,6 +52,7 @@ class PoolState:
         "stats",
         "strip_headers",
         "tiers",
+        "timing",
     )
 
     def __init__(
@@ -88,10 +86,8 @@ class PoolState:
             for inst in policy.instances
         ]
         self.next_index = 0
-        # The pool's latency figures for instances that have not learned their own, and when
-        # they were last worked out (they move slowly: once a second is plenty).
-        self.prior: LatencyState | None = None
-        self.prior_at = -1.0
+        # Its attempts' timeouts and hedge delays, and the prior they fall back on.
+        self.timing = PoolTiming(self)
         self.failure = FailureRateState(policy.retries.failure_smoothing)
         self.tiers = TierTable(policy.retries.tiers)
         self.budget = RetryBudget.from_policy(policy.retries.budget)
@@ -193,7 +189,7 @@ class PoolState:
         self.policy = policy
         self.breakers = breakers
         self.instances = instances
-        self.prior = None  # worked out again from the new instances and settings
+        self.timing.forget_prior()  # worked out again from the new instances and settings
         self.failure.smoothing = retries.failure_smoothing
         if retries.tiers != was_retries.tiers:
             self.tiers = TierTable(retries.tiers)
@@ -207,75 +203,6 @@ class PoolState:
             self.stats.ttfb.setdefault(model, Histogram())
         self.refresh_routable()
         return added
-
-    def latency_prior(self, now: float) -> LatencyState:
-        """What the pool's learned instances say about one that has not learned (cached 1 s)."""
-        prior = self.prior
-        if prior is None or now - self.prior_at >= 1.0:
-            policy = self.policy.timeouts
-            prior = pool_prior(
-                (inst.latency for inst in self.instances), policy.min_samples, policy.smoothing
-            )
-            self.prior = prior
-            self.prior_at = now
-        return prior
-
-    def forget_prior(self) -> None:
-        """An instance's estimate just became learned: the prior is worked out again."""
-        self.prior = None
-
-    def timeouts_for(
-        self,
-        inst: InstanceState,
-        k: float,
-        now: float,
-        *,
-        stream: bool,
-        max_tokens: int | None,
-        jitter_s: float = 0.0,
-        load: Load = NO_LOAD,
-        final: bool = False,
-    ) -> AttemptTimeouts:
-        """The timeouts an attempt on `inst` gets (`attempt_timeouts`), from its own figures or,
-        while they are young, its pool's prior."""
-        policy = self.policy.timeouts
-        latency = inst.latency
-        prior = self.latency_prior(now) if latency.young(policy.min_samples) else None
-        return attempt_timeouts(
-            latency,
-            policy,
-            k,
-            stream=stream,
-            max_tokens=max_tokens,
-            jitter_s=jitter_s,
-            prior=prior,
-            load=load,
-            final=final,
-        )
-
-    def hedge_delay(
-        self, inst: InstanceState, now: float, *, stream: bool, max_tokens: int | None
-    ) -> float | None:
-        """When an attempt about to be sent to `inst` gets a hedge if it has no first byte
-        (`hedge_delay`), counting the attempts the gateway already has there."""
-        policy = self.policy.timeouts
-        latency = inst.latency
-        prior = self.latency_prior(now) if latency.young(policy.min_samples) else None
-        load = Load(
-            inst.in_flight + inst.ghosts_at(now),
-            inst.capacity_seen,
-            0,
-            now - inst.progress_at,
-        )
-        return hedge_delay(
-            latency,
-            policy,
-            self.policy.hedging.k,
-            stream=stream,
-            max_tokens=max_tokens,
-            prior=prior,
-            load=load,
-        )
 
     def has_room(self, besides: InstanceState, now: float, avoid: Sequence[InstanceState]) -> bool:
         """Whether an instance other than `besides` (and those in `avoid`) takes traffic and

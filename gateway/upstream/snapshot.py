@@ -182,8 +182,8 @@ def instance_snapshot(
     breaker, engine, budget, limiter = inst.breaker, inst.engine, inst.budget, inst.limiter
     latency, health = inst.latency, inst.health
     penalty = inst.price.penalty
-    stream = pool.timeouts_for(inst, k, now, stream=True, max_tokens=None)
-    whole = pool.timeouts_for(inst, k, now, stream=False, max_tokens=None)
+    stream = pool.timing.timeouts_for(inst, k, now, stream=True, max_tokens=None)
+    whole = pool.timing.timeouts_for(inst, k, now, stream=False, max_tokens=None)
     return InstanceSnapshot(
         name=inst.name,
         url=inst.base_url,
