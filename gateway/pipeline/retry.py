@@ -37,7 +37,7 @@ from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 from gateway.upstream.stats import outcome_label
 
 # What a lone instance is asked again for: it answered, or reset before the first byte, and may
@@ -82,82 +82,115 @@ class Retry:
                 failure = error
                 outcome = error.outcome
                 if outcome.kind in _AVOID_AFTER and call.attempt.instance is not None:
-                    call.avoid.append(call.attempt.instance)
-                    waited = _waited_in_vain(call, outcome)
-                    if waited is not None:
-                        # Silent from when it was asked: bytes it sent anyone since say
-                        # it is busy, not gone.
-                        call.timed_out.append((call.attempt.instance, clock() - waited))
-            now = clock()
-            wait_s = 0.0
-            if response is not None:
-                wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
-            max_retries = tier.max_retries
-            if (
-                max_retries < pool.tiers.most_retries
-                and outcome.kind in _TRANSIENT
-                and call.attempt.instance is not None
-                and (
-                    # A lone instance: retrying it is the only way to an answer.
-                    pool.alone(call.attempt.instance, now, call.avoid)
-                    # A pool whose failures sit on some instances (its rate high, its tier's
-                    # retries few) with a sound one left untried: a retry there is no storm.
-                    or pool.sound_elsewhere(call.tried, now)
-                )
-            ):
-                max_retries = pool.tiers.most_retries
-                call.last_attempt = max_retries + 1
-            allowed = (
-                outcome.retryable(pool.retry_on)
-                # What could act twice is sent again only if it was never sent.
-                and (not call.acts or outcome.kind == "connect_failure")
-                and call.attempts - call.hedges - 1 < max_retries
-                and now < call.deadline
-                and not _full_everywhere(failure, call, now)
-                and not _only_silent_left(call)
-            )
-            if allowed:
-                delay = backoff_s(
-                    max(1, call.attempts - call.hedges),
-                    tier.backoff_s,
-                    retries_policy.max_backoff,
-                    pool.rng,
-                )
-                delay = max(delay, wait_s)
-                allowed = now + delay < call.deadline
-                # A refused connection did no work anywhere: sending the request elsewhere
-                # adds no load (Finagle's requeues), and each instance refuses it once at most.
-                requeue = outcome.kind == "connect_failure"
-                spent_at = None
-                if allowed and not requeue:
-                    if pool.budget.try_spend(now):
-                        spent_at = now  # given back if this retry is answered
-                    else:
-                        allowed = False
-                        pool.stats.budget_exhausted += 1
-                        if self._traced:
-                            trace.get_current_span().add_event(
-                                "retry budget exhausted", {"gateway.attempt": call.attempts}
-                            )
-            if not allowed:
+                    _avoid(call, outcome, clock)
+            # The failed attempt's answer: handed back when no retry is allowed, else closed
+            # before the next attempt starts.
+            with Owned(response) as failed:
+                now = clock()
+                wait_s = 0.0
                 if response is not None:
-                    return response  # the backend's own answer, unchanged
-                assert failure is not None
-                raise failure
-            pool.stats.retry(outcome)
-            if self._traced:
-                trace.get_current_span().add_event(
-                    "retry scheduled",
-                    {
-                        "gateway.attempt": call.attempts,
-                        "gateway.retry.reason": outcome_label(outcome),
-                        "gateway.retry.backoff_s": delay,
-                    },
-                )
-            if response is not None:
-                response.finish(ok=False)  # closed before the next attempt starts
+                    wait_s = _honour_retry_after(
+                        pool, response, now, retries_policy.max_retry_after
+                    )
+                max_retries = tier.max_retries
+                if (
+                    max_retries < pool.tiers.most_retries
+                    and outcome.kind in _TRANSIENT
+                    and _worth_asking_again(call, now)
+                ):
+                    max_retries = pool.tiers.most_retries
+                    call.last_attempt = max_retries + 1
+                allowed = _may_retry(call, outcome, failure, max_retries, now)
+                if allowed:
+                    delay = backoff_s(
+                        max(1, call.attempts - call.hedges),
+                        tier.backoff_s,
+                        retries_policy.max_backoff,
+                        pool.rng,
+                    )
+                    delay = max(delay, wait_s)
+                    allowed = now + delay < call.deadline
+                    # A refused connection did no work anywhere: sending the request elsewhere
+                    # adds no load (Finagle's requeues), and each instance refuses it once at
+                    # most.
+                    requeue = outcome.kind == "connect_failure"
+                    spent_at = None
+                    if allowed and not requeue:
+                        if pool.budget.try_spend(now):
+                            spent_at = now  # given back if this retry is answered
+                        else:
+                            allowed = False
+                            self._budget_exhausted(call)
+                if not allowed:
+                    if response is not None:
+                        return failed.hand_over()  # the backend's own answer, unchanged
+                    assert failure is not None
+                    raise failure
+                pool.stats.retry(outcome)
+                if self._traced:
+                    _retry_scheduled(call, outcome, delay)
             if delay > 0:
                 await asyncio.sleep(delay)
+
+    def _budget_exhausted(self, call: Call) -> None:
+        """The retry budget refused a retry: counted, and told on the request's span."""
+        call.pool.stats.budget_exhausted += 1
+        if self._traced:
+            trace.get_current_span().add_event(
+                "retry budget exhausted", {"gateway.attempt": call.attempts}
+            )
+
+
+def _avoid(call: Call, outcome: Outcome, clock: Clock) -> None:
+    """The attempt's instance refused, dropped or let the request time out: a retry goes
+    elsewhere while anything else can take it, and one silent since it was asked is not asked
+    again."""
+    instance = call.attempt.instance
+    assert instance is not None
+    call.avoid.append(instance)
+    waited = _waited_in_vain(call, outcome)
+    if waited is not None:
+        # Silent from when it was asked: bytes it sent anyone since say it is busy, not gone.
+        call.timed_out.append((instance, clock() - waited))
+
+
+def _retry_scheduled(call: Call, outcome: Outcome, delay: float) -> None:
+    """The retry as an event on the request's span."""
+    trace.get_current_span().add_event(
+        "retry scheduled",
+        {
+            "gateway.attempt": call.attempts,
+            "gateway.retry.reason": outcome_label(outcome),
+            "gateway.retry.backoff_s": delay,
+        },
+    )
+
+
+def _may_retry(
+    call: Call, outcome: Outcome, failure: UpstreamError | None, max_retries: int, now: float
+) -> bool:
+    """Whether the request may be sent again after `outcome`, before any backoff or budget."""
+    return (
+        outcome.retryable(call.pool.retry_on)
+        # What could act twice is sent again only if it was never sent.
+        and (not call.acts or outcome.kind == "connect_failure")
+        and call.attempts - call.hedges - 1 < max_retries
+        and now < call.deadline
+        and not _full_everywhere(failure, call, now)
+        and not _only_silent_left(call)
+    )
+
+
+def _worth_asking_again(call: Call, now: float) -> bool:
+    """Whether a transient failure earns the most retries any tier allows."""
+    instance = call.attempt.instance
+    return instance is not None and (
+        # A lone instance: retrying it is the only way to an answer.
+        call.pool.alone(instance, now, call.avoid)
+        # A pool whose failures sit on some instances (its rate high, its tier's retries few)
+        # with a sound one left untried: a retry there is no storm.
+        or call.pool.sound_elsewhere(call.tried, now)
+    )
 
 
 def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> bool:
