@@ -1,15 +1,17 @@
 """The request path, top to bottom: what a proxied request goes through, in order, and why.
 
-    front end   `ingress.asgi.DataPlane`: the connection's limits (`ingress.protocol`), the
-                route (`config.routes`: what the gateway knows of it), the body read within
-                its cap, `model`, `stream` and `max_tokens` read from it (a JSON object, or
-                a multipart form: `ingress.form`), the client's key checked
-                (`ingress.auth`), the pool chosen by model (the only pool when none is
-                named), the
-                request's deadline (the pool's ceiling or `x-gateway-timeout`), the
-                request's `Cancellation` (`runtime`), a watch for the client leaving; a
-                whole answer on a route whose streams can be continued is fetched as a
-                stream (`ingress.whole`)
+    front end   `ingress.asgi.DataPlane._proxy`, step by step: the connection's limits
+                (`ingress.protocol`), the route (`config.routes`: what the gateway knows of
+                it), the client's key checked (`ingress.auth`); the body read within its cap
+                and `model`, `stream` and `max_tokens` read from it, a JSON object or a
+                multipart form (`_read_request`, `ingress.form`); the pool chosen by model,
+                the only pool when none is named (`_route`); the request's deadline (the
+                pool's ceiling or `x-gateway-timeout`) and priority (`RequestHeaders.terms`),
+                its `Cancellation` (`runtime`) and its `Call` (`_call`); a watch for the
+                client leaving; a whole answer on a route whose streams can be continued is
+                fetched as a stream (`ingress.whole`). Whatever ends it, it leaves its
+                counts, its access-log line and its span's attributes behind
+                (`ingress.exchange.Exchange`)
     admit       `pipeline.admit.Admit`: in pools with `admission`, a slot for the whole
                 exchange, by priority class; a request it cannot queue is shed (429)
     retry       `pipeline.retry.Retry`: the attempts, each re-running everything below;
@@ -27,19 +29,21 @@
     transport   `pipeline.transport.Transport`: the request sent (`upstream.clients`), read up
                 to the commit point: a whole body up to 1 MiB, else the first chunk
     ---------   the commit point: from here the response goes to the client, no retry
-    relay       `ingress.relay.relay`: the response forwarded; after it, the work the layers
-                registered with `UpstreamResponse.after` (the attempt's span, its
-                accounting, the slot). A stream's pieces that need only a write (whole
-                events, no engine error, a client taking them at once) are written from
-                the upstream connection's callback (`ingress.writer`), the rest by the
-                relay's task
+    relay       `ingress.relay.relay` (`DataPlane._relay`): the response forwarded, inside
+                its scope (`upstream.response.Owned`), which finishes it once when the relay
+                ends, however it ends: then the work the layers registered with
+                `UpstreamResponse.after` (the attempt's span, its accounting, the slot). A
+                stream's pieces that need only a write (whole events, no engine error, a
+                client taking them at once) are written from the upstream connection's
+                callback (`ingress.writer`), the rest by the relay's task
     resume      `ingress.resume`: a stream that breaks after its first byte (a reset, an
                 EOF before its last event, an idle timeout, the engine's error event), or
                 that is moved (its instance isolated, or far slower than the others), is
                 continued: its text so far goes in a continuation request, sent through
                 the layers below admission (`RequestPath.resume`: retry, pick, hedge,
-                account, deadline, transport) to another instance, and the continuation's
-                events are rewritten into the same stream (`core.continuation`). A stream
+                account, deadline, transport; `ingress.resume.stream_resume`) to another
+                instance, the request's slot going on with it, and the continuation's events
+                are rewritten into the same stream (`core.continuation`). A stream
                 that cannot be continued ends with an error event, never silently. A
                 whole answer fetched as a stream is relayed into `ingress.whole.WholeAnswer`,
                 which sends the client one JSON answer (or error) at the stream's end.

@@ -29,7 +29,7 @@ from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.feedback import attempt_finished
 from gateway.upstream.pool import PoolState
 from gateway.upstream.registry import Registry
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 from gateway.upstream.watchdog import Watchdog
 from loadtests.virtual_time import run
 from tests.memory_upstream import (
@@ -105,7 +105,8 @@ class Pipeline:
             return Outcome(
                 error.status, None, call.attempts, loop.time(), error.code, error.retry_after_s
             )
-        response.finish(ok=True)
+        with Owned(response) as relayed:
+            relayed.ok = True
         return Outcome(response.status, response.instance.name, call.attempts, loop.time())
 
 
@@ -749,9 +750,11 @@ def test_work_after_a_response_runs_once_in_order_and_past_a_failing_step() -> N
         response.after(lambda r, error: ran.append("span"))
         response.after(failing)
         response.after(lambda r, error: ran.append("slot"))
-        response.finish(ok=True)
+        with Owned(response) as relayed:
+            relayed.ok = True
         first = list(ran)
-        response.finish(ok=True)  # a second end runs nothing again
+        with Owned(response) as again:  # a second end runs nothing again
+            again.ok = True
         return first, ran
 
     first, after_second = run(scenario())

@@ -12,57 +12,35 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
-from starlette.types import Message, Scope
+from starlette.types import Scope
 
 from gateway.config.models import LimitsPolicy
-from gateway.config.routes import (
-    KNOWN_ROUTES,
-    MODELS_PATH,
-    Route,
-    acts,
-    genai_attributes,
-    route_for,
-)
-from gateway.core.continuation import Transcript
-from gateway.core.usage import model_of, usage_of
-from gateway.errors import (
-    GatewayError,
-    InvalidRequest,
-    MethodNotAllowed,
-    ModelNotFound,
-    NotFound,
-    UpstreamProtocolError,
-)
+from gateway.config.routes import KNOWN_ROUTES, MODELS_PATH, Route, acts, route_for
+from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
-from gateway.ingress.body import ClientGone, Receive, read_body, read_facts
+from gateway.ingress.body import ClientGone, Receive, read_body
 from gateway.ingress.dialect import BY_PROTOCOL
-from gateway.ingress.form import is_form, read_form_facts
+from gateway.ingress.exchange import CLIENT_CLOSED, Exchange, log_refused, serve_traced
+from gateway.ingress.form import read_request_facts
 from gateway.ingress.forwarded import TrustedProxies
-from gateway.ingress.headers import split_request_headers
+from gateway.ingress.headers import RequestHeaders, client_address, split_request_headers
 from gateway.ingress.protocol import ConnectionLimits, HardenedProtocol
 from gateway.ingress.refusals import UNAUTHORIZED, IngressRefusals
 from gateway.ingress.relay import ResponseAborted, Send, relay, send_error, send_json
-from gateway.ingress.resume import Restart, StreamResume, transcript_for
+from gateway.ingress.resume import StreamResume, stream_resume
 from gateway.ingress.streams import OpenStreams
 from gateway.ingress.whole import WholeAnswer, fetch_as_stream
 from gateway.ingress.writer import client_writer
-from gateway.pipeline.admit import parse_priority
-from gateway.pipeline.attempt_span import answer_attributes, read_answer
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import CLIENT_GONE, Cancellation
 from gateway.telemetry.logs import AccessLog
 from gateway.telemetry.tracing import Tracing
-from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
 from gateway.upstream.registry import Registry
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 
 log = logging.getLogger("gateway.ingress")
 
@@ -70,13 +48,6 @@ log = logging.getLogger("gateway.ingress")
 # Most requests finish within milliseconds: a timer is cheaper than a task, so only a request
 # still running after this long gets a task that waits for its client to disconnect.
 WATCH_AFTER_S = 0.02
-
-
-def _positive_seconds(raw: bytes) -> float:
-    value = float(raw)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(raw)
-    return value
 
 
 class _DisconnectWatch:
@@ -122,11 +93,10 @@ class _DisconnectWatch:
             watcher.cancel()
 
 
-# What a request that ended because its client left counts as (nginx's 499).
-CLIENT_CLOSED = 499
-
-
 class DataPlane:
+    """The data plane's ASGI app: the proxied routes (`_proxy`, step by step), the gateway's
+    own small answers (`/v1/models`, `/healthz`, `/readyz`), and the refusals before a route."""
+
     def __init__(
         self,
         registry: Registry,
@@ -221,7 +191,10 @@ class DataPlane:
             if self._tracer is None:
                 await self._proxy(scope, receive, send, route)
             else:
-                await self._proxy_traced(self._tracer, scope, receive, send, route)
+                assert self._tracing is not None
+                await serve_traced(
+                    self._tracing, self._tracer, self._proxy, scope, receive, send, route
+                )
         elif path == MODELS_PATH:
             await self._get(method, send, self._models_body)
         elif path.startswith(MODELS_PATH + "/"):
@@ -248,20 +221,9 @@ class DataPlane:
         """The 401: counted and access-logged like any refused request (never the key)."""
         started = self._loop.time()
         await send_unauthorized(send, path)
-        client = self._client_address(scope)
+        client = client_address(scope, self._trusted)
         self.refusals.count(UNAUTHORIZED, client)
         self._rejected(scope, path, 401, started, None, client)
-
-    def _client_address(self, scope: Scope) -> str | None:
-        """The client's address as the access log gives it (the peer, or what a trusted
-        proxy's X-Forwarded-For says), found as for a proxied request."""
-        peer = scope.get("client")
-        host: str | None = peer[0] if peer else None
-        try:
-            headers = split_request_headers(scope["headers"], host, scope["scheme"], self._trusted)
-        except ValueError:  # an invalid Content-Length: the peer, then
-            return host
-        return headers.client
 
     async def _get(self, method: str, send: Send, body: bytes) -> None:
         if method in ("GET", "HEAD"):
@@ -293,178 +255,79 @@ class DataPlane:
         client_address: str | None = None,
     ) -> None:
         if self._access is not None:
-            client = (client_address,) if client_address else scope.get("client")
-            fields = {
-                "method": scope["method"],
-                "path": path,
-                "status": status,
-                "model": model,  # a client's string: escaped by the formatter
-                "duration_s": self._loop.time() - started,
-                "client": client[0] if client else None,
-            }
-            self._access.write(fields)
-
-    def _log_access(
-        self,
-        scope: Scope,
-        path: str,
-        status: int,
-        started: float,
-        facts: RequestFacts,
-        pool: str,
-        call: Call,
-        ttfb_s: float | None,
-        client: str | None,
-        stream_error: str | None = None,
-        resume: StreamResume | None = None,
-    ) -> None:
-        fields: dict[str, object] = {
-            "method": "POST",
-            "path": path,
-            "status": status,
-            "pool": pool,
-            "model": facts.model,
-            "instance": _instance_name(call, resume),
-            "attempts": call.attempts + (resume.attempts if resume is not None else 0),
-            "streamed": facts.stream,
-            "duration_s": self._loop.time() - started,
-            "ttfb_s": ttfb_s,
-            "client": client,
-        }
-        if stream_error is not None:
-            # The status went out with the first byte; what ended the stream did not.
-            fields["stream_error"] = stream_error
-        if resume is not None and resume.resumes:
-            # Headers (x-gateway-attempts) went out before: the log tells of the resumes.
-            fields["resumes"] = resume.resumes
-            fields["resumed_on"] = resume.reasons
-        if self._tracer is not None:
-            span_context = trace.get_current_span().get_span_context()
-            if span_context.is_valid:
-                fields["trace_id"] = format(span_context.trace_id, "032x")
-        assert self._access is not None
-        self._access.write(fields)
-
-    def _resumable(self, call: Call, whole: WholeAnswer | None) -> StreamResume:
-        """A stream's resume: its transcript (or why it has none), and how a continuation is
-        sent: the same request with the continuation's body, through the layers below
-        admission, avoiding the instances that broke it. For a whole answer (`whole`), also
-        how it starts again from nothing when it cannot be continued."""
-        pool = call.pool
-        policy = pool.policy.resume
-        request = call.facts.request
-        path = call.path
-        transcript, refusal = transcript_for(path, request, policy)
-        handler = self._resume_handler
-        assert handler is not None
-        traced = self._tracer is not None
-
-        left: list[InstanceState] = []  # the instances that broke this stream so far
-
-        async def start(
-            resume: StreamResume, body: bytes, broken: InstanceState
-        ) -> tuple[UpstreamResponse, float]:
-            left.append(broken)
-            continued = call.for_continuation(body, left)
-            if traced:
-                trace.get_current_span().add_event(
-                    "stream resumed",
-                    {
-                        "gateway.resume.reason": resume.reasons[-1],
-                        "gateway.resume.from_instance": broken.name,
-                        "gateway.resume.count": resume.resumes,
-                    },
-                )
-            try:
-                response = await handler(continued)
-            finally:
-                resume.attempts += continued.attempts
-                if continued.attempt.instance is not None:
-                    resume.instance = continued.attempt.instance
-            if response.status != 200 or not response.is_sse:
-                # The engine refused the continuation (an engine that does not continue a
-                # final message answers 400): the stream ends as it would have.
-                response.finish(ok=response.body is not None)
-                pool.stats.not_resumed("refused")
-                raise UpstreamProtocolError(
-                    f"the continuation was answered with HTTP {response.status}"
-                )
-            timeouts = continued.attempt.timeouts
-            assert timeouts is not None
-            return response, timeouts.idle_s or timeouts.first_byte_s
-
-        restart = None
-        if whole is not None:
-
-            def fresh() -> Transcript | None:
-                return transcript_for(path, request, policy)[0]
-
-            restart = Restart(call.body, fresh, whole.restart)
-        resume = StreamResume(
-            transcript, refusal, policy, pool, start, self._loop.time, call.deadline, restart
-        )
-        return resume
-
-    async def _proxy_traced(
-        self, tracer: Tracer, scope: Scope, receive: Receive, send: Send, route: Route
-    ) -> None:
-        """`_proxy` inside the request's SERVER span, which stays current for the layers (their
-        events land on it) and ends with the response's last byte."""
-        assert self._tracing is not None
-        parent = self._tracing.extract(scope["headers"])
-        client = scope.get("client")
-        attributes: dict[str, str | int] = {
-            "http.request.method": "POST",
-            "http.route": route.template,
-            "url.path": route.path,
-            "url.scheme": scope["scheme"],
-            **genai_attributes(route),
-        }
-        if client:
-            attributes["client.address"] = client[0]
-        span = tracer.start_span(
-            f"POST {route.template}", context=parent, kind=SpanKind.SERVER, attributes=attributes
-        )
-        token = otel_context.attach(trace.set_span_in_context(span, parent))
-        status = 0
-
-        async def send_traced(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self._proxy(scope, receive, send_traced, route)
-        finally:
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500 or status == 0:
-                span.set_status(
-                    Status(StatusCode.ERROR, f"HTTP {status}" if status else "no answer")
-                )
-            otel_context.detach(token)
-            span.end()
+            duration_s = self._loop.time() - started
+            log_refused(self._access, scope, path, status, duration_s, model, client_address)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        """A request to proxy, step by step (`gateway.request_path`): its body read and
+        checked, its pool, its deadline and priority, its `Call`; then the pipeline, the
+        relay of its answer, and what it leaves behind (`Exchange.end`)."""
         started = self._loop.time()
+        request = await self._read_request(scope, receive, send, route, started)
+        if request is None:
+            return
+        headers, body, facts = request
+        address = headers.client
+        try:
+            pool, facts = self._route(route, facts)
+            call, whole = self._call(scope, route, headers, body, facts, pool)
+        except GatewayError as refused:  # logged with the model it names, if any
+            await self._reject(scope, send, route, refused, started, facts.model or None, address)
+            return
+        exchange = Exchange(call, facts, started, address, self._loop.time)
+        watch = _DisconnectWatch(self._loop, call.cancellation, receive)
+        try:
+            try:
+                response = await self._handler(call)
+            except GatewayError as error:
+                exchange.status = error.status
+                await send_error(send, error, call.attempts, BY_PROTOCOL[route.protocol])
+                return
+            exchange.answered = response
+            await self._relay(scope, send, exchange, response, whole)
+        except ResponseAborted as aborted:
+            exchange.stream_error = aborted.error.message  # cut: the client saw it end short
+            # uvicorn drops the connection of a response left incomplete: the client sees it.
+            fields = {
+                "pool": pool.name,
+                "instance": response.instance.name,
+                "error": aborted.error.message,
+            }
+            log.warning("response aborted after the commit point", extra={"fields": fields})
+        except asyncio.CancelledError:
+            if call.cancellation.consume(CLIENT_GONE):
+                return
+            raise
+        finally:
+            watch.close()
+            exchange.end(self._access, self._tracer is not None)
+
+    async def _read_request(
+        self, scope: Scope, receive: Receive, send: Send, route: Route, started: float
+    ) -> tuple[RequestHeaders, bytes, RequestFacts] | None:
+        """The request's headers, its body (within its cap) and what routing needs of it; None
+        when it was refused (answered and logged) or its client left meanwhile."""
         client = scope.get("client")
-        path = route.path
         try:
             headers = split_request_headers(
                 scope["headers"], client[0] if client else None, scope["scheme"], self._trusted
             )
             body = await read_body(receive, self._limit, headers.content_length)
-            facts = _read_facts(scope, body, strict=route.kind != "other")
+            facts = read_request_facts(scope["headers"], body, strict=route.kind != "other")
         except ClientGone:
-            self._rejected(scope, path, CLIENT_CLOSED, started, None, headers.client)
-            return
+            self._rejected(scope, route.path, CLIENT_CLOSED, started, None, headers.client)
+            return None
         except ValueError as exc:
             await self._reject(scope, send, route, InvalidRequest(str(exc)), started, None)
-            return
+            return None
         except GatewayError as error:
             await self._reject(scope, send, route, error, started, None, headers.client)
-            return
-        address = headers.client
+            return None
+        return headers, body, facts
+
+    def _route(self, route: Route, facts: RequestFacts) -> tuple[PoolState, RequestFacts]:
+        """The pool the request goes to, by the model it names, and its facts (the model
+        filled in when it named none); a GatewayError when it goes nowhere."""
         if facts.model:
             pool = self._by_model.get(facts.model)
         elif self._only is not None and route.kind != "other":
@@ -474,41 +337,35 @@ class DataPlane:
             pool, model = self._only
             facts = dataclasses.replace(facts, model=model)
         else:
-            unnamed = InvalidRequest("the request names no model; GET /v1/models lists them")
-            await self._reject(scope, send, route, unnamed, started, None, address)
-            return
+            raise InvalidRequest("the request names no model; GET /v1/models lists them")
         if pool is None:
-            unknown = ModelNotFound(f"the model {facts.model!r} does not exist")
-            await self._reject(scope, send, route, unknown, started, facts.model, address)
-            return
+            raise ModelNotFound(f"the model {facts.model!r} does not exist")
         if route.kind == "other" and pool.policy.credentials is not None:
             # The operator's own key is spent only on what the gateway knows it does.
-            kept = NotFound(f"{path} is not proxied to pool {pool.name!r}, which has credentials")
-            await self._reject(scope, send, route, kept, started, facts.model, address)
-            return
-        budget_s = pool.policy.timeouts.ceiling
-        client_budget = headers.gateway.get(b"x-gateway-timeout")
-        if client_budget is not None:
-            try:
-                budget_s = min(budget_s, _positive_seconds(client_budget))
-            except ValueError:
-                bad = InvalidRequest("x-gateway-timeout must be a positive number of seconds")
-                await self._reject(scope, send, route, bad, started, facts.model, address)
-                return
-        try:
-            priority = parse_priority(headers.gateway.get(b"x-gateway-priority"))
-        except ValueError as exc:
-            bad = InvalidRequest(str(exc))
-            await self._reject(scope, send, route, bad, started, facts.model, address)
-            return
-        # A whole answer fetched as a stream, so a cut is continued (None: sent as it came).
+            path = route.path
+            raise NotFound(f"{path} is not proxied to pool {pool.name!r}, which has credentials")
+        return pool, facts
+
+    def _call(
+        self,
+        scope: Scope,
+        route: Route,
+        headers: RequestHeaders,
+        body: bytes,
+        facts: RequestFacts,
+        pool: PoolState,
+    ) -> tuple[Call, bool]:
+        """The request as the pipeline takes it: its deadline (the pool's ceiling from now, or
+        less when the client asks) and priority (`RequestHeaders.terms`: InvalidRequest when
+        they cannot be read); and whether it is a whole answer fetched as a stream (so that a
+        cut is continued)."""
+        budget_s, priority = headers.terms(pool.policy.timeouts.ceiling)
         fetched = None
         if not facts.stream and self._resume_handler is not None:
-            fetched = fetch_as_stream(path, facts, pool.policy.resume, body)
+            fetched = fetch_as_stream(route.path, facts, pool.policy.resume, body)
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
-        cancellation = Cancellation(task)
         call = Call(
             pool=pool,
             route=route,
@@ -517,149 +374,57 @@ class DataPlane:
             headers=headers.forward,
             facts=facts if fetched is None else fetched[1],
             deadline=self._loop.time() + budget_s,
-            cancellation=cancellation,
+            cancellation=Cancellation(task),
             acts=acts(route, facts.request),
             priority=priority,
         )
-        dialect = BY_PROTOCOL[route.protocol]
-        watch = _DisconnectWatch(self._loop, cancellation, receive)
-        stats = pool.stats
-        status = CLIENT_CLOSED
-        ttfb_s: float | None = None
-        stream_error: str | None = None  # what cut a stream short after its first byte
+        return call, fetched is not None
+
+    async def _relay(
+        self, scope: Scope, send: Send, exchange: Exchange, response: UpstreamResponse, whole: bool
+    ) -> None:
+        """The answer relayed to the client as it comes, or, for a whole answer fetched as a
+        stream (`whole`), into one JSON answer sent at its end. The response is finished when
+        the relay ends, before a whole answer goes out."""
+        call = exchange.call
+        timeouts = call.attempt.timeouts
+        assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
+        # A non-streamed body that still comes in pieces may pause as long as its first byte.
+        idle_s = timeouts.idle_s or timeouts.first_byte_s
+        dialect = BY_PROTOCOL[call.route.protocol]
+        answer: WholeAnswer | None = None
         resume: StreamResume | None = None
-        answered: UpstreamResponse | None = None  # the answer, for the span's GenAI attributes
-        try:
-            try:
-                response = await self._handler(call)
-                answered = response
-            except GatewayError as error:
-                status = error.status
-                await send_error(send, error, call.attempts, dialect)
-                return
-            timeouts = call.attempt.timeouts
-            assert timeouts is not None, "the deadline layer sets every attempt's timeouts"
-            # A non-streamed body that still comes in pieces may pause as long as its first byte.
-            idle_s = timeouts.idle_s or timeouts.first_byte_s
-            whole: WholeAnswer | None = None
+        with Owned(response) as current:
             if response.is_sse and response.status == 200 and self._resume_handler is not None:
-                if fetched is not None:
-                    whole = WholeAnswer(send, path)
-                resume = self._resumable(call, whole)
-            if whole is None:
-                status = response.status  # sent now (a whole answer's comes with its end)
-                ttfb_s = self._loop.time() - started
-                stats.ttfb[facts.model].observe(ttfb_s)
+                if whole:
+                    answer = WholeAnswer(send, call.route.path)
+                resume = exchange.resume = stream_resume(
+                    call,
+                    self._resume_handler,
+                    self._loop.time,
+                    self._tracer is not None,
+                    answer.restart if answer is not None else None,
+                )
+            if answer is None:
+                exchange.first_byte(response.status)  # sent now
             broke = await relay(
-                send if whole is None else whole,
-                response,
+                send if answer is None else answer,
+                current,
                 call.attempts,
                 idle_s,
                 call.deadline,
                 dialect,
                 self.streams,
-                cancellation,
+                call.cancellation,
                 resume,
-                whole if whole is not None else client_writer(scope) if response.is_sse else None,
+                answer if answer is not None else client_writer(scope) if response.is_sse else None,
             )
-            if whole is not None:
-                assert resume is not None
-                ended_on = resume.instance or response.instance
-                status = await whole.finish(
-                    broke, call.attempts + resume.attempts, ended_on.name_header, dialect
-                )
-                ttfb_s = self._loop.time() - started
-                stats.ttfb[facts.model].observe(ttfb_s)
-            elif broke is not None:
-                stream_error = broke.message
-        except ResponseAborted as aborted:
-            stream_error = aborted.error.message  # cut: the client saw it end short
-            # uvicorn drops the connection of a response left incomplete: the client sees it.
-            fields = {
-                "pool": pool.name,
-                "instance": response.instance.name,
-                "error": aborted.error.message,
-            }
-            log.warning("response aborted after the commit point", extra={"fields": fields})
-        except asyncio.CancelledError:
-            if cancellation.consume(CLIENT_GONE):
-                return
-            raise
-        finally:
-            watch.close()
-            stats.request(facts.model, status, self._loop.time() - started)
-            told = None  # (model, usage) of the one answer the client got whole
-            if answered is not None and status == 200 and stream_error is None:
-                if resume is not None and resume.resumes > 0:
-                    # Continued after a break: the usage the client was told (the rewritten
-                    # one, every attempt's tokens) at the end of what it got; not timed per
-                    # token, its pace being two instances'.
-                    head = answered.first_chunk
-                    told = model_of(head), usage_of(resume.told, head, route.protocol)
-                    stats.count_usage(facts.model, told[1], None)
-                else:
-                    told = read_answer(answered, route.protocol)
-                    streamed = answered.body is None
-                    spent = answered.last_at - answered.first_at if streamed else None
-                    stats.count_usage(facts.model, told[1], spent)
-            if self._access is not None:
-                self._log_access(
-                    scope,
-                    path,
-                    status,
-                    started,
-                    facts,
-                    pool.name,
-                    call,
-                    ttfb_s,
-                    address,
-                    stream_error,
-                    resume,
-                )
-            if self._tracer is not None:
-                span = trace.get_current_span()
-                span.set_attribute("gen_ai.request.model", facts.model)
-                if told is not None:
-                    span.set_attributes(answer_attributes(*told))
-                if status >= 500:
-                    span.set_attribute("error.type", str(status))
-                elif stream_error is not None:
-                    span.set_attribute("error.type", "stream_cut")
-                    span.set_status(Status(StatusCode.ERROR, "the stream was cut short"))
-                span.set_attributes(
-                    {
-                        "gateway.pool": pool.name,
-                        "gateway.attempts": call.attempts
-                        + (resume.attempts if resume is not None else 0),
-                        "gateway.streamed": bool(facts.stream),
-                    }
-                )
-                instance = _instance_name(call, resume)
-                if instance is not None:
-                    span.set_attribute("gateway.instance", instance)
-                if resume is not None and resume.resumes:
-                    span.set_attribute("gateway.resumes", resume.resumes)
-                if ttfb_s is not None:
-                    span.set_attribute("gateway.time_to_first_byte_s", ttfb_s)
-                if status == CLIENT_CLOSED:
-                    span.add_event("client disconnected")
-
-
-def _read_facts(scope: Scope, body: bytes, strict: bool) -> RequestFacts:
-    """What routing needs from the body: a JSON object's fields, or a multipart form's
-    (`strict`: see `read_facts`)."""
-    if body[:1] != b"{":  # not the usual JSON object: a form, or JSON after blanks (or neither)
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                if is_form(value):
-                    return read_form_facts(body, value)
-                break
-    return read_facts(body, strict)
-
-
-def _instance_name(call: Call, resume: StreamResume | None) -> str | None:
-    """The instance that served the end of the answer."""
-    if resume is not None and resume.instance is not None:
-        return resume.instance.name
-    instance = call.attempt.instance
-    return instance.name if instance is not None else None
+        if answer is not None:
+            assert resume is not None
+            ended_on = resume.instance or response.instance
+            status = await answer.finish(
+                broke, call.attempts + resume.attempts, ended_on.name_header, dialect
+            )
+            exchange.first_byte(status)  # a whole answer's status comes with its end
+        elif broke is not None:
+            exchange.stream_error = broke.message

@@ -8,12 +8,14 @@ streaming parser, which walks the parts without copying the file's bytes anywher
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from python_multipart import MultipartParser
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import parse_options_header
 
 from gateway.errors import InvalidRequest
+from gateway.ingress.body import read_facts
 from gateway.pipeline.call import RequestFacts
 
 # The parser logs each malformed body it meets: a client's mistake, answered with a 400 that
@@ -110,3 +112,17 @@ def read_form_facts(body: bytes, content_type: bytes) -> RequestFacts:
     if raw not in _TRUE and raw not in _FALSE:
         raise InvalidRequest("the form field 'stream' must be true or false")
     return RequestFacts(model, raw in _TRUE, None, {}, form=True)
+
+
+def read_request_facts(
+    raw_headers: Iterable[tuple[bytes, bytes]], body: bytes, strict: bool
+) -> RequestFacts:
+    """What routing needs from the body: a JSON object's fields, or a multipart form's
+    (`strict`: see `read_facts`)."""
+    if body[:1] != b"{":  # not the usual JSON object: a form, or JSON after blanks (or neither)
+        for name, value in raw_headers:
+            if name == b"content-type":
+                if is_form(value):
+                    return read_form_facts(body, value)
+                break
+    return read_facts(body, strict)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
+from starlette.types import Scope
+
+from gateway.core.admission import Priority
+from gateway.errors import InvalidRequest
 from gateway.ingress.forwarded import TrustedProxies
+from gateway.pipeline.admit import parse_priority
 
 # RFC 9110 §7.6.1 hop-by-hop headers: they describe one connection, never the exchange.
 _HOP_BY_HOP = frozenset(
@@ -44,6 +50,32 @@ class RequestHeaders:
         self.content_length: int | None = None
         self.forward: list[tuple[str, str]] = []
         self.gateway: dict[bytes, bytes] = {}
+
+    def terms(self, ceiling_s: float) -> tuple[float, Priority | None]:
+        """What the client's own headers ask: its time budget (`x-gateway-timeout`, within
+        the pool's `ceiling_s`) and its priority class (`x-gateway-priority`; None: the
+        pool's default). InvalidRequest when either cannot be read."""
+        budget_s = ceiling_s
+        asked = self.gateway.get(b"x-gateway-timeout")
+        if asked is not None:
+            try:
+                budget_s = min(budget_s, _positive_seconds(asked))
+            except ValueError:
+                raise InvalidRequest(
+                    "x-gateway-timeout must be a positive number of seconds"
+                ) from None
+        try:
+            priority = parse_priority(self.gateway.get(b"x-gateway-priority"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return budget_s, priority
+
+
+def _positive_seconds(raw: bytes) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(raw)
+    return value
 
 
 def split_request_headers(
@@ -99,6 +131,18 @@ def split_request_headers(
         forward.append(("x-forwarded-for", client_host))
         forward.append(("x-forwarded-proto", scheme))
     return out
+
+
+def client_address(scope: Scope, trusted: TrustedProxies | None) -> str | None:
+    """The client's address as the access log gives it (the peer, or what a trusted proxy's
+    X-Forwarded-For says), found as for a proxied request."""
+    peer = scope.get("client")
+    host: str | None = peer[0] if peer else None
+    try:
+        headers = split_request_headers(scope["headers"], host, scope["scheme"], trusted)
+    except ValueError:  # an invalid Content-Length: the peer, then
+        return host
+    return headers.client
 
 
 def response_headers(

@@ -24,7 +24,7 @@ from gateway.ingress.resume import PACE_WINDOW, SLOW_WINDOWS, Continue, StreamRe
 from gateway.ingress.streams import OpenStream, OpenStreams, ended_by_drain
 from gateway.ingress.writer import BodyWriter
 from gateway.runtime import Cancellation
-from gateway.upstream.response import RequestHooks, UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -87,31 +87,9 @@ def sse_error_event(error: GatewayError, dialect: Dialect = OPENAI, last: bytes 
     return ending
 
 
-class _Current:
-    """The attempt whose stream the client is being sent: another one after a resume. Between
-    the two, its response is None and `hooks` holds the request's work, with what broke it."""
-
-    __slots__ = ("broken", "error", "hooks", "response", "watch")
-
-    def __init__(self, response: UpstreamResponse) -> None:
-        self.response: UpstreamResponse | None = response
-        self.hooks: RequestHooks | None = None
-        self.broken = response
-        self.error: UpstreamError | None = None
-        self.watch: _Watch | None = None  # of the stream being relayed: what it last sent
-
-    def finish(self, ok: bool, error: UpstreamError | None) -> None:
-        response, self.response = self.response, None
-        if response is not None:
-            response.finish(ok, error)
-        hooks, self.hooks = self.hooks, None
-        if hooks is not None:
-            hooks.run(self.broken, self.error or error)
-
-
 async def relay(
     send: Send,
-    response: UpstreamResponse,
+    current: Owned,
     attempts: int,
     idle_s: float,
     end_at: float,
@@ -125,6 +103,10 @@ async def relay(
     Returns what ended an SSE stream short with the gateway's error event, if anything did
     (the upstream cutting it, the drain's deadline).
 
+    `current`: the scope of the response (`upstream.response.Owned`), whose outcome the relay
+    states as it learns it: the caller's scope ends it, after the last byte (a stream cut by
+    the upstream, a crash, a reset, an idle timeout, is that instance's failure, accounted
+    then like any other).
     A stream that breaks after the commit point is continued on another attempt when `resume`
     allows (`ingress.resume`): the client sees one stream. Otherwise it ends, for SSE, with an
     error event (and `[DONE]` for OpenAI clients: `dialect`), never a silent truncation:
@@ -139,64 +121,74 @@ async def relay(
     `writer`: where an SSE stream's plain pieces may be written straight from the upstream's
     callback (`ingress.writer`), the same destination as `send`.
     """
-    ok = False
-    broke: UpstreamError | None = None  # what broke the body, when the upstream did
-    stream: Cancellation | None = None
-    current = _Current(response)
+    response = current.response
+    assert response is not None
+    no_body = response.status in _NO_BODY_STATUSES
+    headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
+    headers += (
+        (b"x-gateway-attempts", str(attempts).encode()),
+        (b"x-gateway-instance", response.instance.name_header),
+    )
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    if response.body is not None or no_body:
+        await send({"type": "http.response.body", "body": b"" if no_body else response.body})
+        current.ok = True
+        return None
+    if response.is_sse:
+        return await _relay_stream(
+            send, current, idle_s, end_at, dialect, streams, cancellation, resume, writer
+        )
+    broken = await _relay_body(send, response, idle_s, end_at, None, response.first_chunk)
+    if broken is None:
+        current.ok = True
+        return None
+    error = broken[0]
+    assert isinstance(error, UpstreamError)
+    current.error = error
+    raise ResponseAborted(error)
+
+
+async def _relay_stream(
+    send: Send,
+    current: Owned,
+    idle_s: float,
+    end_at: float,
+    dialect: Dialect,
+    streams: OpenStreams,
+    stream: Cancellation,
+    resume: StreamResume | None,
+    writer: BodyWriter | None,
+) -> GatewayError | None:
+    """Forward an SSE stream while it is registered with the open streams (by its request's
+    cancellation, `stream`: the drain may end it, or ask it to move); one that ends short
+    ends with the gateway's error event in the client's protocol."""
+    response = current.response
+    assert response is not None
+    entry = streams.add(
+        stream, response.instance, resume.movable if resume and resume.moves else None
+    )
     try:
-        no_body = response.status in _NO_BODY_STATUSES
-        headers = response_headers(response.headers, drop_length=response.is_sse or no_body)
-        headers.append((b"x-gateway-attempts", str(attempts).encode()))
-        headers.append((b"x-gateway-instance", response.instance.name_header))
-        start = {"type": "http.response.start", "status": response.status, "headers": headers}
-        if response.body is not None or no_body:
-            await send(start)
-            await send({"type": "http.response.body", "body": b"" if no_body else response.body})
-            ok = True
-            return None
-        await send(start)
-        error: GatewayError | None
-        if response.is_sse:
-            stream = cancellation
-            entry = streams.add(
-                stream, response.instance, resume.movable if resume and resume.moves else None
+        if streams.ending:  # started after the drain's deadline: end it at once
+            error: GatewayError | None = shutting_down()
+            last = b""
+        else:
+            error, last = await _relay_events(
+                send, current, idle_s, end_at, stream, dialect, resume, entry, writer
             )
-            if streams.ending:  # started after the drain's deadline: end it at once
-                error = shutting_down()
-            else:
-                error = await _relay_events(
-                    send, current, idle_s, end_at, stream, dialect, resume, entry, writer
-                )
-            streams.discard(stream)  # its last event is not the drain's to interrupt
-            stream = None
-        else:
-            broken = await _relay_body(send, response, idle_s, end_at, None, response.first_chunk)
-            error = broken[0] if broken is not None else None
-        if isinstance(error, UpstreamError):
-            broke = error
-        if error is None:
-            ok = True
-        elif response.is_sse:
-            last = current.watch.last if current.watch is not None else b""
-            ending = sse_error_event(error, dialect, last)
-            await send({"type": "http.response.body", "body": ending})
-        else:
-            assert isinstance(error, UpstreamError)
-            raise ResponseAborted(error)
-        return error
     finally:
-        if stream is not None:
-            streams.discard(stream)
-        if resume is not None and current.watch is not None:
-            resume.told = current.watch.before + current.watch.last
-        # A stream cut by the upstream (a crash, a reset, an idle timeout) is that instance's
-        # failure, accounted now like any other.
-        current.finish(ok, broke)
+        streams.discard(stream)  # its last event is not the drain's to interrupt
+    if isinstance(error, UpstreamError):
+        current.error = error
+    if error is None:
+        current.ok = True
+    else:
+        await send({"type": "http.response.body", "body": sse_error_event(error, dialect, last)})
+    return error
 
 
 async def _relay_events(
     send: Send,
-    current: _Current,
+    current: Owned,
     idle_s: float,
     end_at: float,
     stream: Cancellation,
@@ -204,90 +196,103 @@ async def _relay_events(
     resume: StreamResume | None,
     entry: OpenStream,
     writer: BodyWriter | None,
-) -> GatewayError | None:
+) -> tuple[GatewayError | None, bytes]:
     """Forward an SSE stream, continuing it on another attempt each time it breaks and
-    `resume` allows; returns what ended it short, if anything did."""
+    `resume` allows; returns what ended it short, if anything did, and its last events as the
+    client got them (where `resume` learns the usage it was told, whatever ends it)."""
     response = current.response
     assert response is not None
     chunk: bytes | None = response.first_chunk
     transcript = resume.transcript if resume is not None else None
-    watch = current.watch = _Watch(dialect, transcript, None, entry, resume=resume)
-    while True:
-        broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch, writer)
-        if broken is None:
-            return None
-        error, pending = broken
-        if resume is None or not isinstance(error, UpstreamError):
-            plan: Continue | bytes | str = "off"
-        else:
-            plan = resume.plan(error, response.instance)
-        if isinstance(plan, str) or (isinstance(plan, bytes) and isinstance(error, UpstreamLeft)):
-            if isinstance(error, UpstreamLeft):
+    watch = _Watch(dialect, transcript, None, entry, resume=resume)
+    try:
+        while True:
+            broken = await _relay_body(send, response, idle_s, end_at, stream, chunk, watch, writer)
+            if broken is None:
+                return None, watch.last
+            error, pending = broken
+            if resume is None or not isinstance(error, UpstreamError):
+                plan: Continue | bytes | str = "off"
+            else:
+                plan = resume.plan(error, response.instance)
+            if isinstance(error, UpstreamLeft) and not isinstance(plan, Continue):
                 # Asked to move, yet it cannot any more (a tool call began meanwhile, the
                 # deadline is near, its generation just ended): a healthy stream stays.
                 entry.leave = False
                 chunk = None
                 continue
-            if pending:
-                # The engine's own error event, not continued: relayed as it came, as the
-                # rest of the stream.
-                watch = current.watch = _Watch(dialect, None, None, None, errors=False)
-                broken = await _relay_body(
-                    send, response, idle_s, end_at, stream, pending, watch, writer
-                )
-                return None if broken is None else broken[0]
-            if dialect.knows_end and dialect.ended(watch.last):
-                # It broke after its protocol's last event: the client has its whole answer,
-                # and nothing may follow that event. The body ends there.
-                await send({"type": "http.response.body", "body": b""})
-                return None
-            return error
-        assert isinstance(error, UpstreamError)
-        if isinstance(plan, bytes):
-            # The generation had ended; only the stream's last events were lost.
-            await send({"type": "http.response.body", "body": plan})
-            current.response = None
-            response.finish(False, error)
-            return None
-        # Continued on another attempt: this one is accounted as broken now, the request's
-        # own work (its admission slot) waits for the next.
-        entry.instance = None  # moving: not on any instance meanwhile
-        current.response = None
-        current.hooks = response.finish_attempt(False, error)
-        current.broken = response
-        current.error = error
-        assert resume is not None
-        broken_on = response.instance
-        pause_s = 0.0
-        while True:
-            try:
-                if pause_s:
-                    await asyncio.sleep(pause_s)
-                response, idle_s = await resume.start(plan.body, broken_on)
-                break
-            except GatewayError:
-                # The continuation failed before its first byte (its retries, or an engine
-                # that refused it): another after a pause, while resumes and budget last.
-                again = resume.plan(error, broken_on)
-                if not isinstance(again, Continue):
-                    return error  # ended as it would have without resume
-                plan = again
-                pause_s = resume.pause_s()
-            except asyncio.CancelledError:
-                drained = ended_by_drain(stream)
-                if drained is None:
-                    raise  # the client went away
-                return drained  # the drain's deadline came while it moved: ended properly
-        current.hooks.move_to(response)
-        current.hooks = None
-        entry.instance = response.instance
-        entry.leave = False
-        current.error = None
-        current.response = response
-        chunk = response.first_chunk
-        watch = current.watch = _Watch(
-            dialect, resume.transcript, plan.rewriter, entry, resume=resume
-        )
+            if isinstance(plan, str):
+                if pending:
+                    # The engine's own error event, not continued: relayed as it came, as the
+                    # rest of the stream.
+                    watch = _Watch(dialect, None, None, None, errors=False)
+                    broken = await _relay_body(
+                        send, response, idle_s, end_at, stream, pending, watch, writer
+                    )
+                    return (None if broken is None else broken[0]), watch.last
+                if dialect.knows_end and dialect.ended(watch.last):
+                    # It broke after its protocol's last event: the client has its whole
+                    # answer, and nothing may follow that event. The body ends there.
+                    await send({"type": "http.response.body", "body": b""})
+                    return None, watch.last
+                return error, watch.last
+            assert isinstance(error, UpstreamError) and resume is not None
+            if isinstance(plan, bytes):
+                # The generation had ended; only the stream's last events were lost: the
+                # client's stream ends whole, the attempt that lost them as broken.
+                await send({"type": "http.response.body", "body": plan})
+                current.error = error
+                current.end()
+                return None, watch.last
+            moved = await _continue_elsewhere(current, resume, plan, error, entry, stream)
+            if isinstance(moved, GatewayError):
+                return moved, watch.last
+            response, idle_s, plan = moved
+            chunk = response.first_chunk
+            watch = _Watch(dialect, resume.transcript, plan.rewriter, entry, resume=resume)
+    finally:
+        if resume is not None:
+            resume.told = watch.before + watch.last
+
+
+async def _continue_elsewhere(
+    current: Owned,
+    resume: StreamResume,
+    plan: Continue,
+    error: UpstreamError,
+    entry: OpenStream,
+    stream: Cancellation,
+) -> tuple[UpstreamResponse, float, Continue] | GatewayError:
+    """The stream goes on in another attempt: its response, the idle timeout of its stream and
+    the plan it follows; or what ended the stream when no continuation could start."""
+    # This attempt is accounted as broken now, the request's own work (its admission slot)
+    # waits for the next.
+    entry.instance = None  # moving: not on any instance meanwhile
+    broken_on = current.break_off(error).instance
+    pause_s = 0.0
+    while True:
+        try:
+            if pause_s:
+                await asyncio.sleep(pause_s)
+            response, idle_s = await resume.start(plan.body, broken_on)
+            break
+        except GatewayError:
+            # The continuation failed before its first byte (its retries, or an engine that
+            # refused it): another after a pause, while resumes and budget last.
+            again = resume.plan(error, broken_on)
+            if not isinstance(again, Continue):
+                return error  # ended as it would have without resume
+            plan = again
+            pause_s = resume.pause_s()
+        except asyncio.CancelledError:
+            drained = ended_by_drain(stream)
+            if drained is None:
+                raise  # the client went away
+            return drained  # the drain's deadline came while it moved: ended properly
+    current.resume_on(response)
+    entry.instance = response.instance
+    entry.leave = False
+    return response, idle_s, plan
 
 
 class _Watch:
@@ -364,8 +369,7 @@ async def _relay_body(
     tap = None
     if writer is not None and events and watch is not None and watch.rewriter is None:
         tap = _Tap(writer, watch, response)
-    # SSE only: the start of an event whose end has not arrived yet. Searched for an end only
-    # where the new bytes could complete one, so a long event costs linear time.
+    # SSE only: the start of an event whose end has not arrived yet (`_complete_events`).
     held = bytearray()
     try:
         if chunk is None:  # going on from where an earlier call stopped
@@ -373,32 +377,16 @@ async def _relay_body(
         while chunk:
             if events and (held or not chunk.endswith(b"\n\n")):
                 # vLLM sends whole events: this is the rare path.
-                start = max(0, len(held) - 3)
-                held += chunk
-                cut = event_boundary(held, start)
-                chunk = bytes(held[:cut])
-                del held[:cut]
+                chunk = _complete_events(held, chunk)
                 if len(held) > MAX_EVENT_BYTES:
-                    if chunk and watch is not None:
-                        chunk = _watched(watch, chunk, response)
-                    if chunk:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    too_long = UpstreamProtocolError(
-                        "the upstream sent a stream event over "
-                        f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
-                    )
-                    return too_long, b""
+                    return await _event_too_long(send, chunk, watch, response)
             if chunk and watch is not None:
                 if watch.errors and watch.dialect.has_error_event(chunk):
                     chunk, pending = _split_at_error(chunk, watch.dialect)
-                    if pending:
-                        if chunk:
-                            chunk = _watched(watch, chunk, response)
-                            await send(
-                                {"type": "http.response.body", "body": chunk, "more_body": True}
-                            )
-                        reported = UpstreamStreamError("the upstream reported an error mid-stream")
-                        return reported, pending + bytes(held)  # the start of an event after it
+                    if pending:  # with the start of an event after it
+                        return await _up_to_error_event(
+                            send, chunk, watch, response, pending + bytes(held)
+                        )
                 chunk = _watched(watch, chunk, response)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -433,6 +421,46 @@ async def _relay_body(
             raise  # not a deadline: the client went away
         return drained, b""
     return None
+
+
+def _complete_events(held: bytearray, chunk: bytes) -> bytes:
+    """The whole events `chunk` completes, after the start of one `held` back; the start of
+    an event whose end has not arrived stays in `held`. An end is searched for only where the
+    new bytes could complete one, so a long event costs linear time."""
+    start = max(0, len(held) - 3)
+    held += chunk
+    cut = event_boundary(held, start)
+    complete = bytes(held[:cut])
+    del held[:cut]
+    return complete
+
+
+async def _event_too_long(
+    send: Send, chunk: bytes, watch: _Watch | None, response: UpstreamResponse
+) -> tuple[GatewayError, bytes]:
+    """An event held back past `MAX_EVENT_BYTES`: the whole events before it go out, and the
+    stream is broken."""
+    if chunk and watch is not None:
+        chunk = _watched(watch, chunk, response)
+    if chunk:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    too_long = UpstreamProtocolError(
+        "the upstream sent a stream event over "
+        f"{MAX_EVENT_BYTES // (1024 * 1024)} MiB, or no event end"
+    )
+    return too_long, b""
+
+
+async def _up_to_error_event(
+    send: Send, chunk: bytes, watch: _Watch, response: UpstreamResponse, pending: bytes
+) -> tuple[GatewayError, bytes]:
+    """The engine reported an error mid-stream: the events before its error event go out, and
+    the stream is broken, the error event and what followed it (`pending`) kept for whoever
+    ends the stream."""
+    if chunk:
+        chunk = _watched(watch, chunk, response)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    return UpstreamStreamError("the upstream reported an error mid-stream"), pending
 
 
 class _Tap:

@@ -6,9 +6,9 @@ is one of:
 - the bytes that end the stream properly, when the generation had ended and only its last
   events were lost;
 - a `Continue`: the next attempt's body and the rewriter of its events (`core.continuation`),
-  sent through the request path below admission (`start`): it picks another instance (the
-  one that broke is avoided while any other can take it), retries before its own first byte,
-  and keeps the client's deadline;
+  sent through the request path below admission (`start`, as `stream_resume` wires it): it
+  picks another instance (the one that broke is avoided while any other can take it), retries
+  before its own first byte, and keeps the client's deadline;
 - a refusal (its reason), and the stream ends as it would without resume. A whole answer
   fetched as a stream (`ingress.whole`), whose client has seen nothing yet, is asked again
   from nothing instead (a `Continue` without a rewriter: `Restart`), within the same limits.
@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
 from gateway.config.models import ResumePolicy
 from gateway.config.routes import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
 from gateway.core import continuation_anthropic, continuation_openai
@@ -38,14 +40,16 @@ from gateway.core.continuation import NotResumable, Rewriter, Transcript
 from gateway.errors import (
     UpstreamError,
     UpstreamLeft,
+    UpstreamProtocolError,
     UpstreamStreamCut,
     UpstreamStreamError,
     UpstreamTimeout,
 )
+from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 
 # A stream is moved for its pace when its mean gap over `PACE_WINDOW` chunks, in
 # `SLOW_WINDOWS` windows in a row, is this many times the best other instance's largest gap.
@@ -281,3 +285,66 @@ class StreamResume:
         if self._clock() >= self._deadline:
             return "deadline"
         return transcript.why_not()
+
+
+def stream_resume(
+    call: Call,
+    handler: Handler,
+    clock: Clock,
+    traced: bool,
+    restart: Callable[[], None] | None = None,
+) -> StreamResume:
+    """A stream's resume: its transcript (or why it has none), and how a continuation is
+    sent: the same request with the continuation's body, through the layers below admission
+    (`handler`), avoiding the instances that broke it (`traced`: an event on the request's
+    span for each). For a whole answer fetched as a stream (`restart`: what empties what it
+    assembled so far), also how it starts again from nothing when it cannot be continued."""
+    pool = call.pool
+    policy = pool.policy.resume
+    request = call.facts.request
+    path = call.route.path
+    transcript, refusal = transcript_for(path, request, policy)
+
+    left: list[InstanceState] = []  # the instances that broke this stream so far
+
+    async def start(
+        resume: StreamResume, body: bytes, broken: InstanceState
+    ) -> tuple[UpstreamResponse, float]:
+        left.append(broken)
+        continued = call.for_continuation(body, left)
+        if traced:
+            trace.get_current_span().add_event(
+                "stream resumed",
+                {
+                    "gateway.resume.reason": resume.reasons[-1],
+                    "gateway.resume.from_instance": broken.name,
+                    "gateway.resume.count": resume.resumes,
+                },
+            )
+        try:
+            response = await handler(continued)
+        finally:
+            resume.attempts += continued.attempts
+            if continued.attempt.instance is not None:
+                resume.instance = continued.attempt.instance
+        if response.status != 200 or not response.is_sse:
+            # The engine refused the continuation (an engine that does not continue a final
+            # message answers 400): the stream ends as it would have.
+            with Owned(response) as refused:
+                refused.ok = response.body is not None
+            pool.stats.not_resumed("refused")
+            raise UpstreamProtocolError(
+                f"the continuation was answered with HTTP {response.status}"
+            )
+        timeouts = continued.attempt.timeouts
+        assert timeouts is not None
+        return response, timeouts.idle_s or timeouts.first_byte_s
+
+    again = None
+    if restart is not None:
+
+        def fresh() -> Transcript | None:
+            return transcript_for(path, request, policy)[0]
+
+        again = Restart(call.body, fresh, restart)
+    return StreamResume(transcript, refusal, policy, pool, start, clock, call.deadline, again)

@@ -40,7 +40,7 @@ from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler, Layer
 from gateway.runtime import SUPERSEDED, Cancellation, Clock
 from gateway.upstream.instance import InstanceState
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 
 # The part of the pool's retry budget hedges may spend: the rest is the retries'.
 HEDGE_SHARE = 0.5
@@ -49,7 +49,8 @@ log = logging.getLogger("gateway.hedge")
 
 
 class _Race:
-    """One hedged request's two attempts: the hedge's task, its call and its result."""
+    """One hedged request's two attempts: the hedge's task, its call and its result (its
+    answer held until the race settles: handed over when it wins, else ended as failed)."""
 
     __slots__ = (
         "first_done",
@@ -70,7 +71,7 @@ class _Race:
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.hedge: Call | None = None
-        self.result: UpstreamResponse | BaseException | None = None
+        self.result: Owned | BaseException | None = None
 
 
 class Hedge:
@@ -137,13 +138,14 @@ class Hedge:
             if race.timer is not None:
                 race.timer.cancel()
             return response
-        try:
+        # The first attempt's answer ends as failed when it is not the one returned: the
+        # hedge's won, or the request ended while the race was settled.
+        with Owned(response) as first:
             if response.outcome.kind != "ok":
                 hedged = await self._hedge_result(race)
                 if hedged is not None:
-                    response.finish(ok=False)
                     return hedged
-                return response
+                return first.hand_over()
             hedge = race.hedge
             if hedge is not None and hedge.attempt.instance is None:
                 # The first attempt answered as its hedge was leaving, before it chose an
@@ -154,11 +156,8 @@ class Hedge:
                 pool.stats.hedged("lost")
                 self._slow(hedge, race.hedge_started)
             await self._abandon(race)
-        except BaseException:
-            response.finish(ok=False)  # the request ends while the race is settled
-            raise
-        self._count_attempts(race)
-        return response
+            self._count_attempts(race)
+            return first.hand_over()
 
     def _launch(self, race: _Race, next_handler: Handler) -> None:
         """The timer fired: send the hedge, if the first attempt is still waiting."""
@@ -196,13 +195,15 @@ class Hedge:
         except BaseException as exc:  # a failure of the hedge is the first attempt's chance
             race.result = exc
             return
-        race.result = response
+        race.result = Owned(response)
         if response.outcome.kind == "ok" and not race.first_done:
             race.main.cancellation.cancel(SUPERSEDED)  # the first attempt is given up
 
     def _hedge_won(self, race: _Race) -> UpstreamResponse:
-        call, hedge, response = race.main, race.hedge, race.result
-        assert hedge is not None and isinstance(response, UpstreamResponse)
+        call, hedge, answer = race.main, race.hedge, race.result
+        assert hedge is not None and isinstance(answer, Owned)
+        race.result = None
+        response = answer.hand_over()
         call.pool.stats.hedged("won")
         self._slow(call, race.started)
         call.adopt(hedge)  # the request goes on with the hedge's attempt
@@ -224,10 +225,12 @@ class Hedge:
             await self._abandon(race)
             raise
         result = race.result
-        if isinstance(result, UpstreamResponse) and result.outcome.kind == "ok":
-            return self._hedge_won(race)
-        if isinstance(result, UpstreamResponse):
-            result.finish(ok=False)
+        if isinstance(result, Owned):
+            answer = result.response
+            assert answer is not None
+            if answer.outcome.kind == "ok":
+                return self._hedge_won(race)
+            result.end()  # a failed answer: the first attempt's failure goes on
         race.result = None
         call = race.main
         call.pool.stats.hedged("failed")
@@ -251,9 +254,9 @@ class Hedge:
                 if not task.cancelled():
                     raise  # the request itself was cancelled meanwhile
         result = race.result
-        if isinstance(result, UpstreamResponse):
+        if isinstance(result, Owned):
             race.result = None
-            result.finish(ok=False)
+            result.end()  # the hedge lost: its answer is not relayed
 
     def _slow(self, loser: Call | None, started: float) -> None:
         """The attempt that lost took at least this long without answering: what the

@@ -38,7 +38,7 @@ from gateway.errors import UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
-from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.response import Owned, UpstreamResponse
 from gateway.upstream.stats import outcome_label
 
 # What a lone instance is asked again for: it answered, or reset before the first byte, and may
@@ -84,39 +84,43 @@ class Retry:
                 outcome = error.outcome
                 if outcome.kind in _AVOID_AFTER and call.attempt.instance is not None:
                     _avoid_instance(call, outcome, clock)
-            now = clock()
-            wait_s = 0.0
-            if response is not None:
-                wait_s = _honour_retry_after(pool, response, now, retries_policy.max_retry_after)
-            max_retries = _max_retries(call, tier, outcome, now)
-            allowed = _may_retry(call, outcome, failure, max_retries, now)
-            if allowed:
-                delay = backoff_s(
-                    max(1, call.attempts - call.hedges),
-                    tier.backoff_s,
-                    retries_policy.max_backoff,
-                    pool.rng,
-                )
-                delay = max(delay, wait_s)
-                allowed = now + delay < call.deadline
-                # A refused connection did no work anywhere: sending the request elsewhere
-                # adds no load (Finagle's requeues), and each instance refuses it once at most.
-                requeue = outcome.kind == "connect_failure"
-                spent_at = None
-                if allowed and not requeue:
-                    if pool.budget.try_spend(now):
-                        spent_at = now  # given back if this retry is answered
-                    else:
-                        allowed = False
-                        self._budget_exhausted(call)
-            if not allowed:
+            # The failed attempt's answer: handed back when no retry is allowed, else closed
+            # before the next attempt starts.
+            with Owned(response) as failed:
+                now = clock()
+                wait_s = 0.0
                 if response is not None:
-                    return response  # the backend's own answer, unchanged
-                assert failure is not None
-                raise failure
-            self._scheduled(call, outcome, delay)
-            if response is not None:
-                response.finish(ok=False)  # closed before the next attempt starts
+                    wait_s = _honour_retry_after(
+                        pool, response, now, retries_policy.max_retry_after
+                    )
+                max_retries = _max_retries(call, tier, outcome, now)
+                allowed = _may_retry(call, outcome, failure, max_retries, now)
+                if allowed:
+                    delay = backoff_s(
+                        max(1, call.attempts - call.hedges),
+                        tier.backoff_s,
+                        retries_policy.max_backoff,
+                        pool.rng,
+                    )
+                    delay = max(delay, wait_s)
+                    allowed = now + delay < call.deadline
+                    # A refused connection did no work anywhere: sending the request elsewhere
+                    # adds no load (Finagle's requeues), and each instance refuses it once at
+                    # most.
+                    requeue = outcome.kind == "connect_failure"
+                    spent_at = None
+                    if allowed and not requeue:
+                        if pool.budget.try_spend(now):
+                            spent_at = now  # given back if this retry is answered
+                        else:
+                            allowed = False
+                            self._budget_exhausted(call)
+                if not allowed:
+                    if response is not None:
+                        return failed.hand_over()  # the backend's own answer, unchanged
+                    assert failure is not None
+                    raise failure
+                self._scheduled(call, outcome, delay)
             if delay > 0:
                 await asyncio.sleep(delay)
 

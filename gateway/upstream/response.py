@@ -86,10 +86,11 @@ class UpstreamResponse:
     """Status and headers, plus either the whole body (`body`) or a stream to relay.
 
     For a stream, `first_chunk` was already read, so a failure before the first byte happens
-    while the attempt can still be retried. `finish()` must be called exactly once when the
-    relay ends (or the response is discarded for a retry); it closes the upstream connection if
-    the body was not read to the end, then runs the work the layers registered with `after`
-    (the attempt's span, its accounting, the admission slot), once each.
+    while the attempt can still be retried. Whoever holds it holds it in a scope (`Owned`),
+    which finishes it once when the relay ends (or the response is discarded for a retry, or
+    the scope is left any other way): it closes the upstream connection if the body was not
+    read to the end, then runs the work the layers registered with `after` (the attempt's
+    span, its accounting, the admission slot), once each.
     `is_sse` is true only for an uncompressed event stream: the gateway may append an error
     event to it, which would corrupt a compressed one.
 
@@ -102,6 +103,7 @@ class UpstreamResponse:
         "_after",
         "_after_request",
         "_deadline",
+        "_ended",
         "_loop_time",
         "_raw",
         "_watchdog",
@@ -172,6 +174,7 @@ class UpstreamResponse:
         # Made on the first `after`: whole answers (most) register none.
         self._after: list[FinishHook] | None = None
         self._after_request: list[FinishHook] | None = None
+        self._ended = False  # finished (`Owned`): a second end does nothing
         self.tokens = 0  # the KV-cache tokens its attempt holds, released when it ends
         self.prompt_tokens = 0  # its request's estimated prompt size
         self.queued = False  # it was sent to an instance already full (waited for a slot)
@@ -304,31 +307,28 @@ class UpstreamResponse:
         phase = self._deadline.phase
         return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
 
-    def finish(self, ok: bool, error: UpstreamError | None = None) -> None:
-        """Release the connection (or close it when the body was cut short); account once.
-
-        `ok`: the body reached the client whole; `error`: what broke it, if the upstream did.
-        """
-        left = self.finish_attempt(ok, error)
-        left.run(self, error)
-
-    def finish_attempt(self, ok: bool, error: UpstreamError | None = None) -> RequestHooks:
-        """`finish` for an attempt whose stream goes on in another one (a resume): the
-        attempt's own work runs now; the request's (`after(..., request=True)`) is handed
-        back, to move to the next attempt's response or to run when there is none."""
+    def _end_attempt(self, ok: bool, error: UpstreamError | None) -> list[FinishHook] | None:
+        """Release the connection (or close it when the body was cut short) and run the
+        attempt's own work; the request's (`after(..., request=True)`) is handed back, to run
+        now or to move to the attempt that resumes the stream (`Owned`). Once: a second end
+        does nothing and hands back nothing."""
+        if self._ended:
+            return None
+        self._ended = True
         self._watchdog.disarm(self._deadline)
         if self._raw.connection is not None and not ok:
             self._raw.close()
         else:
             self._raw.release()
         hooks, self._after = self._after, None
-        _run(hooks, self, error)
+        if hooks is not None:
+            _run(hooks, self, error)
         left, self._after_request = self._after_request, None
-        return RequestHooks(left)
+        return left
 
     def after(self, hook: FinishHook, *, request: bool = False) -> None:
-        """Run `hook(response, error)` when the relay ends (`finish`): the one way a layer
-        does work after a streamed response. Hooks run in the order registered: the
+        """Run `hook(response, error)` when the response is finished (`Owned`): the one way a
+        layer does work after a streamed response. Hooks run in the order registered: the
         innermost layer first, as the response came back through the layers (the attempt's
         span ends, then the attempt is accounted, then the admission slot is freed, so a
         request waiting for it sees the accounting already done).
@@ -346,23 +346,82 @@ class UpstreamResponse:
             self._after.append(hook)
 
 
-class RequestHooks:
-    """The request's work left by an attempt that was resumed elsewhere: it moves to the next
-    attempt's response, or runs when no next attempt came."""
+class Owned:
+    """A response's lifetime, tied to a scope: `with Owned(response) as owned:`. Leaving the
+    scope finishes the response once (its connection released, or closed when its body was cut
+    short; then the work the layers registered with `after`), with the outcome stated on the
+    way: `ok`, the body reached the client whole; `error`, what broke it, if the upstream did.
+    A scope left with no outcome stated (an exception, a cancellation, a path that gave the
+    response up) finishes it as failed, as tower's concurrency limit frees its permit when the
+    permit is dropped: no connection stays open, no admission slot stays taken. A response
+    returned to the caller leaves the scope unfinished (`hand_over`): the caller's scope owns
+    it then.
 
-    __slots__ = ("_hooks",)
+    A stream resumed on another attempt keeps its one scope across them: the attempt that
+    broke is finished when it breaks (`break_off`), and the request's own work (`after(...,
+    request=True)`: the admission slot) goes on with the next attempt's response
+    (`resume_on`), to run when the last one ends, or with the broken one when no next attempt
+    came."""
 
-    def __init__(self, hooks: list[FinishHook] | None) -> None:
-        self._hooks = hooks
+    __slots__ = ("_broke", "_broken", "_request_work", "error", "ok", "response")
 
-    def move_to(self, response: UpstreamResponse) -> None:
-        hooks, self._hooks = self._hooks, None
+    def __init__(self, response: UpstreamResponse | None) -> None:
+        # The response this scope ends (None: handed over, ended, or between two attempts):
+        # read it, never set it (`hand_over`, `resume_on`).
+        self.response = response
+        self.ok = False
+        self.error: UpstreamError | None = None
+        # Between two attempts of a resumed stream: the request's work, the attempt that
+        # broke and what broke it.
+        self._request_work: list[FinishHook] | None = None
+        self._broken: UpstreamResponse | None = None
+        self._broke: UpstreamError | None = None
+
+    def __enter__(self) -> Owned:
+        return self
+
+    def end(self, *exc_info: object) -> None:
+        """Finish the response now, with the outcome stated so far: what leaving the scope
+        does (`__exit__`), done before it when the response's end must not wait for the
+        scope's. Once: the scope then has nothing left to end."""
+        response, self.response = self.response, None
+        error = self.error
+        if response is not None:
+            hooks = response._end_attempt(self.ok, error)
+            if hooks is not None:
+                _run(hooks, response, error)
+        hooks, self._request_work = self._request_work, None
+        if hooks is not None:
+            broken = self._broken
+            assert broken is not None
+            _run(hooks, broken, self._broke or error)
+
+    __exit__ = end
+
+    def hand_over(self) -> UpstreamResponse:
+        """The response, passed on to the caller: this scope no longer ends it."""
+        response, self.response = self.response, None
+        assert response is not None, "handed over once"
+        return response
+
+    def break_off(self, error: UpstreamError) -> UpstreamResponse:
+        """The attempt broke (`error`) and its stream goes on in another one: it is finished
+        now, as failed; the request's own work waits for the next attempt (`resume_on`)."""
+        response, self.response = self.response, None
+        assert response is not None
+        self._request_work = response._end_attempt(False, error)
+        self._broken = response
+        self._broke = error
+        return response
+
+    def resume_on(self, response: UpstreamResponse) -> None:
+        """The next attempt's response, at its first byte: the request's work moves to it,
+        and the scope ends it from now on."""
+        hooks, self._request_work = self._request_work, None
         for hook in hooks or ():
             response.after(hook, request=True)
-
-    def run(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
-        hooks, self._hooks = self._hooks, None
-        _run(hooks, response, error)
+        self._broken = self._broke = None
+        self.response = response
 
 
 def _run(
