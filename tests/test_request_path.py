@@ -25,8 +25,7 @@ from gateway.pipeline.admit import PoolAdmission
 from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.request_path import build_pipeline
 from gateway.runtime import Cancellation
-from gateway.telemetry.logs import LogThrottle
-from gateway.upstream.feedback import attempt_finished
+from gateway.upstream.feedback import Feedback
 from gateway.upstream.pool import PoolState
 from gateway.upstream.registry import Registry
 from gateway.upstream.response import Owned, UpstreamResponse
@@ -867,18 +866,9 @@ def test_stalled_streams_isolate_only_an_instance_that_stopped_sending_on_all() 
         def seen(_pool: str, transition: Transition, into: list[Transition] = transitions) -> None:
             into.append(transition)
 
+        feedback = Feedback(seen)
         for at in (10.0, 10.1, 10.2):
-            attempt_finished(
-                LogThrottle(10.0),
-                pool,
-                instance,
-                idle,
-                at,
-                5.0,
-                False,
-                seen,
-                others_flowing=flowing,
-            )
+            feedback.attempt_finished(pool, instance, idle, at, 5.0, False, others_flowing=flowing)
         assert [t.instance for t in transitions if t.to == ISOLATED] == isolated
         if isolated:
             assert transitions[-1].silent, "a silent instance's streams are moved"

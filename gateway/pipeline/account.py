@@ -15,13 +15,11 @@ from gateway.core.usage import EDGE_BYTES, usage_of
 from gateway.errors import UpstreamConnectError, UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import SUPERSEDED, Clock
-from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.feedback import (
+    Feedback,
     OnTransition,
     abandoned,
-    attempt_finished,
     learning,
-    to_breaker,
     waited_in_queue,
 )
 from gateway.upstream.health import log_health_change
@@ -46,8 +44,7 @@ class Account:
         self._pools = pools
         self._on_transition = on_transition
         self._clock = clock
-        # Timeouts logged one line per 10 s per (pool, instance, phase, queueing).
-        self._timeout_log = LogThrottle(10.0)
+        self._feedback = Feedback(on_transition)
 
     def _stream_finished(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
         instance = response.instance
@@ -65,15 +62,13 @@ class Account:
         if outcome.kind == "ok" and error is None and response.route.modelled:
             end = response.before_tail + response.tail
             usage = usage_of(end, response.first_chunk, response.route.protocol)
-        attempt_finished(
-            self._timeout_log,
+        self._feedback.attempt_finished(
             self._pools[instance.pool_name],
             instance,
             outcome,
             now,
             now - response.started_at,
             False,  # a probe that streams was settled at its first byte
-            self._on_transition,
             response.first_at - response.started_at,
             tokens=usage.output_tokens if usage is not None else None,
             sent_with=response.sent_with,
@@ -103,7 +98,7 @@ class Account:
         other attempt's: one that breaks later is a failure while admitting."""
         now = self._clock()
         instance.stats.probe_settled(succeeded=True)
-        to_breaker(pool, instance, now, False, False, True, waited_s, self._on_transition)
+        self._feedback.to_breaker(pool, instance, now, False, False, True, waited_s)
 
     def _refused(self, pool: PoolState, instance: InstanceState, now: float, reason: str) -> None:
         """Nothing listens on the instance's port (stopped, crashed, restarting): it leaves
@@ -131,15 +126,13 @@ class Account:
         between) is not answering: each further loss counts as a first-byte timeout."""
         if instance.lost_race() < call.pool.policy.breaker.consecutive_timeouts:
             return
-        attempt_finished(
-            self._timeout_log,
+        self._feedback.attempt_finished(
             call.pool,
             instance,
             _LOST_RACE,
             now,
             waited_s,
             call.attempt.probe,
-            self._on_transition,
         )
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
@@ -199,15 +192,13 @@ class Account:
         # isolated, for seconds after its checks passed again.
         refused = isinstance(error, UpstreamConnectError) and error.refused
         judged = not (refused and call.pool.policy.health.enabled)
-        attempt_finished(
-            self._timeout_log,
+        self._feedback.attempt_finished(
             call.pool,
             instance,
             outcome,
             now,
             now - started,
             call.attempt.probe,
-            self._on_transition,
             queueing=queueing,
             backoff=call.attempt.timeouts.backoff if call.attempt.timeouts is not None else 0,
             sent_with=sent_with,
@@ -278,15 +269,13 @@ class Account:
             generated = call.facts.max_tokens
         if generated is not None and generated < MIN_RATED_TOKENS:
             generated = None  # its prefill, not its decoding, would be the measure
-        attempt_finished(
-            self._timeout_log,
+        self._feedback.attempt_finished(
             call.pool,
             instance,
             outcome,
             now,
             now - started,
             call.attempt.probe,
-            self._on_transition,
             tokens=generated,
             sent_with=sent_with,
             modelled=route.modelled,

@@ -67,111 +67,119 @@ def _timed_out(
         instance.latency.idle_timed_out()  # and its next streams' gaps
 
 
-def attempt_finished(
-    timeout_log: LogThrottle,
-    pool: PoolState,
-    instance: InstanceState,
-    outcome: Outcome,
-    now: float,
-    elapsed_s: float,
-    probe: bool,
-    on_transition: OnTransition,
-    first_byte_s: float | None = None,  # of a stream
-    tokens: int | None = None,  # its output tokens, when known
-    queueing: bool = False,
-    backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
-    sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
-    modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
-    others_flowing: bool = False,  # the instance sent on other attempts while this one waited
-    judged: bool = True,  # its breaker counts it (not a refusal its health checks judge)
-) -> None:
-    """`queueing`: a timeout of an attempt that waited behind a full instance which kept
-    working meanwhile: counted and logged as a timeout, retried, but not the instance's
-    failure (its breaker and the pool's failure rate do not see it). An attempt on a route
-    whose latency is not modelled counts as a success or failure like any other, but its
-    time teaches neither the limiter nor the balancer."""
-    failed = outcome.counts_as_failure and not queueing
-    pool.failure.observe(failed)
-    limiter = instance.limiter
-    if limiter is not None:
-        # A stream's time to first token is what grows when the engine queues; a whole
-        # answer's time per output token grows with it too (and with a fuller batch: the
-        # limiter gives that signal more room). Timeouts, OOMs, 429, 503 and 529 say it is
-        # overloaded, streamed or not.
-        # The load it saw: as many as were in flight when it was sent or are now (its own
-        # attempt has left `in_flight` already), whichever is more; a stream's first token
-        # tells of the load it was sent into, long before the stream ends.
-        load = max(sent_with, instance.in_flight + 1)
-        if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
-            # Refused by the engine itself (out of memory, 429, 503, 529), not timed out: a
-            # frozen instance times out too, but only a working one says it is full.
-            refused = outcome.kind == "oom" or outcome.status in _BUSY
-            limiter.record(now, elapsed_s, load, overloaded=True, refused=refused)
-        elif outcome.kind == "ok" and modelled:
-            # A whole answer's latency over its output tokens; a stream's first byte instead.
-            per_token_s = elapsed_s / tokens if first_byte_s is None and tokens else None
-            limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
-    instance.stats.attempt(outcome, probe)
-    if outcome.kind == "timeout":
-        _timed_out(timeout_log, pool, instance, outcome, now, queueing, backoff, modelled)
-        if queueing and not probe:
+class Feedback:
+    """The one way an attempt's outcome reaches its instance and pool (`attempt_finished`), with
+    what that needs besides: where breaker transitions go, and the throttle of timeout log
+    lines (one per (pool, instance, phase, queueing) per 10 s: a hung instance times out by
+    the hundred)."""
+
+    def __init__(self, on_transition: OnTransition) -> None:
+        self._on_transition = on_transition
+        self._timeout_log = LogThrottle(10.0)
+
+    def attempt_finished(
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        outcome: Outcome,
+        now: float,
+        elapsed_s: float,
+        probe: bool,
+        first_byte_s: float | None = None,  # of a stream
+        tokens: int | None = None,  # its output tokens, when known
+        queueing: bool = False,
+        backoff: int = 0,  # the attempt's AttemptTimeouts.backoff
+        sent_with: int = 0,  # attempts in flight on the instance when it was sent, itself too
+        modelled: bool = True,  # its route's latency is the latency model's (`Route.modelled`)
+        others_flowing: bool = False,  # the instance sent on other attempts while this one waited
+        judged: bool = True,  # its breaker counts it (not a refusal its health checks judge)
+    ) -> None:
+        """`queueing`: a timeout of an attempt that waited behind a full instance which kept
+        working meanwhile: counted and logged as a timeout, retried, but not the instance's
+        failure (its breaker and the pool's failure rate do not see it). An attempt on a route
+        whose latency is not modelled counts as a success or failure like any other, but its
+        time teaches neither the limiter nor the balancer."""
+        failed = outcome.counts_as_failure and not queueing
+        pool.failure.observe(failed)
+        limiter = instance.limiter
+        if limiter is not None:
+            # A stream's time to first token is what grows when the engine queues; a whole
+            # answer's time per output token grows with it too (and with a fuller batch: the
+            # limiter gives that signal more room). Timeouts, OOMs, 429, 503 and 529 say it is
+            # overloaded, streamed or not.
+            # The load it saw: as many as were in flight when it was sent or are now (its own
+            # attempt has left `in_flight` already), whichever is more; a stream's first token
+            # tells of the load it was sent into, long before the stream ends.
+            load = max(sent_with, instance.in_flight + 1)
+            if outcome.kind in _OVERLOAD or outcome.status in _BUSY:
+                # Refused by the engine itself (out of memory, 429, 503, 529), not timed out: a
+                # frozen instance times out too, but only a working one says it is full.
+                refused = outcome.kind == "oom" or outcome.status in _BUSY
+                limiter.record(now, elapsed_s, load, overloaded=True, refused=refused)
+            elif outcome.kind == "ok" and modelled:
+                # A whole answer's latency over its output tokens; a stream's first byte instead.
+                per_token_s = elapsed_s / tokens if first_byte_s is None and tokens else None
+                limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
+        instance.stats.attempt(outcome, probe)
+        if outcome.kind == "timeout":
+            _timed_out(self._timeout_log, pool, instance, outcome, now, queueing, backoff, modelled)
+            if queueing and not probe:
+                return
+        if outcome.kind == "ok":
+            instance.answered_well()
+            # The balancer weighs how fast an instance answers well; failing (fast or by timing
+            # out) is the breaker's business, which needs those attempts to reach it. A stream was
+            # priced at its first byte already; at its end it is priced again at the pace it had,
+            # when its length is known (priced on its whole time, its length would be the price).
+            if modelled and (first_byte_s is None or tokens is not None):
+                instance.price.answer(now, elapsed_s, tokens, instance.latency, first_byte_s)
+            if instance.health.healthy is not True:
+                instance.health_wanted.set()  # answering while held down: its checker looks now
+        if failed:
+            instance.failed()
+            if outcome.kind in _SIGNS_OF_DOWN:
+                instance.health_wanted.set()  # its checker looks at once, not at the next round
+        elif outcome.kind != "ok" and not probe:
+            return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
+        if not judged:
+            if probe:
+                instance.breaker.release_probe(now)  # it did not happen: the next one may
             return
-    if outcome.kind == "ok":
-        instance.answered_well()
-        # The balancer weighs how fast an instance answers well; failing (fast or by timing
-        # out) is the breaker's business, which needs those attempts to reach it. A stream was
-        # priced at its first byte already; at its end it is priced again at the pace it had,
-        # when its length is known (priced on its whole time, its length would be the price).
-        if modelled and (first_byte_s is None or tokens is not None):
-            instance.price.answer(now, elapsed_s, tokens, instance.latency, first_byte_s)
-        if instance.health.healthy is not True:
-            instance.health_wanted.set()  # answering while held down: its checker looks now
-    if failed:
-        instance.failed()
-        if outcome.kind in _SIGNS_OF_DOWN:
-            instance.health_wanted.set()  # its checker looks at once, not at the next round
-    elif outcome.kind != "ok" and not probe:
-        return  # the client's 4xx: says nothing about the instance (but a probe got an answer)
-    if not judged:
-        if probe:
-            instance.breaker.release_probe(now)  # it did not happen: the next one may
-        return
-    # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
-    # isolate it at once, and move its streams): not when it kept sending on its other
-    # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
-    silent = outcome.kind == "timeout" and not others_flowing
-    to_breaker(pool, instance, now, failed, silent, probe, elapsed_s, on_transition)
+        # A timeout is the breaker's sign of an instance that stopped answering (a few in a row
+        # isolate it at once, and move its streams): not when it kept sending on its other
+        # attempts meanwhile, which is this attempt's failure alone (counted in its error rate).
+        silent = outcome.kind == "timeout" and not others_flowing
+        self.to_breaker(pool, instance, now, failed, silent, probe, elapsed_s)
 
-
-def to_breaker(
-    pool: PoolState,
-    instance: InstanceState,
-    now: float,
-    failed: bool,
-    timeout: bool,
-    probe: bool,
-    elapsed_s: float,
-    on_transition: OnTransition,
-) -> None:
-    """One result for the instance's breaker (`BreakerState.record`), after an attempt that
-    took `elapsed_s`, and what follows when it changes the breaker's state."""
-    transition = instance.breaker.record(now, failed, timeout, pool.rng, probe=probe)
-    if transition is None:
-        return
-    if transition.suppressed:
-        # The cap keeps it admitting: the balancer steers around it instead.
-        peers = pool.peer_latencies(instance, now)
-        share = instance.breaker.failure_share(now)
-        instance.price.penalize(now, failure_penalty_s(elapsed_s, peers, share))
-    elif transition.to == ADMITTING:
-        pool.rejoined(instance, now)  # its probe answered well
-    if transition.displaced is not None:
-        displaced = transition.displaced
-        back = pool.instance_named(displaced.instance)
-        if back is not None:
-            pool.rejoined(back, now)  # let back for a worse one
-        on_transition(pool.name, displaced)
-    on_transition(pool.name, transition)
+    def to_breaker(
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        now: float,
+        failed: bool,
+        timeout: bool,
+        probe: bool,
+        elapsed_s: float,
+    ) -> None:
+        """One result for the instance's breaker (`BreakerState.record`), after an attempt that
+        took `elapsed_s`, and what follows when it changes the breaker's state."""
+        transition = instance.breaker.record(now, failed, timeout, pool.rng, probe=probe)
+        if transition is None:
+            return
+        if transition.suppressed:
+            # The cap keeps it admitting: the balancer steers around it instead.
+            peers = pool.peer_latencies(instance, now)
+            share = instance.breaker.failure_share(now)
+            instance.price.penalize(now, failure_penalty_s(elapsed_s, peers, share))
+        elif transition.to == ADMITTING:
+            pool.rejoined(instance, now)  # its probe answered well
+        if transition.displaced is not None:
+            displaced = transition.displaced
+            back = pool.instance_named(displaced.instance)
+            if back is not None:
+                pool.rejoined(back, now)  # let back for a worse one
+            self._on_transition(pool.name, displaced)
+        self._on_transition(pool.name, transition)
 
 
 def abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: float) -> None:
