@@ -91,6 +91,7 @@ class GatewayCollector(Collector):
         ]
         yield from _requests(pools)
         yield from _streams_and_tokens(pools)
+        yield from _fallbacks(pools)
         yield from _connections(pools, observed.upstream)
         yield from _instances(pools)
         yield from _latency(pools)
@@ -254,6 +255,31 @@ def _streams_and_tokens(pools: Sequence[PoolSnapshot]) -> Iterator[Metric]:
         for result in HEDGE_RESULTS:
             hedges.add_metric([name, result], stats.hedges.get(result, 0))
     yield from (resumes, not_resumed, hedges, tokens, per_token)
+
+
+def _fallbacks(pools: Sequence[PoolSnapshot]) -> Iterator[Metric]:
+    """Requests handed over to a fallback pool, and fallbacks that could not take one."""
+    fallbacks = CounterMetricFamily(
+        "gateway_fallbacks",
+        "Requests a pool could not answer, handed over to another before their first byte, "
+        "by the pool they left, the pool they went to and why (unavailable, shed, "
+        "retries_exhausted, rate_limited, server_error, context_length; refused: the "
+        "fallback before refused it too)",
+        labels=["from", "to", "reason"],
+    )
+    skips = CounterMetricFamily(
+        "gateway_fallback_skips",
+        "Fallback pools passed over for a request they could not take, by why (api: "
+        "another API family, untranslatable; form: a multipart body; unknown_pool)",
+        labels=["from", "to", "reason"],
+    )
+    for pool in pools:
+        name, stats = pool.name, pool.stats
+        for (to, reason), count in stats.fallbacks.items():
+            fallbacks.add_metric([name, to, reason], count)
+        for (to, why), count in stats.fallback_skips.items():
+            skips.add_metric([name, to, why], count)
+    yield from (fallbacks, skips)
 
 
 def _connections(pools: Sequence[PoolSnapshot], client: ConnectionCounter) -> Iterator[Metric]:

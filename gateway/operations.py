@@ -150,6 +150,15 @@ def _pool_state(
         ],
         "resume_refusals": dict(stats.resume_refusals),
         "hedges": dict(stats.hedges),
+        # Requests handed over to other pools, and fallbacks passed over, by pool and reason.
+        "fallbacks": [
+            {"to": to, "reason": reason, "count": count}
+            for (to, reason), count in sorted(stats.fallbacks.items())
+        ],
+        "fallback_skips": [
+            {"to": to, "reason": why, "count": count}
+            for (to, why), count in sorted(stats.fallback_skips.items())
+        ],
         "admission": _admission_state(admission) if admission is not None else None,
         "discovery": _discovery_state(pool.discovery, clocks),
         "instances": [

@@ -185,6 +185,15 @@ pools:
       concurrency: {{mode: fixed, limit: 4}}
       tokens: {{capacity: 100000}}
       vllm_signals: {{interval: 100ms}}
+  # Nothing listens: its requests go to `chat`, passing over `claude` (another API family).
+  gone:
+    models: [gone]
+    instances: [{{name: g, url: "http://127.0.0.1:{closed_port()}"}}]
+    fallbacks: [claude, chat]
+  claude:
+    models: [claude]
+    api: anthropic
+    instances: [{instances_yaml({"c": backends["c"]})}]
 """
     gw = start_gateway(tmp_path_factory.mktemp("dashboard") / "policy.yaml", policy)
     yield gw
@@ -233,6 +242,8 @@ def drive_traffic(gateway: Gateway, backends: dict[str, Backend]) -> None:
     assert wait_until(
         lambda: chat(gateway, "m") == [200] and bool(backends["b"].requests()), 5.0, 0.0
     ), "no probe reached the recovered instance"
+
+    assert chat(gateway, "gone") == [200]  # answered by `chat`, `claude` passed over
 
     backends["c"].set_faults(hang_rate=1.0, hang_s=2.0)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.config.fallbacks import MAX_FALLBACK_DEPTH
 from gateway.config.models import Policy, PoolPolicy, split_host_port
 
 Loc = tuple[str | int, ...]
@@ -35,6 +36,72 @@ def cross_field_errors(policy: Policy) -> list[tuple[Loc, str]]:
             else:
                 owner[model] = pool_name
         errors.extend(_pool_errors(where, pool))
+    errors.extend(_fallback_errors(policy))
+    return errors
+
+
+_FALLBACK_LISTS = ("fallbacks", "context_fallbacks")
+
+
+def _fallback_errors(policy: Policy) -> list[tuple[Loc, str]]:
+    """Fallbacks that name no pool, a model their pool does not serve, the pool itself, or
+    make a loop (A -> B -> A) or a chain longer than `MAX_FALLBACK_DEPTH` hand-overs."""
+    errors: list[tuple[Loc, str]] = []
+    pools = policy.pools
+    edges: dict[str, list[tuple[str, Loc]]] = {name: [] for name in pools}
+    for name, pool in pools.items():
+        for key in _FALLBACK_LISTS:
+            for index, target in enumerate(getattr(pool, key)):
+                loc: Loc = ("pools", name, key, index)
+                other = pools.get(target.pool)
+                if other is None:
+                    known = ", ".join(sorted(pools))
+                    errors.append(((*loc, "pool"), f"no pool {target.pool!r} (pools: {known})"))
+                elif target.pool == name:
+                    errors.append(((*loc, "pool"), "a pool cannot fall back to itself"))
+                elif target.model is not None and target.model not in other.models:
+                    served = ", ".join(other.models)
+                    errors.append(
+                        (
+                            (*loc, "model"),
+                            f"pool {target.pool!r} does not serve {target.model!r} "
+                            f"(it serves {served})",
+                        )
+                    )
+                else:
+                    edges[name].append((target.pool, loc))
+    errors.extend(_graph_errors(edges))
+    return errors
+
+
+def _graph_errors(edges: dict[str, list[tuple[str, Loc]]]) -> list[tuple[Loc, str]]:
+    """Loops and over-long chains in the fallback graph, each reported once, at the entry
+    that closes the loop or goes one hand-over too deep."""
+    errors: list[tuple[Loc, str]] = []
+    reported: set[Loc] = set()
+
+    def walk(path: list[str]) -> None:
+        for to, loc in edges[path[-1]]:
+            if loc in reported:
+                continue
+            if to in path:
+                reported.add(loc)
+                cycle = " -> ".join([*path[path.index(to) :], to])
+                errors.append(((*loc, "pool"), f"fallback loop: {cycle}"))
+            elif len(path) > MAX_FALLBACK_DEPTH:
+                reported.add(loc)
+                chain = " -> ".join([*path, to])
+                errors.append(
+                    (
+                        (*loc, "pool"),
+                        f"fallback chain longer than {MAX_FALLBACK_DEPTH} hand-overs: {chain}",
+                    )
+                )
+            else:
+                walk([*path, to])
+
+    for start in edges:
+        walk([start])
     return errors
 
 

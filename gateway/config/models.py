@@ -32,6 +32,12 @@ from gateway.config.admission import InteractivePolicy as InteractivePolicy
 from gateway.config.admission import TenantsPolicy as TenantsPolicy
 from gateway.config.admission import TokenBudgetPolicy as TokenBudgetPolicy
 from gateway.config.admission import VllmSignalsPolicy as VllmSignalsPolicy
+from gateway.config.fallbacks import (
+    FALLBACK_CAUSES,
+    Api,
+    FallbackCause,
+    Targets,
+)
 from gateway.config.fields import (
     TOKEN_RE,
     Fraction,
@@ -114,11 +120,22 @@ RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
 RETRY_KINDS = ("connect_failure", "reset", "timeout", "oom")
 
 
+# Answers about the request, not the instance: a validation error, a prompt over the context
+# window (handed to `context_fallbacks` instead), a content-policy refusal, a refused key.
+_ABOUT_THE_REQUEST = frozenset((400, 401, 403))
+
+
 def _parse_retry_condition(value: object) -> str | int:
     # One clear message instead of one per member of a union.
     if isinstance(value, str) and value in RETRY_KINDS:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+        if value in _ABOUT_THE_REQUEST:
+            raise ValueError(
+                f"{value} is never retried: it is an answer about the request itself (invalid, "
+                "too long for the model, refused by a content policy, or a key refused), "
+                "which every attempt would get again"
+            )
         return value
     raise ValueError(
         f"invalid retry condition {value!r}: use {', '.join(RETRY_KINDS)} "
@@ -576,6 +593,14 @@ class PoolPolicy(Strict):
     )
     tls: TlsPolicy | None = None
     credentials: CredentialsPolicy | None = None
+    # The API family its instances speak (absent: whatever route they are asked); a request
+    # handed over from a pool of the other family is translated (README, "Fallbacks").
+    api: Api | None = None
+    # Where a request this pool cannot answer goes next, before its first byte (`fallback_on`
+    # says for what), and where a prompt too long for its context window goes.
+    fallbacks: Targets = ()
+    context_fallbacks: Targets = ()
+    fallback_on: tuple[FallbackCause, ...] = FALLBACK_CAUSES
 
 
 class Policy(Strict):

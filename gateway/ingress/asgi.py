@@ -24,6 +24,7 @@ from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
 from gateway.ingress.body import ClientGone, Receive, read_body
 from gateway.ingress.dialect import BY_PROTOCOL
 from gateway.ingress.exchange import CLIENT_CLOSED, Exchange, log_refused, serve_traced
+from gateway.ingress.fallback import Fallbacks, Handover
 from gateway.ingress.form import read_request_facts
 from gateway.ingress.forwarded import TrustedProxies
 from gateway.ingress.headers import RequestHeaders, client_address, split_request_headers
@@ -131,6 +132,7 @@ class DataPlane:
         self._limit = max_request_bytes
         self._readiness = readiness
         self._loop = asyncio.get_running_loop()
+        self._fallbacks = Fallbacks(registry.pools, self._loop.time, tracing is not None)
         self._models_body = b""
         self._model_bodies: dict[str, bytes] = {}
         # The pool a request naming no model goes to: the only one, else None.
@@ -271,6 +273,10 @@ class DataPlane:
         try:
             pool, facts = self._route(route, facts)
             call, whole = self._call(scope, route, headers, body, facts, pool)
+            # Handed over to another pool if its own cannot answer (`ingress.fallback`).
+            fallback = bool(pool.policy.fallbacks or pool.policy.context_fallbacks)
+            if fallback:
+                fallback = headers.fallback_allowed()
         except GatewayError as refused:  # logged with the model it names, if any
             await self._reject(scope, send, route, refused, started, facts.model or None, address)
             return
@@ -278,10 +284,15 @@ class DataPlane:
         watch = _DisconnectWatch(self._loop, call.cancellation, receive)
         try:
             try:
-                response = await self._handler(call)
+                if fallback:
+                    response = await self._answer_or_fall_back(exchange)
+                else:
+                    response = await self._handler(call)
             except GatewayError as error:
                 exchange.status = error.status
-                await send_error(send, error, call.attempts, BY_PROTOCOL[route.protocol])
+                dialect = BY_PROTOCOL[route.protocol]
+                attempts = exchange.prior_attempts + exchange.call.attempts
+                await send_error(send, error, attempts, dialect, exchange.routed)
                 return
             exchange.answered = response
             await self._relay(scope, send, exchange, response, whole)
@@ -289,7 +300,7 @@ class DataPlane:
             exchange.stream_error = aborted.error.message  # cut: the client saw it end short
             # uvicorn drops the connection of a response left incomplete: the client sees it.
             fields = {
-                "pool": pool.name,
+                "pool": exchange.call.pool.name,
                 "instance": response.instance.name,
                 "error": aborted.error.message,
             }
@@ -301,6 +312,15 @@ class DataPlane:
         finally:
             watch.close()
             exchange.end(self._access, self._tracer is not None)
+
+    async def _answer_or_fall_back(self, exchange: Exchange) -> UpstreamResponse:
+        """The answer of the request's pool or, when it cannot answer, of a fallback's: the
+        exchange goes on with the call that got it."""
+        handover = Handover(exchange.call)
+        try:
+            return await self._fallbacks.answer(handover, self._handler)
+        finally:
+            exchange.handed_over(handover)
 
     async def _read_request(
         self, scope: Scope, receive: Receive, send: Send, route: Route, started: float
@@ -410,7 +430,8 @@ class DataPlane:
             broke = await relay(
                 send if answer is None else answer,
                 current,
-                call.attempts,
+                exchange.prior_attempts + call.attempts,
+                exchange.routed,
                 idle_s,
                 call.deadline,
                 dialect,
@@ -423,7 +444,11 @@ class DataPlane:
             assert resume is not None
             ended_on = resume.instance or response.instance
             status = await answer.finish(
-                broke, call.attempts + resume.attempts, ended_on.name_header, dialect
+                broke,
+                exchange.prior_attempts + call.attempts + resume.attempts,
+                ended_on.name_header,
+                dialect,
+                exchange.routed,
             )
             exchange.first_byte(status)  # a whole answer's status comes with its end
         elif broke is not None:

@@ -15,6 +15,7 @@ from starlette.types import Message, Scope
 from gateway.config.routes import Route, genai_attributes
 from gateway.core.usage import Usage, model_of, usage_of
 from gateway.ingress.body import Receive
+from gateway.ingress.fallback import Handover
 from gateway.ingress.relay import Send
 from gateway.ingress.resume import StreamResume
 from gateway.pipeline.attempt_span import answer_attributes, read_answer
@@ -41,7 +42,10 @@ class Exchange:
         "call",
         "client",
         "facts",
+        "handover",
+        "prior_attempts",
         "resume",
+        "routed",
         "started",
         "status",
         "stream_error",
@@ -63,18 +67,37 @@ class Exchange:
         self.stream_error: str | None = None  # what cut a stream short after its first byte
         self.resume: StreamResume | None = None
         self.answered: UpstreamResponse | None = None  # the answer, for its usage
+        # Its way through fallback pools (`ingress.fallback`), when its pool has any: the
+        # attempts made on pools other than the one that answered, and the headers naming
+        # that one and how many others were tried (`x-gateway-pool`, `x-gateway-fallbacks`:
+        # sent only for a request that could be handed over, as each header costs every
+        # answer its encoding).
+        self.handover: Handover | None = None
+        self.prior_attempts = 0
+        self.routed: tuple[tuple[bytes, bytes], ...] = ()
+
+    def handed_over(self, handover: Handover) -> None:
+        """Its answer came from `handover.answering`'s pool: the call relayed from now on."""
+        self.handover = handover
+        call = self.call = handover.answering
+        self.prior_attempts = handover.attempts - call.attempts
+        self.routed = (
+            (b"x-gateway-pool", call.pool.name_header),
+            (b"x-gateway-fallbacks", str(handover.hops).encode()),
+        )
 
     def first_byte(self, status: int) -> None:
         """The answer's status went out, with its first byte: when, counted per model."""
         self.status = status
         self.ttfb_s = ttfb_s = self._clock() - self.started
-        self.call.pool.stats.ttfb[self.facts.model].observe(ttfb_s)
+        call = self.call
+        call.pool.stats.ttfb[call.facts.model].observe(ttfb_s)
 
     def end(self, access: AccessLog | None, traced: bool) -> None:
         """The request is over: counted in its pool's stats, written to the access log
         (`access`, None: off), and told on its span (`traced`: the current one)."""
         call = self.call
-        model = self.facts.model
+        model = call.facts.model  # its pool's: a fallback's when one answered
         stats = call.pool.stats
         status = self.status
         stats.request(model, status, self._clock() - self.started)
@@ -107,12 +130,19 @@ class Exchange:
             "pool": call.pool.name,
             "model": facts.model,
             "instance": _instance_name(call, resume),
-            "attempts": call.attempts + (resume.attempts if resume is not None else 0),
+            "attempts": self.prior_attempts
+            + call.attempts
+            + (resume.attempts if resume is not None else 0),
             "streamed": facts.stream,
             "duration_s": self._clock() - self.started,
             "ttfb_s": self.ttfb_s,
             "client": self.client,
         }
+        handover = self.handover
+        if handover is not None and handover.hops:
+            fields["fallbacks"] = handover.hops
+            fields["fallback"] = ",".join(handover.reasons)
+            fields["model_sent"] = call.facts.model
         if self.stream_error is not None:
             # The status went out with the first byte; what ended the stream did not.
             fields["stream_error"] = self.stream_error
@@ -141,7 +171,9 @@ class Exchange:
         span.set_attributes(
             {
                 "gateway.pool": call.pool.name,
-                "gateway.attempts": call.attempts + (resume.attempts if resume is not None else 0),
+                "gateway.attempts": self.prior_attempts
+                + call.attempts
+                + (resume.attempts if resume is not None else 0),
                 "gateway.streamed": bool(self.facts.stream),
             }
         )
@@ -150,6 +182,8 @@ class Exchange:
             span.set_attribute("gateway.instance", instance)
         if resume is not None and resume.resumes:
             span.set_attribute("gateway.resumes", resume.resumes)
+        if self.handover is not None:
+            span.set_attribute("gateway.fallbacks", self.handover.hops)
         if self.ttfb_s is not None:
             span.set_attribute("gateway.time_to_first_byte_s", self.ttfb_s)
         if status == CLIENT_CLOSED:

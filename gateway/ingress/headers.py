@@ -70,6 +70,17 @@ class RequestHeaders:
             raise InvalidRequest(str(exc)) from None
         return budget_s, priority
 
+    def fallback_allowed(self) -> bool:
+        """Whether the client lets its request go to a fallback pool (`x-gateway-fallback:
+        off` keeps it on its model's pool); InvalidRequest when the header says neither."""
+        asked = self.gateway.get(b"x-gateway-fallback")
+        if asked is None:
+            return True
+        value = asked.strip().lower()
+        if value not in (b"on", b"off"):
+            raise InvalidRequest("x-gateway-fallback must be on or off")
+        return value == b"on"
+
 
 def _positive_seconds(raw: bytes) -> float:
     value = float(raw)

@@ -60,11 +60,16 @@ async def send_json(
 
 
 async def send_error(
-    send: Send, error: GatewayError, attempts: int = 0, dialect: Dialect = OPENAI
+    send: Send,
+    error: GatewayError,
+    attempts: int = 0,
+    dialect: Dialect = OPENAI,
+    routed: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     """The gateway's own error answer, marked `x-gateway-error: <code>` whatever the dialect:
-    a backend's error relayed by `relay` never carries it."""
-    extra: list[tuple[bytes, bytes]] = [error.header]
+    a backend's error relayed by `relay` never carries it. `routed`: the headers naming the
+    pool that answered (`Exchange.routed`), for a request that was routed."""
+    extra: list[tuple[bytes, bytes]] = [error.header, *routed]
     if error.retry_after_s is not None:
         extra.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
     if attempts:
@@ -91,6 +96,7 @@ async def relay(
     send: Send,
     current: Owned,
     attempts: int,
+    routed: tuple[tuple[bytes, bytes], ...],
     idle_s: float,
     end_at: float,
     dialect: Dialect,
@@ -118,6 +124,7 @@ async def relay(
     `idle_s` bounds each wait for the next chunk; `end_at` (event-loop time) the whole exchange.
     A graceful shutdown's deadline ends an SSE stream the same way (gateway.drain): the
     stream is registered with `streams` by the request's `cancellation`.
+    `routed`: the headers naming the pool that answered (`Exchange.routed`).
     `writer`: where an SSE stream's plain pieces may be written straight from the upstream's
     callback (`ingress.writer`), the same destination as `send`.
     """
@@ -128,6 +135,7 @@ async def relay(
     headers += (
         (b"x-gateway-attempts", str(attempts).encode()),
         (b"x-gateway-instance", response.instance.name_header),
+        *routed,
     )
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     if response.body is not None or no_body:

@@ -168,9 +168,16 @@ class WholeAnswer:
             self.unreadable = True  # the answer is lost; the stream goes on to its end
 
     async def finish(
-        self, error: GatewayError | None, attempts: int, instance: bytes, dialect: Dialect
+        self,
+        error: GatewayError | None,
+        attempts: int,
+        instance: bytes,
+        dialect: Dialect,
+        routed: tuple[tuple[bytes, bytes], ...] = (),
     ) -> int:
-        """Send the client the whole answer, or what ended the stream short; its status."""
+        """Send the client the whole answer, or what ended the stream short; its status.
+        `routed`: the headers naming the pool that answered, which the stream's own headers
+        carry already, for the gateway's error."""
         self._assemble(ended=True)
         assembly = self.assembly
         engine_error = assembly.error if not self.unreadable else None
@@ -190,7 +197,7 @@ class WholeAnswer:
                 return 200
             error = UpstreamProtocolError("the upstream sent a stream no answer can be made of")
         # The gateway ended the stream (its error event is in it), or no answer came of it.
-        await send_error(self._send, error, attempts, dialect)
+        await send_error(self._send, error, attempts, dialect, routed)
         return error.status
 
     async def _json(self, status: int, value: Any, attempts: int, instance: bytes) -> None:

@@ -120,6 +120,25 @@ class Call:
             body=body, prompt_tokens=0, attempts=0, hedges=0, tried=[], avoid=[*avoid, *self.avoid]
         )
 
+    def for_fallback(
+        self, pool: PoolState, body: bytes, facts: RequestFacts, deadline: float
+    ) -> Call:
+        """The request handed over to another pool (`ingress.fallback`), as `body` (its model
+        that pool's): a request of its own there, from admission on, with nothing of this
+        call's attempts, the instances it tried or avoided being another pool's."""
+        return Call(
+            pool=pool,
+            route=self.route,
+            query=self.query,
+            body=body,
+            headers=self.headers,
+            facts=facts,
+            deadline=deadline,
+            cancellation=self.cancellation,
+            acts=self.acts,
+            priority=self.priority,
+        )
+
     def _next(
         self,
         *,

@@ -42,6 +42,7 @@ class PoolState:
         "in_use",
         "instances",
         "name",
+        "name_header",
         "next_index",
         "policy",
         "resume_budget",
@@ -64,6 +65,7 @@ class PoolState:
         client_auth: bool = False,
     ) -> None:
         self.name = name
+        self.name_header = name.encode()  # `x-gateway-pool`, encoded once
         # The policy file's pool (`declared`), what its discovery source last told
         # (`found`), and the two together: the policy the pool runs on (`policy`).
         self.declared = policy

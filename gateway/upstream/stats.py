@@ -69,6 +69,8 @@ class PoolStats:
     __slots__ = (
         "budget_exhausted",
         "duration",
+        "fallback_skips",
+        "fallbacks",
         "hedges",
         "panics",
         "per_output_token",
@@ -101,6 +103,10 @@ class PoolStats:
         # output token of streams (after the first).
         self.tokens: dict[tuple[str, str], int] = {}
         self.per_output_token: dict[str, Histogram] = {}
+        # Requests this pool handed over to another (`ingress.fallback`), by (pool, reason),
+        # and fallbacks it could not use for one, by (pool, why not).
+        self.fallbacks: dict[tuple[str, str], int] = {}
+        self.fallback_skips: dict[tuple[str, str], int] = {}
 
     def count_usage(self, model: str, usage: Usage, stream_s: float | None = None) -> None:
         """An answer's usage; `stream_s`: a stream's time from first to last byte."""
@@ -117,6 +123,14 @@ class PoolStats:
                 if histogram is None:
                     histogram = self.per_output_token[model] = Histogram(TOKEN_BUCKETS_S)
                 histogram.observe(stream_s / (output - 1))
+
+    def fell_back(self, to: str, reason: str) -> None:
+        key = (to, reason)
+        self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+
+    def skipped_fallback(self, to: str, why: str) -> None:
+        key = (to, why)
+        self.fallback_skips[key] = self.fallback_skips.get(key, 0) + 1
 
     def hedged(self, result: str) -> None:
         self.hedges[result] = self.hedges.get(result, 0) + 1

@@ -60,6 +60,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="no batch bound; a request starting past this many running fails as OOM (0: never)",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="a prompt plus max_tokens over this many tokens is refused with a 400, worded as "
+        "vLLM does (as Anthropic does on /v1/messages) (0: no limit)",
+    )
+    parser.add_argument(
         "--no-metrics",
         action="store_true",
         help="GET /metrics answers 404, as a server that exports no load gauges",
@@ -145,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=not args.no_metrics,
         record_credentials=args.record_credentials,
         echo_prefill=args.echo_prefill,
+        max_model_len=args.max_model_len,
     )
     server_config = rig_config(build_app(config), args.log_level)
     if args.serve_when is not None:

@@ -245,6 +245,13 @@ async def handle_messages(app: FakeVllm, scope: Scope, receive: Receive, send: S
         n = _max_tokens(request)
         record.max_tokens = n
         input_tokens = _input_tokens(request)
+        limit = app.config.max_model_len
+        if limit and input_tokens + n > limit:
+            raise BadRequest(
+                400,
+                f"input length and `max_tokens` exceed context limit: {input_tokens} + {n} > "
+                f"{limit}, decrease input length or `max_tokens` and try again",
+            )
         prefilled = prefill(request)
     except BadRequest as exc:
         await respond(send, exc.status, error_body(exc.status, exc.message), extra=ids)
@@ -334,7 +341,7 @@ async def _fault_reply(app: FakeVllm, send: Send, ids: Headers, fault: str, faul
         return "rate_limited"
     if fault == ERROR:
         status = faults.error_status
-        await respond(send, status, error_body(status, "injected error"), extra=ids)
+        await respond(send, status, error_body(status, faults.error_message), extra=ids)
         return "error"
     if fault == OOM:
         app.oom_count += 1

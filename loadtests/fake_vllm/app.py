@@ -137,6 +137,16 @@ class FakeVllm:
             self.log.finish(record, "error")
             return
         prompt_tokens = max(1, r.count_words(request.get("messages" if chat else "prompt")))
+        limit = self.config.max_model_len
+        if limit and prompt_tokens + n > limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_tokens + n} tokens ({prompt_tokens} in the messages, {n} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+            await respond(send, 400, r.error_body(400, message, "BadRequestError"))
+            self.log.finish(record, "error")
+            return
         options = request.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
 
@@ -296,7 +306,7 @@ class FakeVllm:
             return "rate_limited"
         if fault == ERROR:
             status = faults.error_status
-            await respond(send, status, r.error_body(status, "injected error"))
+            await respond(send, status, r.error_body(status, faults.error_message))
             return "error"
         if fault == OOM:
             self.oom_count += 1

@@ -52,6 +52,9 @@ class FakeConfig:
     record_credentials: bool = False
     # Stream an Anthropic prefill again before its continuation, as llama.cpp's server does.
     echo_prefill: bool = False
+    # The model's context window in tokens (words here): a prompt plus max_tokens over it is
+    # refused with a 400 as vLLM words it (Anthropic's wording on /v1/messages); 0: no limit.
+    max_model_len: int = 0
 
     @property
     def engine_enabled(self) -> bool:
@@ -70,6 +73,7 @@ class Faults:
 
     error_rate: float = 0.0
     error_status: int = 500
+    error_message: str = "injected error"  # the message of the `error_status` answers
     oom_rate: float = 0.0
     hang_rate: float = 0.0
     hang_s: float = 3600.0
@@ -183,6 +187,10 @@ def _check(key: str, value: Any) -> Any:
     if key == "unhealthy":
         if not isinstance(value, bool):
             raise ValueError("unhealthy must be a boolean")
+        return value
+    if key == "error_message":
+        if not isinstance(value, str) or not value:
+            raise ValueError("error_message must be a non-empty string")
         return value
     if key in _OPTIONAL_SECONDS and value is None:
         return None

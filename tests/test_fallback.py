@@ -1,0 +1,294 @@
+"""Fallbacks across pools, through the official OpenAI and Anthropic SDKs: a model whose pool
+cannot answer is answered by the next pool its policy names, before the first byte."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.support import LOOPBACK_LISTENERS, Backend, Gateway, closed_port, start_backend
+from tests.support import start_gateway as start
+
+LONG = " ".join(["word"] * 80)  # over the small model's 60-token window with max_tokens 8
+SHORT = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def backends() -> Iterator[dict[str, Backend]]:
+    fast = ("--ttft", "0.01", "--per-token", "0.001")
+    started = {
+        "small": start_backend("small", ["small-model"], *fast, "--max-model-len", "60"),
+        "backup": start_backend("backup", ["backup-model"], *fast),
+        "big": start_backend("big", ["big-model"], *fast),
+    }
+    yield started
+    for backend in started.values():
+        backend.stop()
+
+
+def _policy(backends: dict[str, Backend]) -> str:
+    return f"""
+{LOOPBACK_LISTENERS}
+telemetry: {{access_log: true}}
+pools:
+  down:
+    models: [down-model]
+    instances:
+      - {{name: d1, url: "http://127.0.0.1:{closed_port()}"}}
+      - {{name: d2, url: "http://127.0.0.1:{closed_port()}"}}
+    fallbacks: [backup]
+  small:
+    models: [small-model]
+    instances: [{{name: s1, url: "{backends["small"].url}"}}]
+    fallbacks: [backup]
+    context_fallbacks: [{{pool: big, model: big-model}}]
+  backup:
+    models: [backup-model]
+    instances: [{{name: b1, url: "{backends["backup"].url}"}}]
+  big:
+    models: [big-model]
+    instances: [{{name: g1, url: "{backends["big"].url}"}}]
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    backends: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    gw = start(tmp_path_factory.mktemp("fallback") / "policy.yaml", _policy(backends))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh(backends: dict[str, Backend]) -> None:
+    for backend in backends.values():
+        backend.reset()
+        backend.set_faults()
+
+
+def _openai(gateway: Gateway, **headers: str) -> openai.OpenAI:
+    # No retries in the SDK: whatever is retried or handed over is the gateway's doing.
+    return openai.OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="k",
+        max_retries=0,
+        timeout=30,
+        default_headers=headers or None,
+    )
+
+
+def _anthropic(gateway: Gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url, api_key="k", max_retries=0, timeout=30)
+
+
+def _metric(gateway: Gateway, name: str, **labels: str) -> float:
+    text = httpx.get(f"{gateway.admin_url}/metrics", timeout=5).text
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
+            return float(match.group(2))
+    return 0.0
+
+
+def test_pool_all_down_is_answered_by_its_fallback_whole_and_streamed(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    sdk = _openai(gateway)
+    before = _metric(
+        gateway, "gateway_fallbacks_total", **{"from": "down", "to": "backup"}, reason="unavailable"
+    )
+    for _ in range(5):
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="down-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+        completion = raw.parse()
+        assert completion.model == "backup-model"  # the answering engine's
+        assert completion.choices[0].message.content
+        assert completion.usage is not None and completion.usage.completion_tokens == 4
+        assert raw.headers["x-gateway-pool"] == "backup"
+        assert raw.headers["x-gateway-fallbacks"] == "1"
+    with sdk.chat.completions.with_streaming_response.create(
+        model="down-model",
+        messages=SHORT,
+        max_tokens=6,
+        stream=True,
+    ) as streamed:
+        assert streamed.headers["x-gateway-pool"] == "backup"
+        assert streamed.headers["x-gateway-fallbacks"] == "1"
+        chunks = list(streamed.parse())
+    assert {chunk.model for chunk in chunks} == {"backup-model"}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 6
+    sent = backends["backup"].requests()
+    assert len(sent) == 6 and {r["model"] for r in sent} == {"backup-model"}
+    after = _metric(
+        gateway, "gateway_fallbacks_total", **{"from": "down", "to": "backup"}, reason="unavailable"
+    )
+    assert after - before == 6
+
+
+def test_anthropic_sdk_falls_back_too(gateway: Gateway) -> None:
+    client = _anthropic(gateway)
+    raw = client.messages.with_raw_response.create(
+        model="down-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+    )
+    message = raw.parse()
+    assert message.model == "backup-model"
+    assert message.usage.output_tokens == 5
+    assert raw.headers["x-gateway-pool"] == "backup"
+    with client.messages.stream(
+        model="down-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.model == "backup-model" and final.stop_reason == "max_tokens"
+
+
+def test_a_client_can_turn_fallbacks_off(gateway: Gateway, backends: dict[str, Backend]) -> None:
+    with pytest.raises(openai.APIStatusError) as caught:
+        _openai(gateway, **{"x-gateway-fallback": "off"}).chat.completions.create(
+            model="down-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+    assert caught.value.status_code in (502, 503)
+    assert "x-gateway-pool" not in caught.value.response.headers  # not one to hand over
+    assert backends["backup"].requests() == []
+    with pytest.raises(openai.BadRequestError):
+        _openai(gateway, **{"x-gateway-fallback": "maybe"}).chat.completions.create(
+            model="down-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+
+
+def _long_chat(sdk: openai.OpenAI, **extra: Any) -> Any:
+    return sdk.chat.completions.with_raw_response.create(
+        model="small-model",
+        messages=[{"role": "user", "content": LONG}],
+        max_tokens=8,
+        **extra,
+    )
+
+
+def test_context_length_goes_to_context_fallbacks_after_one_attempt(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    raw = _long_chat(_openai(gateway))
+    assert raw.parse().model == "big-model"
+    assert raw.headers["x-gateway-pool"] == "big"
+    assert raw.headers["x-gateway-attempts"] == "2"  # one on the small model, one on the big
+    (refused,) = backends["small"].requests()
+    assert refused["outcome"] == "error"
+    assert len(backends["big"].requests()) == 1
+    assert backends["backup"].requests() == []  # not an unavailable pool: never `fallbacks`
+    assert (
+        _metric(
+            gateway,
+            "gateway_fallbacks_total",
+            **{"from": "small", "to": "big"},
+            reason="context_length",
+        )
+        >= 1
+    )
+
+
+def test_context_length_in_anthropic_words(gateway: Gateway, backends: dict[str, Backend]) -> None:
+    raw = _anthropic(gateway).messages.with_raw_response.create(
+        model="small-model", max_tokens=8, messages=[{"role": "user", "content": LONG}]
+    )
+    assert raw.parse().model == "big-model"
+    assert len(backends["small"].requests()) == 1
+
+
+def test_a_short_prompt_stays_on_its_model(gateway: Gateway, backends: dict[str, Backend]) -> None:
+    raw = _openai(gateway).chat.completions.with_raw_response.create(
+        model="small-model",
+        messages=SHORT,
+        max_tokens=4,
+    )
+    assert raw.parse().model == "small-model"
+    assert raw.headers["x-gateway-pool"] == "small"
+    assert raw.headers["x-gateway-fallbacks"] == "0"
+    assert raw.headers["x-gateway-attempts"] == "1"
+
+
+def test_content_policy_refusal_is_the_answer(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    reason = "Your request was rejected as a result of our safety system."
+    backends["small"].set_faults(error_rate=1.0, error_status=400, error_message=reason)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _openai(gateway).chat.completions.create(
+            model="small-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+    assert reason in str(caught.value)
+    assert len(backends["small"].requests()) == 1  # no retry
+    assert backends["backup"].requests() == [] and backends["big"].requests() == []
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_key_is_the_answer(
+    gateway: Gateway, backends: dict[str, Backend], status: int
+) -> None:
+    backends["small"].set_faults(error_rate=1.0, error_status=status, error_message="bad key")
+    with pytest.raises(openai.APIStatusError) as caught:
+        _openai(gateway).chat.completions.create(
+            model="small-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+    assert caught.value.status_code == status
+    assert len(backends["small"].requests()) == 1
+    assert backends["backup"].requests() == []
+
+
+def test_a_fallbacks_refusal_never_hides_the_first_failure(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    backends["small"].set_faults(error_rate=1.0, error_status=503, error_message="small is down")
+    backends["backup"].set_faults(error_rate=1.0, error_status=400, error_message="backup says no")
+    with pytest.raises(openai.APIStatusError) as caught:
+        _openai(gateway).chat.completions.create(
+            model="small-model",
+            messages=SHORT,
+            max_tokens=4,
+        )
+    assert caught.value.status_code == 503
+    assert "small is down" in str(caught.value)
+    assert caught.value.response.headers["x-gateway-pool"] == "small"
+    assert caught.value.response.headers["x-gateway-fallbacks"] == "1"
+    assert len(backends["backup"].requests()) == 1
+
+
+def test_rate_limited_after_retries_falls_back(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    backends["small"].set_faults(rate_limit_rate=1.0, retry_after=1)
+    raw = _openai(gateway).chat.completions.with_raw_response.create(
+        model="small-model",
+        messages=SHORT,
+        max_tokens=4,
+    )
+    assert raw.parse().model == "backup-model"
+    assert raw.headers["x-gateway-pool"] == "backup"
+    assert (
+        _metric(
+            gateway,
+            "gateway_fallbacks_total",
+            **{"from": "small", "to": "backup"},
+            reason="rate_limited",
+        )
+        >= 1
+    )
