@@ -94,6 +94,18 @@ class _DisconnectWatch:
             watcher.cancel()
 
 
+async def _answer_or_fall_back(
+    fallbacks: Fallbacks, exchange: Exchange, handler: Handler
+) -> UpstreamResponse:
+    """The answer of the request's pool or, when it cannot answer, of a fallback's: the
+    exchange goes on with the call that got it."""
+    handover = Handover(exchange.call)
+    try:
+        return await fallbacks.answer(handover, handler)
+    finally:
+        exchange.handed_over(handover)
+
+
 class DataPlane:
     """The data plane's ASGI app: the proxied routes (`_proxy`, step by step), the gateway's
     own small answers (`/v1/models`, `/healthz`, `/readyz`), and the refusals before a route."""
@@ -285,7 +297,7 @@ class DataPlane:
         try:
             try:
                 if fallback:
-                    response = await self._answer_or_fall_back(exchange)
+                    response = await _answer_or_fall_back(self._fallbacks, exchange, self._handler)
                 else:
                     response = await self._handler(call)
             except GatewayError as error:
@@ -312,15 +324,6 @@ class DataPlane:
         finally:
             watch.close()
             exchange.end(self._access, self._tracer is not None)
-
-    async def _answer_or_fall_back(self, exchange: Exchange) -> UpstreamResponse:
-        """The answer of the request's pool or, when it cannot answer, of a fallback's: the
-        exchange goes on with the call that got it."""
-        handover = Handover(exchange.call)
-        try:
-            return await self._fallbacks.answer(handover, self._handler)
-        finally:
-            exchange.handed_over(handover)
 
     async def _read_request(
         self, scope: Scope, receive: Receive, send: Send, route: Route, started: float
