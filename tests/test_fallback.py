@@ -3,8 +3,11 @@ cannot answer is answered by the next pool its policy names, before the first by
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -292,3 +295,50 @@ def test_rate_limited_after_retries_falls_back(
         )
         >= 1
     )
+
+
+def test_a_stream_whose_pool_dies_mid_way_is_continued_on_the_fallback(
+    backends: dict[str, Backend], tmp_path: Path
+) -> None:
+    lone = start_backend("lone", ["lone-model"], "--ttft", "0.01", "--per-token", "0.05")
+    gw = None
+    try:
+        policy = f"""
+{LOOPBACK_LISTENERS}
+pools:
+  lone:
+    models: [lone-model]
+    instances: [{{name: l1, url: "{lone.url}"}}]
+    fallbacks: [backup]
+  backup:
+    models: [backup-model]
+    instances: [{{name: b1, url: "{backends["backup"].url}"}}]
+"""
+        gw = start(tmp_path / "policy.yaml", policy)
+        body = {"model": "lone-model", "messages": SHORT, "max_tokens": 30, "stream": True}
+        pieces: list[str] = []
+        events: list[dict[str, Any]] = []
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=30) as got:
+            assert got.headers["x-gateway-pool"] == "lone"
+            for line in got.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    pieces.append("[DONE]")
+                    continue
+                event = json.loads(line[6:])
+                events.append(event)
+                delta = event["choices"][0]["delta"] if event.get("choices") else {}
+                if delta.get("content"):
+                    pieces.append(delta["content"])
+                    if len(pieces) == 3:
+                        lone.proc.signal(signal.SIGKILL)  # its only instance dies mid-stream
+        assert pieces[-1] == "[DONE]"
+        assert not any("error" in event for event in events)
+        assert len(pieces) == 31  # 30 tokens, whole, then [DONE]
+        (continued,) = backends["backup"].requests()
+        assert continued["model"] == "backup-model"
+    finally:
+        if gw is not None:
+            gw.stop()
+        lone.stop()

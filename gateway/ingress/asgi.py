@@ -427,6 +427,7 @@ class DataPlane:
                     self._loop.time,
                     self._tracer is not None,
                     answer.restart if answer is not None else None,
+                    self._fallbacks.continuation if exchange.handover is not None else None,
                 )
             if answer is None:
                 exchange.first_byte(response.status)  # sent now

@@ -43,6 +43,9 @@ from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
 from gateway.upstream.response import Owned, UpstreamResponse
 
+# What sends a broken stream's continuation to a fallback: its pool had nothing left to
+# continue it on.
+_NOTHING_LEFT: Final = frozenset(("unavailable", "retries_exhausted"))
 # The API family of each route protocol (None: any pool serves it as it comes).
 _FAMILY: Final = {"openai": "openai", "responses": "openai", "anthropic": "anthropic"}
 
@@ -228,7 +231,39 @@ class Fallbacks:
             handover.went_to(call.pool.name, pool.name, cause)
             return call.for_fallback(pool, body, facts, deadline)
 
-    def _went(self, source: PoolState, target: str, cause: str | None, model: str) -> None:
+    def continuation(self, call: Call, body: bytes, failed: GatewayError) -> Call | None:
+        """A broken stream's continuation (`body`) on a fallback of its pool, when the pool
+        had no instance left to continue it on (`failed`: what the continuation there met):
+        the first of the pool's `fallbacks` that can take it, asked for its model; None when
+        none can (the stream then ends as it would have)."""
+        cause = cause_of_error(failed)
+        policy = call.pool.policy
+        if cause not in _NOTHING_LEFT or cause not in policy.fallback_on:
+            return None
+        for target in policy.fallbacks:
+            pool = self._pools.get(target.pool)
+            if pool is None or _cannot_take(call, pool) is not None:
+                continue
+            model = target.model or pool.policy.models[0]
+            try:
+                request = json.loads(body)
+            except ValueError:
+                return None
+            request["model"] = model
+            sent = json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()
+            facts = RequestFacts(model, True, call.facts.max_tokens, request)
+            self._went(call.pool, pool.name, cause, model, resumed=True)
+            return call.for_fallback(pool, sent, facts, call.deadline)
+        return None
+
+    def _went(
+        self,
+        source: PoolState,
+        target: str,
+        cause: str | None,
+        model: str,
+        resumed: bool = False,
+    ) -> None:
         cause = cause or "refused"  # a fallback's own refusal, going on down the list
         source.stats.fell_back(target, cause)
         if self._traced:
@@ -239,6 +274,7 @@ class Fallbacks:
                     "gateway.fallback.to": target,
                     "gateway.fallback.reason": cause,
                     "gateway.fallback.model": model,
+                    "gateway.fallback.resumed": resumed,
                 },
             )
 

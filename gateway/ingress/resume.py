@@ -38,6 +38,7 @@ from gateway.core.backoff import backoff_s
 from gateway.core.breaker import ADMITTING
 from gateway.core.continuation import NotResumable, Rewriter, Transcript
 from gateway.errors import (
+    GatewayError,
     UpstreamError,
     UpstreamLeft,
     UpstreamProtocolError,
@@ -287,18 +288,27 @@ class StreamResume:
         return transcript.why_not()
 
 
+# The continuation of a stream on a fallback pool, given the request's call, the
+# continuation's body and what the continuation met in its own pool (None: no fallback takes
+# it): `ingress.fallback.Fallbacks.continuation`.
+OnFallback = Callable[[Call, bytes, GatewayError], Call | None]
+
+
 def stream_resume(
     call: Call,
     handler: Handler,
     clock: Clock,
     traced: bool,
     restart: Callable[[], None] | None = None,
+    fallback: OnFallback | None = None,
 ) -> StreamResume:
     """A stream's resume: its transcript (or why it has none), and how a continuation is
     sent: the same request with the continuation's body, through the layers below admission
     (`handler`), avoiding the instances that broke it (`traced`: an event on the request's
-    span for each). For a whole answer fetched as a stream (`restart`: what empties what it
-    assembled so far), also how it starts again from nothing when it cannot be continued."""
+    span for each); when its pool has no instance left to continue it on, on a fallback pool
+    (`fallback`, None: none). For a whole answer fetched as a stream (`restart`: what empties
+    what it assembled so far), also how it starts again from nothing when it cannot be
+    continued."""
     pool = call.pool
     policy = pool.policy.resume
     request = call.facts.request
@@ -322,6 +332,13 @@ def stream_resume(
                 },
             )
         try:
+            response = await handler(continued)
+        except GatewayError as failed:
+            moved = fallback(call, body, failed) if fallback is not None else None
+            if moved is None:
+                raise
+            resume.attempts += continued.attempts
+            continued = moved
             response = await handler(continued)
         finally:
             resume.attempts += continued.attempts
