@@ -28,7 +28,7 @@ def backends() -> Iterator[dict[str, Backend]]:
     started = {
         "small": start_backend("small", ["small-model"], *fast, "--max-model-len", "60"),
         "backup": start_backend("backup", ["backup-model"], *fast),
-        "big": start_backend("big", ["big-model"], *fast),
+        "big": start_backend("big", ["big-model", "iso-model"], *fast),
     }
     yield started
     for backend in started.values():
@@ -57,6 +57,10 @@ pools:
   big:
     models: [big-model]
     instances: [{{name: g1, url: "{backends["big"].url}"}}]
+  iso:
+    models: [iso-model]
+    instances: [{{name: i1, url: "{backends["big"].url}"}}]
+    fallbacks: [backup]
 """
 
 
@@ -342,3 +346,30 @@ pools:
         if gw is not None:
             gw.stop()
         lone.stop()
+
+
+def test_an_isolated_pool_goes_to_its_fallback_before_panicking(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """Nothing admitting: the fallback answers, the isolated instance is not asked (no panic
+    routing while a fallback can answer); when the fallback fails too, the pool panics as it
+    would without fallbacks, and its instance answers."""
+    operator = f"{gateway.admin_url}/admin/instances/iso/i1"
+    assert httpx.post(f"{operator}/isolate", timeout=5).json()["state"] == "ISOLATED"
+    try:
+        sdk = _openai(gateway)
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="iso-model", messages=SHORT, max_tokens=4
+        )
+        assert raw.parse().model == "backup-model"
+        assert backends["big"].requests() == []  # never asked in panic
+        backends["backup"].set_faults(error_rate=1.0, error_status=503)
+        raw = sdk.chat.completions.with_raw_response.create(
+            model="iso-model", messages=SHORT, max_tokens=4
+        )
+        assert raw.parse().model == "iso-model"  # the last resort: its own pool, in panic
+        assert raw.headers["x-gateway-pool"] == "iso"
+        assert raw.headers["x-gateway-fallbacks"] == "1"
+        assert len(backends["big"].requests()) == 1
+    finally:
+        httpx.post(f"{operator}/restore", timeout=5)

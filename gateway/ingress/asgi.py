@@ -284,11 +284,11 @@ class DataPlane:
         address = headers.client
         try:
             pool, facts = self._route(route, facts)
-            call, whole = self._call(scope, route, headers, body, facts, pool)
             # Handed over to another pool if its own cannot answer (`ingress.fallback`).
             fallback = bool(pool.policy.fallbacks or pool.policy.context_fallbacks)
             if fallback:
                 fallback = headers.fallback_allowed()
+            call, whole = self._call(scope, route, headers, body, facts, pool, fallback)
         except GatewayError as refused:  # logged with the model it names, if any
             await self._reject(scope, send, route, refused, started, facts.model or None, address)
             return
@@ -377,6 +377,7 @@ class DataPlane:
         body: bytes,
         facts: RequestFacts,
         pool: PoolState,
+        fallback: bool,
     ) -> tuple[Call, bool]:
         """The request as the pipeline takes it: its deadline (the pool's ceiling from now, or
         less when the client asks) and priority (`RequestHeaders.terms`: InvalidRequest when
@@ -400,6 +401,7 @@ class DataPlane:
             cancellation=Cancellation(task),
             acts=acts(route, facts.request),
             priority=priority,
+            panics=not fallback,
         )
         return call, fetched is not None
 

@@ -9,6 +9,12 @@ prompt over the model's context window (`core.refusals`) goes to `context_fallba
 never to the same model again. Nothing else hands over: a validation error, a content-policy
 refusal or a refused key is the answer, whoever asks.
 
+While its fallbacks may answer, the request's own pool does not panic (`Call.panics`): with
+no instance healthy and admitting, it goes to a fallback at once rather than to the least bad
+of its instances (which would hammer a pool that is down). When no fallback answered, the own
+pool is tried once more, panic routing allowed, as it would be without fallbacks: its
+instances may have been isolated wrongly, and its least bad answer beats none.
+
 The pools are tried depth first (a fallback's own fallbacks before the next of the pool's
 list), each at most once, at most `MAX_FALLBACK_DEPTH` hand-overs per request, within the
 request's own deadline. A fallback's answer is taken when it is not a failure of its own;
@@ -82,13 +88,14 @@ class Handover:
     try (depth first), and the first failure, kept to be the answer if nothing better comes."""
 
     __slots__ = (
-        "_failure",
         "_held",
         "_pending",
         "answering",
         "calls",
+        "failure",
         "first",
         "hops",
+        "last_resort",
         "reasons",
         "tried",
     )
@@ -102,7 +109,9 @@ class Handover:
         self.hops = 0
         self.reasons: list[str] = []  # "from>to:cause" per hand-over, for the access log
         self._held: Owned | None = None  # the first failure's response, until the end
-        self._failure: GatewayError | None = None
+        self.failure: GatewayError | None = None  # or the error it raised
+        # Its own pool again, panic routing allowed, once no fallback answered (`_last_resort`).
+        self.last_resort: Call | None = None
 
     @property
     def attempts(self) -> int:
@@ -112,11 +121,11 @@ class Handover:
     def keep(self, response: UpstreamResponse | None, error: GatewayError | None) -> None:
         """A pool failed (its `response`, or `error`): the first failure is kept for the end,
         any later one finished now."""
-        if self._held is None and self._failure is None:
+        if self._held is None and self.failure is None:
             if response is not None:
                 self._held = Owned(response)
             else:
-                self._failure = error
+                self.failure = error
         elif response is not None:
             with Owned(response):
                 pass  # a fallback's failure: not the answer
@@ -148,8 +157,8 @@ class Handover:
         held, self._held = self._held, None
         if held is not None:
             return held.hand_over()
-        assert self._failure is not None
-        raise self._failure
+        assert self.failure is not None
+        raise self.failure
 
     def close(self) -> None:
         """The request is answered: a first failure still held is finished."""
@@ -188,13 +197,19 @@ class Fallbacks:
                     cause is None
                     and response is not None
                     and (handover.hops == 0 or _taken(response))
-                ):
+                ) or call is handover.last_resort:
+                    # An answer; or the last resort's, whatever it is (below).
                     handover.answering = call
+                    if response is None:
+                        assert error is not None
+                        raise error
                     return response
                 # A failure: the pool's, or (no cause) a fallback's own refusal, which goes on
                 # to what earlier pools listed but never becomes the answer.
                 handover.keep(response, error)
                 next_call = self._next_call(handover, call, cause)
+                if next_call is None:
+                    next_call = _last_resort(handover)
                 if next_call is None:
                     return handover.original()
                 handover.calls.append(next_call)
@@ -289,6 +304,24 @@ class Fallbacks:
                     "gateway.fallback.skip_reason": why,
                 },
             )
+
+
+def _last_resort(handover: Handover) -> Call | None:
+    """The request's own pool once more, with panic routing, when no fallback answered and
+    its pool had held panic back for them (`Call.panics`): the least bad of its instances, as
+    without fallbacks, rather than no answer. None when that does not apply, or was done."""
+    first = handover.first
+    if (
+        first.panics
+        or handover.last_resort is not None
+        or not isinstance(handover.failure, NoInstanceAvailable)
+        or first.pool.policy.breaker.when_none_available != "panic"
+    ):
+        return None
+    last = handover.last_resort = first.for_fallback(
+        first.pool, first.body, first.facts, first.deadline
+    )
+    return last
 
 
 def _taken(response: UpstreamResponse) -> bool:

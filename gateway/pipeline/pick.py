@@ -35,7 +35,8 @@ class Pick:
         least bad instance that still answers (healthy but isolated first, then unhealthy ones whose
         health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
         instance refused the request's connection or let it time out, the client is told at once
-        (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once.
+        (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once;
+        so it is for a request whose pool has fallbacks to answer it first (`Call.panics`).
 
         An instance back in traffic (`PoolState.rejoined`: `breaker.slow_start` after a fault,
         `health.slow_start` once its checks pass) is weighed down by its slow start: its cost is
@@ -95,7 +96,7 @@ class Pick:
             instance = _balance(pool, fresh or queueing or over or admitting, now)
         else:
             panic = None
-            if pool.policy.breaker.when_none_available == "panic":
+            if call.panics and pool.policy.breaker.when_none_available == "panic":
                 panic = _least_bad(pool, tried, avoid)
                 if panic is not None and not any(
                     i.breaker.state == ADMITTING for i in pool.routable
