@@ -401,7 +401,7 @@ class DataPlane:
             cancellation=Cancellation(task),
             acts=acts(route, facts.request),
             priority=priority,
-            panics=not fallback,
+            handover=fallback,
         )
         return call, fetched is not None
 

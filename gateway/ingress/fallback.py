@@ -9,7 +9,7 @@ prompt over the model's context window (`core.refusals`) goes to `context_fallba
 never to the same model again. Nothing else hands over: a validation error, a content-policy
 refusal or a refused key is the answer, whoever asks.
 
-While its fallbacks may answer, the request's own pool does not panic (`Call.panics`): with
+While its fallbacks may answer, the request's own pool does not panic (`Call.handover`): with
 no instance healthy and admitting, it goes to a fallback at once rather than to the least bad
 of its instances (which would hammer a pool that is down). When no fallback answered, the own
 pool is tried once more, panic routing allowed, as it would be without fallbacks: its
@@ -308,11 +308,11 @@ class Fallbacks:
 
 def _last_resort(handover: Handover) -> Call | None:
     """The request's own pool once more, with panic routing, when no fallback answered and
-    its pool had held panic back for them (`Call.panics`): the least bad of its instances, as
+    its pool had held panic back for them (`Call.handover`): the least bad of its instances, as
     without fallbacks, rather than no answer. None when that does not apply, or was done."""
     first = handover.first
     if (
-        first.panics
+        not first.handover
         or handover.last_resort is not None
         or not isinstance(handover.failure, NoInstanceAvailable)
         or first.pool.policy.breaker.when_none_available != "panic"

@@ -74,10 +74,10 @@ class Call:
     # it never left, never hedged, never resent on a connection that dropped.
     acts: bool = False
     priority: Priority | None = None  # x-gateway-priority; None: the pool's default
-    # Whether its pool may panic for it (`breaker.when_none_available`): not while fallback
-    # pools may answer it first (`ingress.fallback`), which try the pool again with panic
-    # routing as their last resort.
-    panics: bool = True
+    # Whether fallback pools may answer it when its pool cannot (`ingress.fallback`): its pool
+    # then does not panic for it (`breaker.when_none_available`: the fallbacks come first, and
+    # the pool with panic routing is their last resort).
+    handover: bool = False
     # Its prompt's estimated size, worked out from `body` once (by the deadline or the hedge
     # layer) for every attempt that sends it.
     prompt_tokens: int = 0

@@ -36,7 +36,7 @@ class Pick:
         health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
         instance refused the request's connection or let it time out, the client is told at once
         (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once;
-        so it is for a request whose pool has fallbacks to answer it first (`Call.panics`).
+        so it is for a request whose pool has fallbacks to answer it first (`Call.handover`).
 
         An instance back in traffic (`PoolState.rejoined`: `breaker.slow_start` after a fault,
         `health.slow_start` once its checks pass) is weighed down by its slow start: its cost is
@@ -96,7 +96,7 @@ class Pick:
             instance = _balance(pool, fresh or queueing or over or admitting, now)
         else:
             panic = None
-            if call.panics and pool.policy.breaker.when_none_available == "panic":
+            if not call.handover and pool.policy.breaker.when_none_available == "panic":
                 panic = _least_bad(pool, tried, avoid)
                 if panic is not None and not any(
                     i.breaker.state == ADMITTING for i in pool.routable
