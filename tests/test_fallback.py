@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,18 @@ def _metric(gateway: Gateway, name: str, **labels: str) -> float:
     return 0.0
 
 
+def _access_lines(gateway: Gateway, marker: str, count: int) -> list[str]:
+    """The access-log lines holding `marker`, once `count` were written (each is written as
+    its request ends, which may be just after its client read the answer)."""
+    for _ in range(100):
+        lines = [line for line in gateway.proc.lines if "gateway.access" in line]
+        found = [line for line in lines if marker in line]
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} access lines with {marker!r}")
+
+
 def test_pool_all_down_is_answered_by_its_fallback_whole_and_streamed(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
@@ -141,6 +154,10 @@ def test_pool_all_down_is_answered_by_its_fallback_whole_and_streamed(
         gateway, "gateway_fallbacks_total", **{"from": "down", "to": "backup"}, reason="unavailable"
     )
     assert after - before == 6
+    logged = _access_lines(gateway, "fallback=down>", 6)
+    assert all("fallback=down>backup:unavailable" in line for line in logged[-6:]), logged[-1]
+    assert all("model_sent=backup-model" in line for line in logged[-6:])
+    assert all("pool=backup" in line for line in logged[-6:])
 
 
 def test_anthropic_sdk_falls_back_too(gateway: Gateway) -> None:
