@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from opentelemetry import trace
 
 from gateway.config.fallbacks import CONTEXT_LENGTH, MAX_FALLBACK_DEPTH, FallbackTarget
+from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
 from gateway.core.refusals import refusal_of
+from gateway.core.translate import Untranslatable
 from gateway.errors import (
     GatewayError,
     NoInstanceAvailable,
@@ -48,6 +50,7 @@ from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
 from gateway.upstream.response import Owned, UpstreamResponse
+from gateway.upstream.translated import Translated
 
 # What sends a broken stream's continuation to a fallback: its pool had nothing left to
 # continue it on.
@@ -229,22 +232,22 @@ class Fallbacks:
                 self._skip(call.pool, target.pool, "unknown_pool")
                 handover.tried.append(target.pool)
                 continue
-            why_not = _cannot_take(call, pool)
-            if why_not is not None:
-                self._skip(call.pool, target.pool, why_not)
+            model = target.model or pool.policy.models[0]
+            request = {**call.facts.request, "model": model}
+            sent = _sent_as(call, pool, request, model)
+            if isinstance(sent, str):
+                self._skip(call.pool, target.pool, sent)
                 handover.tried.append(target.pool)
                 continue
             now = self._clock()
             if now >= call.deadline:
                 return None
-            model = target.model or pool.policy.models[0]
-            request = {**call.facts.request, "model": model}
-            body = json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()
+            body, translation = sent
             facts = RequestFacts(model, call.facts.stream, call.facts.max_tokens, request)
             deadline = min(call.deadline, now + pool.policy.timeouts.ceiling)
             self._went(call.pool, pool.name, cause, model)
             handover.went_to(call.pool.name, pool.name, cause)
-            return call.for_fallback(pool, body, facts, deadline)
+            return call.for_fallback(pool, body, facts, deadline, translation)
 
     def continuation(self, call: Call, body: bytes, failed: GatewayError) -> Call | None:
         """A broken stream's continuation (`body`) on a fallback of its pool, when the pool
@@ -294,6 +297,7 @@ class Fallbacks:
             )
 
     def _skip(self, source: PoolState, target: str, why: str) -> None:
+        why, _, detail = why.partition(":")  # "untranslatable:n>1": counted without the detail
         source.stats.skipped_fallback(target, why)
         if self._traced:
             trace.get_current_span().add_event(
@@ -302,6 +306,7 @@ class Fallbacks:
                     "gateway.fallback.from": source.name,
                     "gateway.fallback.to": target,
                     "gateway.fallback.skip_reason": why,
+                    "gateway.fallback.skip_detail": detail,
                 },
             )
 
@@ -328,6 +333,28 @@ def _taken(response: UpstreamResponse) -> bool:
     """Whether a fallback's answer is the request's: a success, or a content-policy refusal
     (its reason must reach the client); any other refusal is the fallback's own failure."""
     return response.status < 400 or refusal_of(response.status, response.body) == "content_policy"
+
+
+def _sent_as(
+    call: Call, pool: PoolState, request: dict[str, Any], model: str
+) -> tuple[bytes, Translated | None] | str:
+    """The body the request goes to `pool` with (`request`, its model that pool's), and its
+    translation when the pool speaks the other API family (chat completions and Messages
+    only); or why it cannot go there: a multipart body, another family's route that is not
+    translated ("api"), a request the other family cannot express ("untranslatable:...")."""
+    if call.facts.form or not call.facts.request:
+        return "form"
+    family = _FAMILY.get(call.route.protocol)
+    api = pool.policy.api
+    if api is None or family is None or api == family:
+        return json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode(), None
+    if call.route.path not in (CHAT_PATH, MESSAGES_PATH):
+        return "api"
+    try:
+        translation = Translated("openai" if family == "openai" else "anthropic", request, model)
+    except Untranslatable as refused:
+        return f"untranslatable:{refused.reason}"
+    return translation.body, translation
 
 
 def _cannot_take(call: Call, pool: PoolState) -> str | None:

@@ -314,6 +314,9 @@ def stream_resume(
     request = call.facts.request
     path = call.route.path
     transcript, refusal = transcript_for(path, request, policy)
+    if call.translation is not None:
+        # Answered in another API family: a continuation would have to be translated too.
+        transcript, refusal = None, "translated"
 
     left: list[InstanceState] = []  # the instances that broke this stream so far
 

@@ -13,6 +13,7 @@ from gateway.runtime import Cancellation
 from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
 from gateway.upstream.response import UpstreamResponse
+from gateway.upstream.translated import Translated
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,9 @@ class Call:
     # then does not panic for it (`breaker.when_none_available`: the fallbacks come first, and
     # the pool with panic routing is their last resort).
     handover: bool = False
+    # Sent to a pool of the other API family (`upstream.translated`): the path and body it
+    # goes with there, and how its answer is read back in the client's family. None: as is.
+    translation: Translated | None = None
     # Its prompt's estimated size, worked out from `body` once (by the deadline or the hedge
     # layer) for every attempt that sends it.
     prompt_tokens: int = 0
@@ -125,11 +129,17 @@ class Call:
         )
 
     def for_fallback(
-        self, pool: PoolState, body: bytes, facts: RequestFacts, deadline: float
+        self,
+        pool: PoolState,
+        body: bytes,
+        facts: RequestFacts,
+        deadline: float,
+        translation: Translated | None = None,
     ) -> Call:
         """The request handed over to another pool (`ingress.fallback`), as `body` (its model
-        that pool's): a request of its own there, from admission on, with nothing of this
-        call's attempts, the instances it tried or avoided being another pool's."""
+        that pool's; `translation`: in that pool's API family): a request of its own there,
+        from admission on, with nothing of this call's attempts, the instances it tried or
+        avoided being another pool's."""
         return Call(
             pool=pool,
             route=self.route,
@@ -141,6 +151,7 @@ class Call:
             cancellation=self.cancellation,
             acts=self.acts,
             priority=self.priority,
+            translation=translation,
         )
 
     def _next(

@@ -154,9 +154,10 @@ class Transport:
             sent = [h for h in sent if h[0] not in strip]
             sent += pool.credential_headers
         raw: ResponseHead | None = None
+        translation = call.translation
         try:
             raw = await self._client.post(
-                instance.url_of(call.path),
+                instance.url_of(call.path if translation is None else translation.path),
                 sent,
                 call.body,
                 query=call.query,  # as the client sent it
@@ -171,6 +172,8 @@ class Transport:
                 # A route the gateway does not know: a path the client chose, not remembered.
                 remember=call.route.kind != "other",
             )
+            if translation is not None:  # read back in the client's API family
+                raw = translation.wrap(raw)
             headers = raw.headers
             is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")
             if is_sse and headers.get("content-encoding", "identity").lower() != "identity":
