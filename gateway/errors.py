@@ -200,6 +200,12 @@ class NoInstanceAvailable(GatewayError):
     code = "no_instance_available"
 
 
+class InstancesPaused(NoInstanceAvailable):
+    """Every instance that could take the request asked for a pause (a Retry-After, or the
+    backoff after a 429 without one): `retry_after_s` is when the first of them ends it. The
+    retry loop waits that long when the request's deadline allows; else the client gets it."""
+
+
 def map_upstream_exception(exc: BaseException, *, phase: Phase) -> UpstreamError:
     """The gateway's error for an exception raised while talking to a backend. The data
     plane's client raises the gateway's own errors already; anything else that escapes it (a

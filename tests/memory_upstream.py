@@ -18,11 +18,14 @@ from gateway.upstream.h1 import Headers
 
 @dataclass(frozen=True)
 class Answer:
-    """A whole JSON answer after `after_s` (virtual) seconds."""
+    """A whole answer after `after_s` (virtual) seconds: JSON unless `content_type` says
+    otherwise (an SSE stream sent at once), with `headers` besides."""
 
     status: int = 200
     body: bytes = json.dumps({"choices": [], "usage": {"completion_tokens": 4}}).encode()
     after_s: float = 0.01
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/json"
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class MemoryHead:
         self.status = answer.status
         self._body: bytes | None = answer.body
         self.raw_headers = [
-            (b"content-type", b"application/json"),
+            (b"content-type", answer.content_type),
             (b"content-length", str(len(answer.body)).encode()),
+            *answer.headers,
         ]
         self.headers = Headers(self.raw_headers)
         self.content_length: int | None = len(answer.body)

@@ -82,6 +82,32 @@ def test_bad_file_exits_1_with_one_line_per_problem(bad_file: Path) -> None:
     assert lines[1].startswith(f"{bad_file}:10: pools.chat.timeouts.initial: ")
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("90s", "first_token_max (90s) is above ceiling (60s)"),
+        ("0s", "Input should be greater than 0"),
+        ("soon", "invalid duration 'soon'"),
+    ],
+)
+def test_a_bad_first_token_max_is_reported_at_its_key(
+    tmp_path: Path, value: str, message: str
+) -> None:
+    path = tmp_path / "limit.yaml"
+    path.write_text(
+        "pools:\n"
+        "  chat:\n"
+        "    models: [demo-chat]\n"
+        "    instances: [{name: a, url: http://10.0.0.11:8000}]\n"
+        f"    timeouts: {{ceiling: 60s, first_token_max: {value}}}\n",
+        encoding="utf-8",
+    )
+    result = _check(path)
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"{path}:5: pools.chat.timeouts.first_token_max: {message}"), line
+
+
 def test_good_and_bad_file_together(bad_file: Path) -> None:
     good = POLICIES[0]
     result = _check(good, bad_file, POLICIES[-1])

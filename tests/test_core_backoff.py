@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.core.backoff import backoff_s, retry_after_s
+from gateway.core.backoff import backoff_s, rate_limit_pause_s, retry_after_s
 
 
 @pytest.mark.parametrize(
@@ -85,3 +85,30 @@ def test_retry_after(
         assert result is None
     else:
         assert result == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("in_row", "low_s", "high_s"),
+    [
+        (1, 0.5, 1.0),
+        (2, 1.0, 2.0),
+        (3, 2.0, 4.0),
+        (4, 4.0, 8.0),
+        (5, 5.0, 10.0),  # 16 s capped at 10: half of it at least
+        (1_000, 5.0, 10.0),
+    ],
+)
+def test_a_rate_limit_pause_doubles_from_its_base_with_jitter(
+    in_row: int, low_s: float, high_s: float
+) -> None:
+    """A 429 without Retry-After: at least the base (0.5 s), doubled per such answer in a
+    row, spread over up to twice that, within the cap (10 s)."""
+    rng = random.Random(7)
+    draws = [rate_limit_pause_s(in_row, 0.5, 10.0, rng) for _ in range(2000)]
+    assert all(low_s <= d <= high_s for d in draws)
+    assert max(draws) - min(draws) > 0.9 * (high_s - low_s)  # jittered, not one value
+
+
+def test_a_rate_limit_pause_counts_from_one() -> None:
+    with pytest.raises(ValueError):
+        rate_limit_pause_s(0, 0.5, 10.0, random.Random(7))

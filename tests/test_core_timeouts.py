@@ -200,3 +200,42 @@ def test_embeddings_learn_their_own_latency() -> None:
         state.observe_whole(total_s=0.04, tokens=None)
     result = timeouts(state, stream=False, max_tokens=0)
     assert result.first_byte_s == 0.25  # learned ~40 ms, clamped to the floor; not 30 s
+
+
+def test_first_token_max_caps_every_first_byte_wait_of_a_stream() -> None:
+    """The pool's limit on a stream's first byte: the unlearned `initial` (30 s) and the last
+    attempt's stretch are held to it, as is a learned time above it, below the floor too (the
+    limit is the operator's word); a learned time under it is left as it was, and says so."""
+    unlearned = timeouts(LatencyState(0.85), first_token_max=2.0)
+    assert unlearned.first_byte_s == 2.0
+    assert unlearned.limit_s == 2.0 and unlearned.capped
+    assert unlearned.idle_s == 30.0  # the gaps of the stream are not its business
+    final = attempt_timeouts(
+        learned([0.8] * 10),
+        policy(first_token_max=2.0),
+        1.2,
+        stream=True,
+        max_tokens=None,
+        jitter_s=0.0,
+        final=True,
+    )
+    assert final.first_byte_s == 2.0 and final.capped  # four times ~0.9 s, held to the limit
+    quick = timeouts(learned([0.5] * 10), first_token_max=2.0)
+    assert 0.5 < quick.first_byte_s < 2.0
+    assert quick.limit_s == 2.0 and not quick.capped
+    below_floor = timeouts(LatencyState(0.85), first_token_max=0.1, floor=0.25)
+    assert below_floor.first_byte_s == 0.1 and below_floor.capped
+
+
+def test_first_token_max_leaves_whole_answers_alone() -> None:
+    """A non-streamed answer's first byte is the whole generation: the limit on a first token
+    does not bound it, and the attempt carries no limit."""
+    whole = timeouts(LatencyState(0.85), stream=False, max_tokens=100, first_token_max=2.0)
+    assert whole.first_byte_s == pytest.approx(40.0)
+    assert whole.limit_s is None and not whole.capped
+
+
+def test_without_first_token_max_nothing_is_capped() -> None:
+    result = timeouts(LatencyState(0.85))
+    assert result.first_byte_s == 30.0
+    assert result.limit_s is None and not result.capped

@@ -299,7 +299,7 @@ def test_a_fallbacks_refusal_never_hides_the_first_failure(
 def test_rate_limited_after_retries_falls_back(
     gateway: Gateway, backends: dict[str, Backend]
 ) -> None:
-    backends["small"].set_faults(rate_limit_rate=1.0, retry_after=1)
+    backends["small"].set_faults(rate_limit_rate=1.0, retry_after=3600)
     raw = _openai(gateway).chat.completions.with_raw_response.create(
         model="small-model",
         messages=SHORT,
@@ -316,6 +316,14 @@ def test_rate_limited_after_retries_falls_back(
         )
         >= 1
     )
+    # Its instance asked for a pause longer than any backoff: the request was handed over
+    # at once instead of waiting it out, and the pause holds the next request off it too.
+    assert len(backends["small"].requests()) == 1
+    again = _openai(gateway).chat.completions.with_raw_response.create(
+        model="small-model", messages=SHORT, max_tokens=4
+    )
+    assert again.headers["x-gateway-pool"] == "backup"
+    assert len(backends["small"].requests()) == 1
 
 
 def test_a_stream_whose_pool_dies_mid_way_is_continued_on_the_fallback(

@@ -246,3 +246,38 @@ def test_only_an_attempt_stuck_queued_or_on_a_silent_instance_is_hedged() -> Non
     assert in_turn(), "ten times slower than its peers, yet serving it in its turn"
     a.first_byte(10.1, 10.4)  # one sent after this attempt answered first: this one is stuck
     assert not in_turn()
+
+
+def test_a_hedge_answered_with_a_429_pauses_its_instance() -> None:
+    """After learning, a answers in 150 ms (past its hedge delay) and b answers 429 without
+    Retry-After: a request that went to a first is hedged to b, whose 429 pauses b (its
+    backoff, as after any attempt's 429: no attempt of any request goes there meanwhile)
+    though the request is answered by a and the 429 never reaches the retry loop. (Where the
+    first attempt goes is the balancer's draw between two equal instances: pools seeded
+    differently until one draws a.)"""
+    rate_limited = Answer(status=429, body=b'{"error": {"message": "rate limited"}}')
+
+    async def scenario(seed: int) -> tuple[Pipeline, list[tuple[str, float]], Outcome]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=0.15)), "b": fast_then(rate_limited)},
+            SETTINGS,
+            seed=seed,
+        )()
+        try:
+            await learned(p)
+            before = len(p.upstreams.sent)
+            outcome = await p.request()
+            return p, [(s.instance, s.at) for s in p.upstreams.sent[before:]], outcome
+        finally:
+            await p.watchdog.close()
+
+    for seed in range(40):
+        p, sent, outcome = run(scenario(seed))
+        if [name for name, _ in sent] == ["a", "b"]:  # first on a, hedged to b
+            break
+    else:
+        raise AssertionError("no request went to a first and was hedged to b")
+    assert (outcome.status, outcome.instance, outcome.attempts) == (200, "a", 2)
+    b = p.pool.instance_named("b")
+    assert b is not None and b.rate_limits_in_row == 1
+    assert b.not_before >= sent[1][1] + 0.5  # at least the base backoff after its 429

@@ -6,6 +6,7 @@ virtual times of events."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -68,6 +69,9 @@ class Outcome:
     at: float
     code: str | None = None
     retry_after_s: float | None = None
+    message: str = ""
+    body: bytes | None = None  # a whole answer's, as the backend sent it
+    retry_after: str | None = None  # the backend's own Retry-After header
 
 
 @dataclass
@@ -82,8 +86,11 @@ class Pipeline:
     def isolations(self) -> list[str]:
         return [t.instance for _, t in self.transitions if t.to == ISOLATED]
 
-    async def request(self, priority: str | None = None) -> Outcome:
-        """One non-streamed request, as the front end would send it down the pipeline."""
+    async def request(
+        self, priority: str | None = None, *, stream: bool = False, within_s: float | None = None
+    ) -> Outcome:
+        """One request (non-streamed unless `stream`), as the front end would send it down
+        the pipeline, within the pool's ceiling or `within_s` (`x-gateway-timeout`)."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -93,8 +100,8 @@ class Pipeline:
             query="",
             body=BODY,
             headers=[("content-type", "application/json")],
-            facts=RequestFacts("m", False, 16),
-            deadline=loop.time() + self.pool.policy.timeouts.ceiling,
+            facts=RequestFacts("m", stream, 16),
+            deadline=loop.time() + (within_s or self.pool.policy.timeouts.ceiling),
             cancellation=Cancellation(task),
             priority=priority,  # type: ignore[arg-type]
         )
@@ -102,11 +109,24 @@ class Pipeline:
             response = await self.handler(call)
         except GatewayError as error:
             return Outcome(
-                error.status, None, call.attempts, loop.time(), error.code, error.retry_after_s
+                error.status,
+                None,
+                call.attempts,
+                loop.time(),
+                error.code,
+                error.retry_after_s,
+                error.message,
             )
         with Owned(response) as relayed:
             relayed.ok = True
-        return Outcome(response.status, response.instance.name, call.attempts, loop.time())
+        return Outcome(
+            response.status,
+            response.instance.name,
+            call.attempts,
+            loop.time(),
+            body=response.body,
+            retry_after=response.header("retry-after"),
+        )
 
 
 def pipeline(
@@ -902,3 +922,203 @@ def test_a_failing_pool_still_retries_on_a_sound_instance_it_has_not_tried() -> 
     p, outcomes = requests_in_turn({**failing, "c": every_other}, settings, 60)
     assert max(o.attempts for o in outcomes[10:]) == 2  # the tier's one retry, once it is in it
     assert any(o.status == 503 for o in outcomes)
+
+
+# -- 429s and Retry-After --------------------------------------------------------------------
+
+RATE_LIMITED = b'{"error": {"message": "rate limited", "type": "rate_limit"}}'
+
+
+def limited(retry_after: str | None = None) -> Answer:
+    """vLLM's (or a proxy's) 429, with a Retry-After when given one."""
+    headers = ((b"retry-after", retry_after.encode()),) if retry_after is not None else ()
+    return Answer(status=429, body=RATE_LIMITED, headers=headers)
+
+
+def test_a_lone_instance_rate_limiting_without_retry_after_is_asked_again_ever_later() -> None:
+    """A pool of one answering 429 with no Retry-After: each 429 pauses it for a backoff that
+    starts at `rate_limit_backoff.base` (0.5 s) and doubles per 429 in a row, so the request's
+    attempts are spaced at least 0.5 s, 1 s, 2 s apart (not four within milliseconds), up to
+    the most retries a tier allows; then the backend's own 429 goes back."""
+
+    async def scenario() -> tuple[Pipeline, Outcome, list[float]]:
+        p = await pipeline({"a": always(limited())}, "    hedging: false")()
+        try:
+            outcome = await p.request()
+            return p, outcome, [s.at for s in p.upstreams.sent]
+        finally:
+            await p.watchdog.close()
+
+    p, outcome, sent = run(scenario())
+    assert (outcome.status, outcome.body) == (429, RATE_LIMITED)
+    assert outcome.attempts == len(sent) == p.pool.tiers.most_retries + 1 == 4
+    gaps = [later - earlier for earlier, later in itertools.pairwise(sent)]
+    for n, gap in enumerate(gaps):
+        assert gap >= 0.5 * 2**n, (n, gaps)
+    [a] = p.pool.instances
+    assert a.rate_limits_in_row == 4
+    assert a.not_before - outcome.at >= 0.5 * 2**3  # the fourth 429's pause, 4 s at least
+
+
+def test_a_rate_limit_run_ends_with_an_answer_that_is_not_a_429() -> None:
+    """Two 429s, then answers: the request is answered after the two pauses, and the next
+    429 pauses the instance for the base again, not for a third doubling."""
+    script = lambda n: limited() if n in (0, 1, 3) else Answer()  # noqa: E731
+
+    async def scenario() -> tuple[Pipeline, list[Outcome], list[float]]:
+        p = await pipeline({"a": script}, "    hedging: false")()
+        try:
+            first = await p.request()
+            [a] = p.pool.instances
+            after_answer = a.rate_limits_in_row
+            second = await p.request()  # its 429 (the fourth answer), then an answer
+            return p, [first, second], [after_answer, a.rate_limits_in_row]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes, counts = run(scenario())
+    assert [(o.status, o.attempts) for o in outcomes] == [(200, 3), (200, 2)]
+    assert counts == [0, 0]  # reset by each answer
+    sent = [s.at for s in p.upstreams.sent]
+    assert sent[1] - sent[0] >= 0.5 and sent[2] - sent[1] >= 1.0
+    assert 0.5 <= sent[4] - sent[3] <= 1.0 + 0.1  # one 429 in a row again: the base's range
+
+
+def test_a_429_whose_wait_outlasts_the_deadline_is_returned_at_once() -> None:
+    """A Retry-After of 5 s on a lone instance, a request allowed 2 s: no sleep that could only
+    end in a timeout, the backend's 429 goes back as it came (status, body, Retry-After), at
+    once. So does a 429 without Retry-After once its backoff outlasts what is left."""
+
+    async def scenario() -> tuple[Outcome, Outcome, list[float]]:
+        p = await pipeline({"a": always(limited("5"))}, "    hedging: false")()
+        q = await pipeline({"a": always(limited())}, "    hedging: false")()
+        try:
+            told = await p.request(within_s=2.0)
+            backed_off = await q.request(within_s=2.0)
+            return told, backed_off, [s.at for s in q.upstreams.sent]
+        finally:
+            await p.watchdog.close()
+            await q.watchdog.close()
+
+    told, backed_off, sent = run(scenario())
+    assert (told.status, told.body, told.retry_after) == (429, RATE_LIMITED, "5")
+    assert told.attempts == 1
+    assert told.at == pytest.approx(0.01)  # its one answer's time: no wait after it
+    assert (backed_off.status, backed_off.body, backed_off.retry_after) == (
+        429,
+        RATE_LIMITED,
+        None,
+    )
+    # Answered right after its last attempt, before the deadline: not at it.
+    assert backed_off.at == pytest.approx(sent[-1] + 0.01)
+    assert backed_off.at < 2.0
+
+
+def test_no_attempt_of_any_request_reaches_a_paused_instance() -> None:
+    """A lone instance answers a 429 with Retry-After: 1. A request that may wait for it does
+    (its attempt goes out once the pause is over, never before); one that may not is told at
+    once (503 + Retry-After, nothing sent)."""
+
+    async def scenario() -> tuple[Pipeline, list[Outcome], float]:
+        p = await pipeline({"a": lambda n: limited("1") if n == 0 else Answer()})()
+        loop = asyncio.get_running_loop()
+        try:
+            first = await p.request(within_s=0.5)  # its 429, at once
+            [a] = p.pool.instances
+            paused_until = a.not_before
+            hurried = await p.request(within_s=0.3)
+            patient = await p.request()
+            assert loop.time() >= paused_until
+            return p, [first, hurried, patient], paused_until
+        finally:
+            await p.watchdog.close()
+
+    p, (first, hurried, patient), paused_until = run(scenario())
+    assert (first.status, first.retry_after) == (429, "1")
+    assert (hurried.status, hurried.code, hurried.attempts) == (503, "no_instance_available", 0)
+    assert hurried.retry_after_s == pytest.approx(paused_until - first.at)
+    assert (patient.status, patient.attempts) == (200, 1)
+    assert [s.at >= paused_until for s in p.upstreams.sent] == [False, True]
+
+
+# -- timeouts.first_token_max ----------------------------------------------------------------
+
+SSE = (
+    b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+    b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def streamed(after_s: float) -> Answer:
+    """A stream whose first byte comes after `after_s` (the whole of it at once)."""
+    return Answer(body=SSE, after_s=after_s, content_type=b"text/event-stream")
+
+
+FIRST_TOKEN_MAX = "    timeouts: {first_token_max: 2s, jitter: 0s}\n    hedging: false"
+
+
+def test_a_stream_slower_than_first_token_max_moves_to_a_fast_instance() -> None:
+    """`first_token_max: 2s`, one instance taking 10 s to its first byte (well within the
+    unlearned `initial` of 30 s), one taking 10 ms: every streamed request is answered by the
+    fast one, and an attempt on the slow one is given up 2 s after it was sent."""
+
+    async def scenario() -> tuple[Pipeline, list[Outcome]]:
+        p = await pipeline(
+            {"slow": always(streamed(10.0)), "fast": always(streamed(0.01))}, FIRST_TOKEN_MAX
+        )()
+        try:
+            return p, [await p.request(stream=True) for _ in range(8)]
+        finally:
+            await p.watchdog.close()
+
+    p, outcomes = run(scenario())
+    assert [(o.status, o.instance) for o in outcomes] == [(200, "fast")] * 8
+    sent = p.upstreams.sent
+    cut = [i for i, s in enumerate(sent) if s.instance == "slow"]
+    assert cut, "the balancer never tried the slow instance"
+    for i in cut:  # its retry went out once the limit cut it (plus the retry's backoff)
+        assert sent[i + 1].instance == "fast"
+        assert 2.0 <= sent[i + 1].at - sent[i].at <= 2.0 + 0.15
+
+
+def test_with_only_slow_instances_the_stream_ends_in_a_504_naming_first_token_max() -> None:
+    """Both instances take 10 s to a first byte: each is given 2 s, and sends nothing to anyone
+    meanwhile, so neither is asked again (the limit is all a retry there would get): a 504
+    whose message names the limit, after two attempts (4 s), not after 30 s or one more
+    wait per retry."""
+
+    async def scenario() -> Outcome:
+        p = await pipeline(
+            {"a": always(streamed(10.0)), "b": always(streamed(10.0))}, FIRST_TOKEN_MAX
+        )()
+        try:
+            return await p.request(stream=True)
+        finally:
+            await p.watchdog.close()
+
+    outcome = run(scenario())
+    assert (outcome.status, outcome.code) == (504, "upstream_timeout")
+    assert outcome.message == "no first token within timeouts.first_token_max (2s)"
+    assert outcome.attempts == 2
+    assert 4.0 <= outcome.at <= 4.0 + 0.25  # plus the watchdog's ticks and the retry's backoff
+
+
+def test_first_token_max_does_not_bound_a_whole_answer() -> None:
+    """A non-streamed answer's first byte is the whole generation: 10 s to it is within the
+    unlearned timeout (30 s), whatever `first_token_max` says; a learned timeout that cuts a
+    stream says so in its own words."""
+
+    async def scenario() -> tuple[Outcome, Outcome]:
+        p = await pipeline({"a": always(Answer(after_s=10.0))}, FIRST_TOKEN_MAX)()
+        q = await pipeline({"a": always(Answer(after_s=40.0))}, "    hedging: false")()
+        try:
+            return await p.request(), await q.request(stream=True)
+        finally:
+            await p.watchdog.close()
+            await q.watchdog.close()
+
+    whole, unlimited = run(scenario())
+    assert (whole.status, whole.attempts) == (200, 1)
+    assert whole.at == pytest.approx(10.0, abs=0.1)
+    assert (unlimited.status, unlimited.message) == (504, "the upstream timed out (first_byte)")

@@ -231,6 +231,22 @@ async def test_a_first_byte_wait_lasts_as_long_as_its_patience_says() -> None:
     assert expired(deadline) and deadline.phase == "first_byte"
 
 
+async def test_a_first_byte_limit_ends_the_wait_whatever_its_patience_says() -> None:
+    """A limit on the first byte (`timeouts.first_token_max`, `limit_at`): patience that would
+    keep the attempt waiting on is held to it, and the deadline fires there."""
+    watchdog = Watchdog()
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    deadline = watchdog.arm(Cancellation(task), 1.0, "first_byte", _Engine(), since=0.0)
+    deadline.patience = lambda now: now + 0.25
+    deadline.limit_at = 1.6
+    assert watchdog.sweep(now=1.0) == 0 and deadline.at == 1.25
+    assert watchdog.sweep(now=1.5) == 0 and deadline.at == 1.6  # not 1.75: the limit's
+    assert watchdog.sweep(now=1.6) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert expired(deadline) and deadline.at == deadline.limit_at
+
+
 async def test_patience_is_not_asked_past_the_first_byte() -> None:
     watchdog = Watchdog()
     task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))

@@ -141,6 +141,23 @@ def _pool_errors(where: Loc, pool: PoolPolicy) -> list[tuple[Loc, str]]:
             )
         )
 
+    limit = timeouts.first_token_max
+    if limit is not None and limit > timeouts.ceiling:
+        errors.append(
+            (
+                (*where, "timeouts", "first_token_max"),
+                f"first_token_max ({limit:g}s) is above ceiling ({timeouts.ceiling:g}s)",
+            )
+        )
+    backoff = pool.retries.rate_limit_backoff
+    if backoff.base > backoff.max:
+        errors.append(
+            (
+                (*where, "retries", "rate_limit_backoff", "base"),
+                f"base ({backoff.base:g}s) is above max ({backoff.max:g}s)",
+            )
+        )
+
     tiers = pool.retries.tiers
     for index, tier in enumerate(tiers):
         tier_loc: Loc = (*where, "retries", "tiers", index)

@@ -356,6 +356,9 @@ class TimeoutsPolicy(Strict):
     initial_per_token: Duration = Field(default=0.05, gt=0)
     assumed_max_tokens: int = Field(default=4096, ge=1)
     token_headroom: Annotated[float, Field(ge=0.0)] = 0.5
+    # Streamed generations: the longest any attempt waits for its first byte, whatever the
+    # prediction (absent: no limit). Not above `ceiling` (`checks.py`).
+    first_token_max: Annotated[Duration, Field(gt=0)] | None = None
 
 
 class TierPolicy(Strict):
@@ -377,12 +380,20 @@ class BudgetPolicy(Strict):
     min_per_second: Annotated[float, Field(ge=0.0)] = 5.0
 
 
+class RateLimitBackoffPolicy(Strict):
+    # A 429 without a usable Retry-After: its instance is left alone from `base` on, doubling
+    # per such answer in a row, up to `max` (`core.backoff.rate_limit_pause_s`).
+    base: Duration = Field(default=0.5, gt=0)
+    max: Duration = Field(default=10.0, gt=0)
+
+
 class RetriesPolicy(Strict):
     failure_smoothing: Smoothing = 0.97
     tiers: tuple[TierPolicy, ...] = Field(default=DEFAULT_TIERS, min_length=1)
     budget: BudgetPolicy = BudgetPolicy()
     max_backoff: Duration = Field(default=1.0, gt=0)  # cap of the exponential backoff
     max_retry_after: Duration = Field(default=10.0, ge=0)  # cap on a backend's Retry-After
+    rate_limit_backoff: RateLimitBackoffPolicy = RateLimitBackoffPolicy()
     on: tuple[RetryCondition, ...] = (
         "connect_failure",
         "reset",

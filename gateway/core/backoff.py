@@ -28,6 +28,19 @@ def backoff_s(
     return rng.uniform(fixed * ceiling, ceiling)
 
 
+def rate_limit_pause_s(in_row: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """How long an instance that answered 429 without a usable Retry-After is left alone, after
+    `in_row` such answers in a row (1 for the first).
+
+    Equal jitter from twice the base: `uniform(c/2, c)`, `c = min(cap_s, 2·base_s·2^(in_row-1))`;
+    so at least `base_s`, `2·base_s`, `4·base_s`... until the cap halves it: a backend that
+    rate-limits without saying for how long gets a pause that grows while it goes on refusing
+    (the client's SDK would back off so), and the spread keeps the requests that waited it out
+    together from all coming back at once. Raises ValueError when `in_row` < 1.
+    """
+    return backoff_s(in_row, 2.0 * base_s, cap_s, rng, fixed=0.5)
+
+
 def _delta_seconds(text: str, scale: float) -> float | None:
     try:
         value = float(text) * scale

@@ -29,6 +29,8 @@ class TimeoutsConfig(Protocol):
     def assumed_max_tokens(self) -> int: ...
     @property
     def token_headroom(self) -> float: ...
+    @property
+    def first_token_max(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,16 @@ class AttemptTimeouts:
     # A stream's `idle_s` is the static `initial`: nothing learned of its gaps, by the
     # instance or its pool (the stream's own pace then tells a stall sooner: `UpstreamResponse`).
     idle_guessed: bool = False
+    # The pool's `first_token_max` when it bounds this attempt (a streamed generation): its
+    # first byte is not waited for past it, however the wait is stretched (the transport's
+    # patience with a queue included). None: no such limit.
+    limit_s: float | None = None
+
+    @property
+    def capped(self) -> bool:
+        """Whether its first-byte time is the limit's, not a prediction's: the most any
+        attempt of its request may wait, on any instance."""
+        return self.limit_s is not None and self.first_byte_s >= self.limit_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +143,8 @@ def attempt_timeouts(
     - `prefill`: the prompt's own prefill, and `pause`: what of it the instance's running
       streams will feel beyond what they tolerate anyway (`_prefill_s`);
     - `queue`: the wait behind the gateway's own attempts on a full instance (`_queue_s`);
-    - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`;
+    - stream: `first_byte = max(ttfb_pred, prefill) + k·ttfb_dev + queue + jitter`, never
+      past `policy.first_token_max` when the pool sets it, stretched or not (`_clamped`);
     - non-streamed (the first byte is the whole generation): `first_byte = whole + queue +
       jitter`, `whole` the time of the whole answer (`_whole_answer_s`);
     - `final` (no retry may follow this attempt): the first byte is stretched
@@ -170,14 +183,25 @@ def attempt_timeouts(
     if final:
         own = ttfb is not None and latency.ttfb.samples >= min_samples
         first_byte = _final_first_byte_s(first_byte, backoff if own else 1.0, floor, static_s)
+    limit = policy.first_token_max if stream else None
     return AttemptTimeouts(
-        min(max(first_byte, floor), policy.ceiling),
+        _clamped(first_byte, policy, limit),
         idle if stream else None,
         policy.connect,
         pause_s,
         doublings,
         stream and gap is None,
+        limit,
     )
+
+
+def _clamped(first_byte: float, policy: TimeoutsConfig, limit: float | None) -> float:
+    """A first-byte time clamped to `[policy.floor, policy.ceiling]`, then to `limit` (a
+    stream's `first_token_max`) when there is one: below the floor too, for the limit is the
+    operator's word on how long a first token may take, where the floor only keeps a learned
+    prediction from cutting healthy answers."""
+    first_byte = min(max(first_byte, policy.floor), policy.ceiling)
+    return first_byte if limit is None or first_byte <= limit else limit
 
 
 def _idle_s(

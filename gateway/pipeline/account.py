@@ -19,6 +19,7 @@ from gateway.upstream.feedback import (
     Feedback,
     OnTransition,
     abandoned,
+    asked_to_wait,
     learning,
     waited_in_queue,
 )
@@ -233,6 +234,11 @@ class Account:
     ) -> None:
         """A stream reached its first byte: priced by it now, counted when it ends
         (`_stream_finished`, from the response's finish hook)."""
+        status = response.status
+        if status == 429 or status == 503:  # with a body not read whole: as `_answered_whole`
+            asked_to_wait(call.pool, response, response.first_at)
+        elif instance.rate_limits_in_row:
+            instance.not_rate_limited()
         if call.route.modelled and response.outcome.kind == "ok":
             waited_s = response.first_at - response.started_at
             pace = call.pool.timing.latency_prior(response.first_at).per_token.mean
@@ -260,6 +266,13 @@ class Account:
         route = call.route
         outcome = response.outcome
         now = self._clock()
+        status = outcome.status
+        if status == 429 or status == 503:
+            # Asked to come back later (or rate-limited without a word on when): no attempt
+            # of any request, hedges and continuations included, goes to it until then.
+            asked_to_wait(call.pool, response, now)
+        elif instance.rate_limits_in_row:
+            instance.not_rate_limited()  # an answer other than a 429 ends a run of them
         output_tokens = None
         body = response.body
         if outcome.kind == "ok" and route.modelled and body is not None:

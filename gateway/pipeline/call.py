@@ -99,8 +99,9 @@ class Call:
     # ones included (panic routing).
     avoid: list[InstanceState] = field(default_factory=list)
     # Instances that let this request's first byte time out after all the patience an
-    # unlearned instance gets (or with their health checks unanswered), and when the attempt
-    # began: while one has sent no byte to anyone since, it is not asked again (`silent`).
+    # unlearned instance gets, or all a stream's first byte may get (`first_token_max`), or
+    # with their health checks unanswered, and when the attempt began: while one has sent no
+    # byte to anyone since, it is not asked again (`silent`).
     timed_out: list[tuple[InstanceState, float]] = field(default_factory=list)
     attempt: Attempt = field(default_factory=Attempt)
 

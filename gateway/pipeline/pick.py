@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.core.balancer import DEFAULT_RTT_S, choose, load_cost
 from gateway.core.breaker import ADMITTING
 from gateway.core.panic import least_bad
-from gateway.errors import NoInstanceAvailable
+from gateway.errors import InstancesPaused, NoInstanceAvailable
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.instance import InstanceState
@@ -29,12 +29,16 @@ class Pick:
     it was seen serving at once (`BreakerState.try_admit(early=True)`): an isolation must not queue
     its share on the others for longer than the fault needs it. An instance that refused this
         request's connection, dropped it or let it time out is not asked again while any other one
-        could take it. When every healthy instance was tried, is paused or is full, one of those is
-        used rather than failing. When none is healthy and admitting, the pool panics (the default,
-        `breaker.when_none_available: panic`, as Envoy's panic threshold): the attempt goes to the
-        least bad instance that still answers (healthy but isolated first, then unhealthy ones whose
-        health check got an answer, then any: `gateway.core.panic`), untried ones first; once every
-        instance refused the request's connection or let it time out, the client is told at once
+        could take it. When every healthy instance was tried or is full, one of those is used
+        rather than failing. No attempt goes to an instance paused by its Retry-After (or by the
+        backoff after a 429 without one) before the pause ends, on any of these paths: when every
+        one that could take it is paused, the request waits for the first pause to end (the
+        retry loop, `InstancesPaused`). When none is healthy and admitting, the pool panics (the
+        default, `breaker.when_none_available: panic`, as Envoy's panic threshold): the attempt
+        goes to the least bad instance not paused that still answers (healthy but isolated
+        first, then unhealthy ones whose health check got an answer, then any:
+        `gateway.core.panic`), untried ones first; once every instance refused the request's
+        connection or let it time out, the client is told at once
         (503 + Retry-After). With `fail_fast`, nothing healthy and admitting is a 503 at once;
         so it is for a request whose pool has fallbacks to answer it first (`Call.handover`).
 
@@ -62,19 +66,21 @@ class Pick:
         over: list[InstanceState] = []  # past its limit, which is only a learned guess
         admitting: list[InstanceState] = []
         held_out: list[InstanceState] = []  # isolated, not due for a probe yet
+        paused: list[InstanceState] = []  # asked for a pause: no attempt before it ends
         probe = None
         avoid = call.avoid
         for inst in pool.routable:
-            breaker = inst.breaker
             if avoid and inst in avoid:
                 continue  # it refused, dropped or sat on this request a moment ago
+            if inst.not_before > now:
+                paused.append(inst)
+                continue
+            breaker = inst.breaker
             if breaker.state == ADMITTING:
                 admitting.append(inst)
                 budget = inst.budget
-                if (
-                    not inst.paused(now)
-                    and inst not in tried
-                    and (budget is None or inst is reserved or budget.fits(tokens))
+                if inst not in tried and (
+                    budget is None or inst is reserved or budget.fits(tokens)
                 ):
                     if inst.in_flight < inst.room():
                         (queueing if inst.engine.saturated else fresh).append(inst)
@@ -94,30 +100,60 @@ class Pick:
             instance = probe
         elif admitting:
             instance = _balance(pool, fresh or queueing or over or admitting, now)
+        elif paused:
+            # Healthy instances that will take it once their pause ends: the request waits for
+            # them (the retry loop), rather than panicking onto worse ones.
+            raise _all_paused(pool, now)
         else:
-            panic = None
-            if not call.handover and pool.policy.breaker.when_none_available == "panic":
-                panic = _least_bad(pool, tried, avoid)
-                if panic is not None and not any(
-                    i.breaker.state == ADMITTING for i in pool.routable
-                ):
-                    # A panic: nothing healthy admits at all (not only this request's avoided).
-                    pool.stats.panics += 1
-            if panic is None and avoid:
-                # Nothing else at all: those instances again (they may be restarting), but
-                # not one that let this request time out and has answered nothing since.
-                panic = [i for i in avoid if i.health.healthy and not call.silent(i)] or None
-            if panic is None:
-                raise NoInstanceAvailable(
-                    f"no instance of pool {pool.name!r} is available",
-                    retry_after_s=_retry_after_s(pool, now),
-                )
-            instance = _balance(pool, panic, now)
+            instance = _last_resort(pool, call, now)
         attempt.probe = probe is not None
         attempt.instance = instance
         tried.append(instance)
         call.attempts += 1
         return await next_handler(call)
+
+
+def _last_resort(pool: PoolState, call: Call, now: float) -> InstanceState:
+    """Where the attempt goes when no healthy instance admits it, none paused: the pool
+    panics (`breaker.when_none_available: panic`) to the least bad instance not paused, or,
+    with nothing else at all, to one it avoided that may be restarting. Raises
+    `InstancesPaused` when only paused instances are left, else `NoInstanceAvailable`."""
+    tried, avoid = call.tried, call.avoid
+    panic = None
+    if not call.handover and pool.policy.breaker.when_none_available == "panic":
+        panic = _least_bad(pool, tried, [*avoid, *_paused(pool.instances, now)])
+        if panic is not None and not any(i.breaker.state == ADMITTING for i in pool.routable):
+            # A panic: nothing healthy admits at all (not only this request's avoided).
+            pool.stats.panics += 1
+    if panic is None and avoid:
+        # Nothing else at all: those instances again (they may be restarting), but
+        # not one that let this request time out and has answered nothing since.
+        panic = [
+            i for i in avoid if i.health.healthy and not call.silent(i) and i.not_before <= now
+        ] or None
+    if panic is None and _paused(pool.instances, now):
+        raise _all_paused(pool, now)
+    if panic is None:
+        raise NoInstanceAvailable(
+            f"no instance of pool {pool.name!r} is available",
+            retry_after_s=_retry_after_s(pool, now),
+        )
+    return _balance(pool, panic, now)
+
+
+def _paused(instances: list[InstanceState], now: float) -> list[InstanceState]:
+    """Those of `instances` that asked for a pause still running at `now`."""
+    return [inst for inst in instances if inst.not_before > now]
+
+
+def _all_paused(pool: PoolState, now: float) -> InstancesPaused:
+    """The answer when every instance that could take the request is paused: when to come
+    back is when the first of the pool's pauses ends."""
+    first_free = min(inst.not_before for inst in _paused(pool.instances, now))
+    return InstancesPaused(
+        f"every instance of pool {pool.name!r} that could take the request asked for a pause",
+        retry_after_s=first_free - now,
+    )
 
 
 def _all_full(admitting: list[InstanceState], now: float) -> bool:

@@ -16,7 +16,11 @@ the most generous tier's bound): a pool's rate is high when one of three instanc
 requests, and its tier's one retry may land on a second failing instance while the third answers
 everything. An instance that let the request's first byte time out is not asked again for it while
 it has sent nothing to anyone since: when nothing else is left, the timeout is the answer. A
-Retry-After from a backend keeps new attempts off that instance until it passes. The upstream's own
+Retry-After from a backend (or, on a 429 without one, a backoff that grows with the 429s in a row:
+`upstream.feedback.asked_to_wait`) keeps every attempt off that instance until it passes: a retry
+that would have to wait longer than the request's deadline allows is not made, and the backend's
+answer goes back at once; one that may waits for the first instance free of its pause, as does a
+request whose every instance is paused as it starts (`InstancesPaused`). The upstream's own
 error answer is relayed unchanged when no retry is allowed. A request that could do something twice
 (`Call.acts`: a route the gateway does not know, a Responses API request running in the background
 or with the server's own tools) is sent again only after a refused connection, when it never left.
@@ -27,14 +31,13 @@ and the relay (the commit point) starts only after this loop has returned.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from opentelemetry import trace
 
-from gateway.core.backoff import backoff_s, retry_after_s
+from gateway.core.backoff import backoff_s
 from gateway.core.outcome import Outcome, Phase
 from gateway.core.tiers import Tier
-from gateway.errors import UpstreamError
+from gateway.errors import InstancesPaused, UpstreamError
 from gateway.pipeline.call import Call, Handler
 from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
@@ -84,17 +87,22 @@ class Retry:
                 outcome = error.outcome
                 if outcome.kind in _AVOID_AFTER and call.attempt.instance is not None:
                     _avoid_instance(call, outcome, clock)
+            except InstancesPaused as paused:
+                await self._wait_out(call, paused, tier)
+                continue
             # The failed attempt's answer: handed back when no retry is allowed, else closed
             # before the next attempt starts.
             with Owned(response) as failed:
                 now = clock()
                 wait_s = 0.0
-                if response is not None:
-                    wait_s = _honour_retry_after(
-                        pool, response, now, retries_policy.max_retry_after
-                    )
+                if response is not None and response.instance.not_before > now:
+                    wait_s = _pause_left_s(pool, now)
                 max_retries = _max_retries(call, tier, outcome, now)
-                allowed = _may_retry(call, outcome, failure, max_retries, now)
+                # Every instance asked for a pause: a request that fallback pools may answer
+                # goes to them now rather than waiting it out (`Call.handover`).
+                allowed = not (wait_s and call.handover) and _may_retry(
+                    call, outcome, failure, max_retries, now
+                )
                 if allowed:
                     delay = backoff_s(
                         max(1, call.attempts - call.hedges),
@@ -123,6 +131,18 @@ class Retry:
                 self._scheduled(call, outcome, delay)
             if delay > 0:
                 await asyncio.sleep(delay)
+
+    async def _wait_out(self, call: Call, paused: InstancesPaused, tier: Tier) -> None:
+        """Every instance the request could go to asked for a pause: the request waits for
+        the first to end it (plus a draw of the tier's backoff, so that requests that waited
+        together do not all arrive at once) when its deadline allows and no fallback pool may
+        answer it; else the 503 goes on at once, with its Retry-After (to the client, rather
+        than after a wait that could only end in a timeout; or to the fallbacks). No attempt
+        was made: nothing is counted or spent."""
+        wait_s = (paused.retry_after_s or 0.0) + call.pool.rng.uniform(0.0, tier.backoff_s)
+        if call.handover or self._clock() + wait_s >= call.deadline:
+            raise paused  # to the client, or to the fallback pools that may answer it now
+        await asyncio.sleep(wait_s)
 
     def _budget_exhausted(self, call: Call) -> None:
         """A retry the retry budget refused: counted, and an event on the request's span."""
@@ -215,15 +235,23 @@ def _full_everywhere(failure: UpstreamError | None, call: Call, now: float) -> b
 def _waited_in_vain(call: Call, outcome: Outcome) -> float | None:
     """How long the attempt waited for a first byte that never came, when that proves the
     instance silent: all the patience an instance with nothing learned gets
-    (`timeouts.initial`), or any wait on an instance whose last health check got no answer
-    either. A shorter, learned wait proves less: a retry there waits longer (the last attempt
-    is stretched, the more after timeouts in a row), up to that same allowance. None: not
-    such a timeout."""
+    (`timeouts.initial`), or all a streamed generation may get anywhere (the pool's
+    `timeouts.first_token_max`, when the attempt waited that long), or any wait on an instance
+    whose last health check got no answer either. A shorter, learned wait proves less: a retry
+    there waits longer (the last attempt is stretched, the more after timeouts in a row), up
+    to that same allowance. A wait cut by the limit is all a retry there would get too:
+    asking an instance that has sent nothing to anyone since only repeats it, while one that
+    sends on other attempts is busy, not silent (`Call.silent`), and may be asked again. None:
+    not such a timeout."""
     instance, timeouts = call.attempt.instance, call.attempt.timeouts
     if outcome.kind != "timeout" or outcome.phase is not Phase.FIRST_BYTE or instance is None:
         return None
     waited = timeouts.first_byte_s if timeouts is not None else 0.0
-    if waited >= call.pool.policy.timeouts.initial or not instance.health.answered:
+    if (
+        waited >= call.pool.policy.timeouts.initial
+        or (timeouts is not None and timeouts.capped)
+        or not instance.health.answered
+    ):
         return waited
     return None
 
@@ -242,24 +270,9 @@ def _only_silent_left(call: Call) -> bool:
     return all(call.silent(inst) or inst.health.healthy is False for inst in avoid)
 
 
-def _honour_retry_after(
-    pool: PoolState, response: UpstreamResponse, now: float, cap_s: float
-) -> float:
-    """Keep new attempts off an instance that asked for a pause (429/503 + Retry-After).
-
-    Returns how long a retry must wait: nothing while another instance is not paused.
-    """
-    if response.status not in (429, 503):
-        return 0.0
-    pause = retry_after_s(
-        response.header("retry-after"),
-        response.header("retry-after-ms"),
-        now_wall=time.time(),
-        cap_s=cap_s,
-    )
-    if not pause:
-        return 0.0
-    instance = response.instance
-    instance.pause_until(now + pause)
-    unblocked = any(not i.paused(now) for i in pool.instances)
-    return 0.0 if unblocked else pause
+def _pause_left_s(pool: PoolState, now: float) -> float:
+    """How long a retry must wait after an answer that paused its instance (a Retry-After, a
+    429's backoff: `upstream.feedback.asked_to_wait`): until the first of the pool's instances
+    is free of its pause, nothing while one is (the pick layer chooses among those)."""
+    first_free = min(inst.not_before for inst in pool.instances)
+    return first_free - now if first_free > now else 0.0

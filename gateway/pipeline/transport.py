@@ -66,7 +66,7 @@ class _Progress:
     prompt puts on its instance's streams from then on (`held`: released when the attempt
     ends)."""
 
-    __slots__ = ("call", "clock", "deadline", "held", "holds", "instance", "wait_s")
+    __slots__ = ("call", "clock", "deadline", "held", "holds", "instance", "limit_s", "wait_s")
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class _Progress:
         self.instance = instance
         self.clock = clock
         wait_s = self.wait_s = timeouts.first_byte_s
+        self.limit_s = timeouts.limit_s  # `timeouts.first_token_max`, when it bounds the wait
         # Until the request is written: the client bounds the wait for a free connection and
         # the connect by `connect_s` each; this only backs them up. The first byte's time
         # starts once the request is out (a wait for our own connection limit is not the
@@ -105,6 +106,9 @@ class _Progress:
         deadline.move(min(now + self.wait_s, self.call.deadline), Phase.FIRST_BYTE)
         deadline.waiting_since = now
         deadline.patience = partial(_patient, self.call, self.instance, now, self.wait_s)
+        limit_s = self.limit_s
+        if limit_s is not None:
+            deadline.limit_at = now + limit_s
         if self.holds and not self.held:
             self.held = True
             self.instance.hold(now, deadline.at)
@@ -126,6 +130,19 @@ def _patient(
     ):
         return min(now + PATIENCE_RECHECK_S, call.deadline)
     return None
+
+
+def _timed_out(deadline: Deadline, timeouts: AttemptTimeouts) -> UpstreamTimeout:
+    """The error of an attempt whose `deadline` ran out. One cut by the pool's limit on the
+    first byte (`timeouts.first_token_max`) names it, so that an operator tells the limit
+    from a learned timeout (and from the request's own deadline, when that came first)."""
+    phase = deadline.phase
+    limit_s = timeouts.limit_s
+    if phase == Phase.FIRST_BYTE and limit_s is not None and deadline.at >= deadline.limit_at:
+        return UpstreamTimeout(
+            f"no first token within timeouts.first_token_max ({limit_s:g}s)", phase=phase
+        )
+    return UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase)
 
 
 class Transport:
@@ -204,8 +221,7 @@ class Transport:
         except asyncio.CancelledError:
             self._abandon(raw, deadline)
             if expired(deadline):
-                phase = deadline.phase
-                raise UpstreamTimeout(f"the upstream timed out ({phase})", phase=phase) from None
+                raise _timed_out(deadline, timeouts) from None
             raise
         except UpstreamError:
             self._abandon(raw, deadline)

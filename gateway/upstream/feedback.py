@@ -12,14 +12,17 @@ does not count it. (As Envoy's outlier detector has one `putResult`.) The pipeli
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
+from gateway.core.backoff import rate_limit_pause_s, retry_after_s
 from gateway.core.balancer import failure_penalty_s
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.core.outcome import Outcome, Phase
 from gateway.telemetry.logs import LogThrottle
 from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
+from gateway.upstream.response import UpstreamResponse
 
 log = logging.getLogger("gateway.account")
 
@@ -180,6 +183,34 @@ class Feedback:
                 pool.rejoined(back, now)  # let back for a worse one
             self._on_transition(pool.name, displaced)
         self._on_transition(pool.name, transition)
+
+
+def asked_to_wait(pool: PoolState, response: UpstreamResponse, now: float) -> None:
+    """An answer that asks for no new attempt for a while (429, 503) pauses its instance: for
+    its `Retry-After` or `retry-after-ms` (capped at `retries.max_retry_after`), or, for a 429
+    without a usable one, for a backoff that grows with the 429s in a row
+    (`retries.rate_limit_backoff`, `rate_limit_pause_s`; `InstanceState.rate_limited` counts
+    them, a burst of answers once). No attempt of any request goes to a paused instance (the
+    pick layer), so a backend that rate-limits without saying for how long is not asked again
+    within milliseconds by every retry. A 503 without either header pauses nothing."""
+    instance = response.instance
+    retries = pool.policy.retries
+    pause = retry_after_s(
+        response.header("retry-after"),
+        response.header("retry-after-ms"),
+        now_wall=time.time(),
+        cap_s=retries.max_retry_after,
+    )
+    in_row = 0
+    if response.status == 429:
+        in_row = instance.rate_limited(now)
+    else:
+        instance.not_rate_limited()
+    if pause:
+        instance.pause_until(now + pause)
+    elif in_row and pause is None:
+        backoff = retries.rate_limit_backoff
+        instance.pause_until(now + rate_limit_pause_s(in_row, backoff.base, backoff.max, pool.rng))
 
 
 def abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: float) -> None:

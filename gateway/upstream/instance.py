@@ -61,6 +61,7 @@ class InstanceState:
         "price",
         "progress_at",
         "races_lost",
+        "rate_limits_in_row",
         "requests",
         "stats",
         "streaming",
@@ -124,8 +125,10 @@ class InstanceState:
         self.breaker = breaker
         # What the balancer prices it at.
         self.price = Price(now)
-        # Event-loop time before which it gets no new attempt (a Retry-After it asked for).
+        # Event-loop time before which it gets no new attempt (a Retry-After it asked for, or
+        # the backoff after 429s without one), and those 429s in a row (`rate_limited`).
         self.not_before = 0.0
+        self.rate_limits_in_row = 0
         self.stats = InstanceStats()
         # Its concurrency limit, when its pool has admission control (None: no cap).
         self.limiter = limiter
@@ -176,12 +179,25 @@ class InstanceState:
         return self.health.healthy is True and self.not_before <= now and not self.engine.saturated
 
     def paused(self, now: float) -> bool:
-        """Whether a Retry-After it sent still holds new attempts off at `now`."""
+        """Whether a Retry-After it sent (or a 429's backoff) holds attempts off at `now`."""
         return self.not_before > now
 
     def pause_until(self, until: float) -> None:
-        """It asked for no new attempt before `until` (a Retry-After)."""
+        """It asked for no new attempt before `until` (a Retry-After, a 429's backoff)."""
         self.not_before = until
+
+    def rate_limited(self, now: float) -> int:
+        """It answered 429 at `now`: how many in a row now, or 0 while the pause an earlier
+        one set still holds (answers to attempts sent before that pause are the same refusal,
+        counted once, and the pause stands)."""
+        if self.not_before > now:
+            return 0
+        self.rate_limits_in_row += 1
+        return self.rate_limits_in_row
+
+    def not_rate_limited(self) -> None:
+        """It answered something else than a 429: its next 429's backoff starts over."""
+        self.rate_limits_in_row = 0
 
     # -- attempts ----------------------------------------------------------------------------
 

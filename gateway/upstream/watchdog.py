@@ -59,6 +59,7 @@ class Deadline:
         "holder",
         "holding",
         "idle_s",
+        "limit_at",
         "patience",
         "phase",
         "waiting_since",
@@ -85,6 +86,9 @@ class Deadline:
         # Asked when a first-byte wait runs out: until when the attempt should wait on all the
         # same (queued behind an engine that works, nowhere better to go), or None.
         self.patience: Callable[[float], float | None] | None = None
+        # When a limit on the first byte (`timeouts.first_token_max`) runs out: the first-byte
+        # wait ends then, whatever its instance's pauses and its patience say.
+        self.limit_at = math.inf
 
     def move(self, at: float, phase: Phase) -> None:
         self.at = self.base_at = at
@@ -97,7 +101,8 @@ class Deadline:
         prefilled (the engine runs nothing else meanwhile), and later by as long as such
         prefills took during this wait (unless its own prompt is the one being prefilled: its
         deadline already counts that); and then not before what its `patience` says (queued is
-        not stalled: the owner's rule, asked again each time it comes due).
+        not stalled: the owner's rule, asked again each time it comes due). Never past its
+        `limit_at` (`timeouts.first_token_max`), whatever those say.
 
         Waiting for the next chunk of a stream: not before its idle timeout times the instance's
         current `idle_stretch` (backed off after cuts of its other streams), not while such a
@@ -114,20 +119,9 @@ class Deadline:
             return at
         phase = self.phase
         if phase == Phase.FIRST_BYTE:
-            if self.holding:
-                return at
-            released = holder.hold_released_at
-            paused = released - max(holder.hold_started_at, self.waiting_since)
-            if paused > 0:
-                self.credit_s += paused
-                self.waiting_since = released  # each pause is credited once
-            due = self.base_at + self.credit_s
-            if holder.holds > 0:
-                return max(due, now + tick_s)
-            patience = self.patience
-            if due <= now and patience is not None:
-                return patience(now) or due
-            return due
+            held = self._first_byte_held(now, tick_s, holder)
+            limit = self.limit_at
+            return held if held < limit else limit
         if phase != Phase.IDLE:
             return at
         if holder.holds > 0:
@@ -144,6 +138,24 @@ class Deadline:
             # The instance has been quiet on every attempt for a while, not just on this one.
             at = max(at, quiet_since + INSTANCE_STALL_GRACE * idle_s)
         return at
+
+    def _first_byte_held(self, now: float, tick_s: float, holder: Holder) -> float:
+        """`held_until` of a first-byte wait, before its limit: the pauses of its instance
+        credited, then its patience asked."""
+        if self.holding:
+            return self.at
+        released = holder.hold_released_at
+        paused = released - max(holder.hold_started_at, self.waiting_since)
+        if paused > 0:
+            self.credit_s += paused
+            self.waiting_since = released  # each pause is credited once
+        due = self.base_at + self.credit_s
+        if holder.holds > 0:
+            return max(due, now + tick_s)
+        patience = self.patience
+        if due <= now and patience is not None:
+            return patience(now) or due
+        return due
 
 
 class Watchdog:
