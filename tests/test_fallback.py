@@ -30,6 +30,7 @@ def backends() -> Iterator[dict[str, Backend]]:
         "small": start_backend("small", ["small-model"], *fast, "--max-model-len", "60"),
         "backup": start_backend("backup", ["backup-model"], *fast),
         "big": start_backend("big", ["big-model", "iso-model"], *fast),
+        "cross": start_backend("cross", ["claude-model", "gpt-model"], *fast),
     }
     yield started
     for backend in started.values():
@@ -58,6 +59,24 @@ pools:
   big:
     models: [big-model]
     instances: [{{name: g1, url: "{backends["big"].url}"}}]
+  openai-down:
+    models: [oa-model]
+    api: openai
+    instances: [{{name: o1, url: "http://127.0.0.1:{closed_port()}"}}]
+    fallbacks: [claude]
+  claude:
+    models: [claude-model]
+    api: anthropic
+    instances: [{{name: c1, url: "{backends["cross"].url}"}}]
+  anthropic-down:
+    models: [an-model]
+    api: anthropic
+    instances: [{{name: a1, url: "http://127.0.0.1:{closed_port()}"}}]
+    fallbacks: [gpt]
+  gpt:
+    models: [gpt-model]
+    api: openai
+    instances: [{{name: g1, url: "{backends["cross"].url}"}}]
   iso:
     models: [iso-model]
     instances: [{{name: i1, url: "{backends["big"].url}"}}]
@@ -398,3 +417,93 @@ def test_an_isolated_pool_goes_to_its_fallback_before_panicking(
         assert len(backends["big"].requests()) == 1
     finally:
         httpx.post(f"{operator}/restore", timeout=5)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_an_openai_request_is_answered_by_an_anthropic_pool(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    sdk = _openai(gateway)
+    messages = [{"role": "system", "content": "be brief"}, *SHORT]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="oa-model", messages=messages, max_tokens=5, tools=TOOLS, stop=["END"]
+    )
+    completion = raw.parse()
+    assert raw.headers["x-gateway-pool"] == "claude"
+    assert completion.object == "chat.completion"
+    assert completion.model == "claude-model"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    stream = sdk.chat.completions.create(
+        model="oa-model",
+        messages=messages,
+        max_tokens=6,
+        tools=TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == 6
+    sent = [r for r in backends["cross"].requests() if r["model"] == "claude-model"]
+    assert len(sent) == 2 and {r["path"] for r in sent} == {"/v1/messages"}
+
+
+def test_an_anthropic_request_is_answered_by_an_openai_pool(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    client = _anthropic(gateway)
+    tools = [{"name": "weather", "description": "d", "input_schema": {"type": "object"}}]
+    raw = client.messages.with_raw_response.create(
+        model="an-model",
+        max_tokens=5,
+        system="be brief",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=tools,
+    )
+    message = raw.parse()
+    assert raw.headers["x-gateway-pool"] == "gpt"
+    assert message.type == "message" and message.model == "gpt-model"
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 5
+    with client.messages.stream(
+        model="an-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}], tools=tools
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.model == "gpt-model" and final.stop_reason == "max_tokens"
+    sent = [r for r in backends["cross"].requests() if r["model"] == "gpt-model"]
+    assert len(sent) == 2 and {r["path"] for r in sent} == {"/v1/chat/completions"}
+
+
+def test_what_cannot_be_translated_skips_that_fallback_visibly(gateway: Gateway) -> None:
+    with pytest.raises(openai.APIStatusError) as caught:
+        _openai(gateway).chat.completions.create(
+            model="oa-model", messages=SHORT, max_tokens=4, n=2
+        )
+    assert caught.value.status_code in (502, 503)  # the pool's own failure
+    assert caught.value.response.headers["x-gateway-pool"] == "openai-down"
+    assert (
+        _metric(
+            gateway,
+            "gateway_fallback_skips_total",
+            **{"from": "openai-down", "to": "claude"},
+            reason="untranslatable",
+        )
+        >= 1
+    )
