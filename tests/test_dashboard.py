@@ -185,7 +185,7 @@ pools:
       concurrency: {{mode: fixed, limit: 4}}
       tokens: {{capacity: 100000}}
       vllm_signals: {{interval: 100ms}}
-  # Nothing listens: its requests go to `chat`, passing over `claude` (another API family).
+  # Nothing listens: its requests go to `chat`, through `claude` (another API family).
   gone:
     models: [gone]
     instances: [{{name: g, url: "http://127.0.0.1:{closed_port()}"}}]
@@ -243,7 +243,12 @@ def drive_traffic(gateway: Gateway, backends: dict[str, Backend]) -> None:
         lambda: chat(gateway, "m") == [200] and bool(backends["b"].requests()), 5.0, 0.0
     ), "no probe reached the recovered instance"
 
-    assert chat(gateway, "gone") == [200]  # answered by `chat`, `claude` passed over
+    # Answered by `chat`: a completion passes `claude` over (another API family, a route not
+    # translated); a chat completion is translated there and refused (it serves `slow` only).
+    with httpx.Client(base_url=gateway.url, timeout=10) as http:
+        completion = {"model": "gone", "prompt": "hello", "max_tokens": 4}
+        assert http.post("/v1/completions", json=completion).status_code == 200
+    assert chat(gateway, "gone") == [200]
 
     backends["c"].set_faults(hang_rate=1.0, hang_s=2.0)
     try:
