@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install lock upgrade-check engine test cost-budget fuzz lint demo bench bench-propagation bench-admission bench-operations loadtest loadtest-matrix system-deps clean
+.PHONY: install lock upgrade-check engine test cost-budget fuzz lint demo bench bench-propagation bench-fallback bench-admission bench-operations loadtest loadtest-matrix system-deps clean
 
 install: $(STAMP)
 
@@ -69,6 +69,12 @@ bench: install
 # How fast an isolation reaches every replica sharing decisions via Redis (pub/sub, TTL backstop).
 bench-propagation: install system-deps
 	$(BIN)/python -m loadtests.bench_propagation $(BENCH_ARGS)
+
+# Every primary instance killed and restarted under traffic, three replicas sharing decisions
+# via Redis: requests failed, which pool answered each second, how soon the primary is back, and
+# what reached it during the outage.
+bench-fallback: install system-deps
+	$(BIN)/python -m loadtests.bench_fallback $(BENCH_ARGS)
 
 # A step from 100 % to 300 % of the backends' capacity, through the gateway without and with
 # admission control: p99 per priority class and OOMs.
