@@ -94,6 +94,25 @@ class _DisconnectWatch:
             watcher.cancel()
 
 
+def _model_listing(
+    by_model: dict[str, PoolState],
+) -> tuple[bytes, dict[str, bytes], tuple[PoolState, str] | None]:
+    """`GET /v1/models` encoded, each model's own answer, and the pool a request naming no
+    model goes to (the only one, with its first model; None with several)."""
+    models = [
+        {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
+        for model, pool in by_model.items()
+    ]
+    listing = json.dumps({"object": "list", "data": models}, separators=(",", ":")).encode()
+    bodies = {
+        str(model["id"]): json.dumps(model, separators=(",", ":")).encode() for model in models
+    }
+    pools: dict[int, tuple[PoolState, str]] = {}
+    for model, pool in by_model.items():
+        pools.setdefault(id(pool), (pool, model))  # its first model
+    return listing, bodies, next(iter(pools.values())) if len(pools) == 1 else None
+
+
 async def _answer_or_fall_back(
     fallbacks: Fallbacks, exchange: Exchange, handler: Handler
 ) -> UpstreamResponse:
@@ -167,20 +186,7 @@ class DataPlane:
     def refresh_models(self) -> None:
         """Encode `GET /v1/models` (every pool's models) and each `GET /v1/models/{model}` once
         per policy (again after a reload), not per request."""
-        models = [
-            {"id": model, "object": "model", "created": 0, "owned_by": pool.name}
-            for model, pool in self._by_model.items()
-        ]
-        self._models_body = json.dumps(
-            {"object": "list", "data": models}, separators=(",", ":")
-        ).encode()
-        self._model_bodies = {
-            str(model["id"]): json.dumps(model, separators=(",", ":")).encode() for model in models
-        }
-        pools: dict[int, tuple[PoolState, str]] = {}
-        for model, pool in self._by_model.items():
-            pools.setdefault(id(pool), (pool, model))  # its first model
-        self._only = next(iter(pools.values())) if len(pools) == 1 else None
+        self._models_body, self._model_bodies, self._only = _model_listing(self._by_model)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
