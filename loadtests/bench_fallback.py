@@ -107,6 +107,9 @@ class Settings:
     replicas: int
     instances: int
     backup_instances: int
+    # The primary without health checks, as a hosted provider's pool is: only its breakers
+    # (isolations shared through Redis) and their probes tell it is down, and back.
+    no_health: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -125,6 +128,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=3, help="gateway replicas (3)")
     parser.add_argument("--instances", type=int, default=2, help="primary instances (2)")
     parser.add_argument("--backup-instances", type=int, default=2, choices=(1, 2), help="(2)")
+    parser.add_argument(
+        "--no-health",
+        action="store_true",
+        help="the primary without health checks (a hosted provider's pool): only its breakers "
+        "and their probes see it go and come back",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON figures")
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.rate > 500:
@@ -145,6 +154,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         args.replicas,
         args.instances,
         args.backup_instances,
+        args.no_health,
     )
 
 
@@ -213,7 +223,9 @@ def start_instances(stack: ExitStack, pool: str, count: int) -> list[FakeInstanc
     return instances
 
 
-def policy_text(redis_url: str, pools: dict[str, list[FakeInstance]]) -> str:
+def policy_text(
+    redis_url: str, pools: dict[str, list[FakeInstance]], no_health: bool = False
+) -> str:
     def instances(pool: str) -> str:
         return ", ".join(f'{{name: {i.name}, url: "{i.url}"}}' for i in pools[pool])
 
@@ -226,7 +238,8 @@ def policy_text(redis_url: str, pools: dict[str, list[FakeInstance]]) -> str:
         f"    models: [{MODELS[PRIMARY]}]\n"
         f"    instances: [{instances(PRIMARY)}]\n"
         f"    fallbacks: [{BACKUP}]\n"
-        f"  {BACKUP}:\n"
+        + ("    health: {enabled: false}\n" if no_health else "")
+        + f"  {BACKUP}:\n"
         f"    models: [{MODELS[BACKUP]}]\n"
         f"    instances: [{instances(BACKUP)}]\n"
     )
@@ -646,7 +659,7 @@ def run_benchmark(settings: Settings) -> Json:
             BACKUP: start_instances(stack, BACKUP, settings.backup_instances),
         }
         policy = tmp / "policy.yaml"
-        policy.write_text(policy_text(redis.url, pools))
+        policy.write_text(policy_text(redis.url, pools, settings.no_health))
         replicas = start_replicas(stack, policy, settings.replicas)
         print(f"[bench] {len(replicas)} replicas up", file=sys.stderr, flush=True)
         outcomes, timeline = asyncio.run(measure(pools[PRIMARY], replicas, settings))
@@ -658,7 +671,7 @@ def run_benchmark(settings: Settings) -> Json:
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "settings": asdict(settings),
-            "policy": policy_text("redis://127.0.0.1:PORT/0", pools),
+            "policy": policy_text("redis://127.0.0.1:PORT/0", pools, settings.no_health),
         },
         **summarize(outcomes, timeline, settings),
         "replica_output": findings,

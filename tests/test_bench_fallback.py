@@ -21,12 +21,16 @@ REPLICAS = 3
 
 
 @pytest.mark.timeout(180)
-def test_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("health", [True, False], ids=["health", "no_health"])
+def test_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], health: bool) -> None:
+    """With health checks, or without (only the breakers and their probes see the primary go
+    and come back): the same outcomes."""
     out = tmp_path / "fallback.json"
     argv = [
         *("--rate", str(RATE), "--before", str(BEFORE_S), "--down", str(DOWN_S)),
         *("--after", str(AFTER_S), "--replicas", str(REPLICAS)),
         *("--instances", "2", "--backup-instances", "1", "--out", str(out)),
+        *(() if health else ("--no-health",)),
     ]
     assert main(argv) == 0
     report = capsys.readouterr().out
@@ -54,6 +58,7 @@ def test_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert set(timeline["serving_at_s"]) == {"primary-0", "primary-1"}
     first_answer = data["recovery"]["first_primary_answer_s"]
     assert first_answer is not None and first_answer >= 0
+    assert phases["after"][PRIMARY] > 0
 
     # Every replica's counters were read, before the kill and at the restart.
     outage = data["outage"]

@@ -717,3 +717,28 @@ def test_an_instance_back_up_by_its_health_checks_is_probed_at_once() -> None:
     forced = breaker()
     forced.isolate(0.0, RNG)  # the operator's
     assert not forced.back_up(1.0) and not forced.try_admit(1.0)
+
+
+def test_spare_probes_come_a_second_apart_and_leave_the_isolation_as_it_was() -> None:
+    """Nothing admits and fallbacks answer meanwhile: an isolated instance may be probed before
+    its isolation ends, a second apart; a failed spare probe neither lengthens the isolation
+    nor counts as a new one, a cancelled one leaves it running, a good one ends it."""
+    down = breaker(BreakerPolicy(consecutive_failures=2, isolation=30.0))
+    down.isolate(0.0, RNG, "refused", forced=False, capped=False)
+    until, isolations = down.isolated_until, down.isolations
+    assert not down.try_admit(1.0)  # not due, and not spare
+    assert down.try_admit(1.0, spare=True) and down.state == PROBING
+    transition = fail(down, 1.1, probe=True)
+    assert transition is not None and transition.to == ISOLATED
+    assert transition.reason == "spare probe failed"
+    assert (down.isolated_until, down.isolations) == (until, isolations)
+    assert not down.try_admit(1.9, spare=True)  # a second after the last one
+    assert down.try_admit(2.0, spare=True)
+    released = down.release_probe(2.1)  # its request was cancelled
+    assert released is not None and down.isolated_until == until
+    assert down.try_admit(3.1, spare=True)
+    assert ok(down, 3.2, probe=True) is not None and down.state == ADMITTING
+
+    forced = breaker()
+    forced.isolate(0.0, RNG)  # the operator's: never probed ahead
+    assert not forced.try_admit(5.0, spare=True)

@@ -2,10 +2,12 @@
 
 `{prefix}:probe:{pool}:{instance}` holds the id of the replica allowed to probe. An isolation
 falling due is contended for with SET NX PX (lease = decision_ttl / 3), by replicas whose pool has
-had traffic lately (one without requests could not probe anyway); the winner's breaker gets
-`lease_until` (`BreakerState.try_admit` starts a probe only before it), the others get 0 and keep
-the instance out until they hear the probe's result. The lease is renewed while the probe runs
-(only by its holder: a compare-and-expire script) and handed back once it has ended.
+had traffic lately (one without requests could not probe anyway); so is any isolation of a pool
+with fallbacks in which nothing admits (its spare probes: `try_admit(spare=True)`). The winner's
+breaker gets `lease_until` (`BreakerState.try_admit` starts a probe only before it), the others
+get 0 and keep the instance out until they hear the probe's result. The lease is renewed while
+the probe runs (only by its holder: a compare-and-expire script) and handed back once it has
+ended.
 
 Connected, every breaker needs the lease (`coordinate`); alone, none does (`alone`): without
 Redis each replica probes for itself, as it would with no shared state at all.
@@ -19,7 +21,7 @@ import math
 from redis.asyncio import Redis
 
 from gateway.cluster.store import Key, instance_keys
-from gateway.core.breaker import ISOLATED, PROBING
+from gateway.core.breaker import ADMITTING, ISOLATED, PROBING
 from gateway.upstream.registry import Registry
 
 RELEASE_IF_OURS = (
@@ -98,11 +100,16 @@ class ProbeLeases:
         now = self._clock()
         horizon = now + self._tick_s / 2  # due before the next tick
         busy = self._busy_pools(now)
+        spare = self._spare_pools()
         work: list[tuple[Key, str]] = []
         for key, breaker in self._breakers.items():
             held = self._held.get(key)
             state = breaker.state
-            if state == ISOLATED and not breaker.forced and breaker.isolated_until <= horizon:
+            if (
+                state == ISOLATED
+                and not breaker.forced
+                and (breaker.isolated_until <= horizon or key[0] in spare)
+            ):
                 if (held is None or held <= now) and key[0] in busy:
                     work.append((key, "acquire"))
             elif state == PROBING and held is not None:
@@ -131,13 +138,26 @@ class ProbeLeases:
                     granted = await self._renew(keys=[name], args=[self._replica, self._lease_ms])
                 self._lease_result(key, action, bool(granted))
 
+    def _spare_pools(self) -> set[str]:
+        """Pools whose isolated instances may be probed before their isolations end: nothing
+        in them admits and their requests go to fallback pools meanwhile
+        (`BreakerState.try_admit(spare=True)`)."""
+        return {
+            name
+            for name, pool in self._pools.items()
+            if pool.policy.fallbacks
+            and not any(inst.breaker.state == ADMITTING for inst in pool.instances)
+        }
+
     def _busy_pools(self, now: float) -> set[str]:
-        """Pools that sent attempts lately. Only they compete for a probe lease: a replica
-        without traffic (a sidecar whose pod left its Service, an idle replica) would hold the
-        lease with no request to probe with while the busy ones wait."""
+        """Pools that sent attempts, or handed requests over to their fallbacks, lately. Only
+        they compete for a probe lease: a replica without traffic (a sidecar whose pod left
+        its Service, an idle replica) would hold the lease with no request to probe with while
+        the busy ones wait."""
         busy = set()
         for name, pool in self._pools.items():
             attempts = sum(inst.requests for inst in pool.instances)
+            attempts += sum(pool.stats.fallbacks.values())
             if attempts != self._pool_attempts.get(name):
                 self._pool_attempts[name] = attempts
                 self._pool_busy_at[name] = now

@@ -190,6 +190,7 @@ class BreakerState:
         "isolations",
         "lease_until",
         "probe_started_at",
+        "spare_until",
         "state",
         "suppressed_isolations",
     )
@@ -211,6 +212,9 @@ class BreakerState:
         # failed health check, another replica's or an operator's decision.
         self.early_probe = False
         self.probe_started_at = 0.0
+        # The isolation's end while a spare probe runs (`try_admit(spare=True)`), which its
+        # failure goes back to; None: the probe under way, if any, is an ordinary one.
+        self.spare_until: float | None = None
         # When the state last changed (monotonic), for the operator's view.
         self.changed_at = -_INF
         # Until when this replica may start a probe. `inf`: no one else to ask (a shared
@@ -239,24 +243,33 @@ class BreakerState:
         or not asked for yet; `inf`: always, nobody to coordinate with)."""
         self.lease_until = until
 
-    def try_admit(self, now: float, early: bool = False) -> bool:
+    def try_admit(self, now: float, early: bool = False, spare: bool = False) -> bool:
         """May this instance take a new request at `now`? (Rules in the class docstring.)
 
         `early`: the pool's admitting instances are all full, so an isolation for failures
         the instance answered may end before its time with a probe, one a second at most: it
         answered, so it is up, and a fault that made it answer errors (a burst of them, an OOM
         spell) is often over well before the isolation is; meanwhile its share queues on the
-        others. A failed early probe isolates it again as any failed probe does."""
+        others. A failed early probe isolates it again as any failed probe does.
+
+        `spare`: nothing in the pool admits and the request has somewhere else to go if the
+        probe fails (a fallback pool): a probe may come before the isolation ends, whatever
+        isolated it, one a second at most. It costs its request a refused attempt at worst,
+        and it finds the instance back within a second of its return, where an isolation
+        grown by failed probes would hold it out for minutes after."""
         state = self.state
         if state == ADMITTING:
             return True
         if state == ISOLATED:
             if now >= self.lease_until:
                 return False
-            if now < self.isolated_until and not (
-                early and self.early_probe and now - self.probe_started_at >= EARLY_PROBE_GAP_S
+            ahead = now < self.isolated_until
+            if ahead and not (
+                ((early and self.early_probe) or (spare and not self.forced))
+                and now - self.probe_started_at >= EARLY_PROBE_GAP_S
             ):
                 return False
+            self.spare_until = self.isolated_until if ahead and spare else None
             self.state = PROBING
             self.probe_started_at = now
             self.changed_at = now
@@ -300,7 +313,9 @@ class BreakerState:
             return None
         self.state = ISOLATED
         self.changed_at = now
-        self.isolated_until = min(self.isolated_until, now)
+        spare_until, self.spare_until = self.spare_until, None
+        # A spare probe's isolation goes on as it was; an ordinary one's had run out.
+        self.isolated_until = min(self.isolated_until, now) if spare_until is None else spare_until
         return Transition(self.instance, PROBING, ISOLATED, PROBE_RELEASED, self.isolated_until)
 
     # -- operator and out-of-band actions -------------------------------------------------
@@ -454,6 +469,7 @@ class BreakerState:
         return Transition(self.instance, state_from, ISOLATED, reason, until, silent=trip.silent)
 
     def _enter_isolation(self, now: float, until: float, early_probe: bool = False) -> None:
+        self.spare_until = None
         self.state = ISOLATED
         self.early_probe = early_probe
         self.changed_at = now
@@ -471,6 +487,15 @@ class BreakerState:
     def _probe_result(
         self, now: float, failed: bool, timeout: bool, rng: random.Random
     ) -> Transition:
+        spare_until, self.spare_until = self.spare_until, None
+        if failed and spare_until is not None:
+            # A spare probe asked ahead of the isolation's end: it found the instance still
+            # out, which the isolation under way already says. It goes on as it was, neither
+            # longer nor counted again: spare probes come every second, and each doubling
+            # the isolation would hold the instance out for minutes once it is back.
+            self.state = ISOLATED
+            self.changed_at = now
+            return Transition(self.instance, PROBING, ISOLATED, "spare probe failed", spare_until)
         if failed:
             reason = "probe timed out" if timeout else "probe failed"
             trip = Trip(reason, silent=timeout, answered=not timeout)

@@ -96,6 +96,13 @@ class Pick:
                 if inst.health.healthy is not False and inst.breaker.try_admit(now, early=True):
                     probe = inst
                     break
+        elif probe is None and held_out and not admitting and call.handover:
+            # Nothing admits and fallbacks answer meanwhile: a spare probe a second, so the
+            # pool is back within a second of its instances' return (`try_admit(spare=True)`).
+            for inst in held_out:
+                if inst.health.healthy is not False and inst.breaker.try_admit(now, spare=True):
+                    probe = inst
+                    break
         if probe is not None:
             instance = probe
         elif admitting:
