@@ -3,6 +3,52 @@
 Words: ADMITTING (traffic flows), ISOLATED (no traffic), PROBING (one probe request at a time).
 Pure: `now` (monotonic seconds) and a `random.Random` are arguments; every state change returns
 a `Transition` for the async shell to log, count and publish.
+
+The breaker's rules (`BreakerState`):
+
+**ADMITTING** (`try_admit` → True). `record` counts every finished attempt the caller
+classified (a client's 4xx is not recorded at all; `timeout` implies `failed`) in `counts`,
+whose `FailureCounts` rules say when it trips: only ever on a failure.
+
+**Trip.** If the pool's guard (`may_isolate`, see `PoolBreakers`) refuses, the breaker stays
+ADMITTING with its counters untouched, `suppressed_isolations` rises and `record` returns a
+Transition with `suppressed=True`; the next failure checks again, so the instance is
+isolated as soon as there is room and it still fails. Otherwise it becomes **ISOLATED**
+until `isolated_until = now +` the length `backoff` gives (`IsolationBackoff`: `streak`
+rises by one, the length doubles with it up to `max_isolation`, jittered).
+
+**ISOLATED** (`try_admit` → False before `isolated_until`). At `now ≥ isolated_until`, the
+next `try_admit` turns the breaker to **PROBING** and returns True: that caller holds the
+probe (it can tell: `state == "PROBING"` right after a True). Every other `try_admit` gets
+False until the probe's result, `record(..., probe=True)`:
+
+- success → ADMITTING, window and `consecutive_timeouts` cleared, `streak = max(0, n - 1)`;
+- failure → ISOLATED again with streak n + 1 (the next, longer isolation).
+
+An isolation for failures the instance answered (errors, OOMs: it is up) may end early:
+`try_admit(now, early=True)`, which the caller asks only while every instance still
+admitting is full, probes it before `isolated_until`, at most once per `EARLY_PROBE_GAP_S`.
+So may any isolation but an operator's with `try_admit(now, spare=True)`, which the caller
+asks only while nothing in the pool admits and a fallback pool answers meanwhile: a failed
+spare probe leaves the isolation as it was (same end, not counted again).
+
+A probe that never reports (its request was cancelled) must not wedge the breaker:
+`release_probe(now)` puts it back to ISOLATED with `isolated_until` already passed, so the
+next `try_admit` probes again; and a probe outstanding longer than `max_isolation` lets one
+more probe through (the later of the two that reports decides, whichever it is).
+
+Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
+requests admitted before the isolation, and describe the instance before the pause.
+
+**Operator.** `isolate(now, rng, reason)` holds it ISOLATED, whatever the pool's cap, until
+`restore(now)` clears its record; `isolate(..., forced=False)` is an automatic trip from
+outside the request path (the rules in their docstrings).
+
+**Shared decisions.** `adopt` and `lift` apply what another replica decided (see their
+docstrings). `lease_until` gates the ISOLATED → PROBING step: a probe starts only while
+`now < lease_until` (default `inf`, always). Replicas sharing decisions set it to 0 and let
+the replica holding the instance's probe lease through, so a recovering instance is probed
+by one replica, not by all of them at once.
 """
 
 from __future__ import annotations
@@ -131,49 +177,7 @@ class IsolationBackoff:
 
 
 class BreakerState:
-    """One instance's breaker. The rules, exactly:
-
-    **ADMITTING** (`try_admit` → True). `record` counts every finished attempt the caller
-    classified (a client's 4xx is not recorded at all; `timeout` implies `failed`) in `counts`,
-    whose `FailureCounts` rules say when it trips: only ever on a failure.
-
-    **Trip.** If the pool's guard (`may_isolate`, see `PoolBreakers`) refuses, the breaker stays
-    ADMITTING with its counters untouched, `suppressed_isolations` rises and `record` returns a
-    Transition with `suppressed=True`; the next failure checks again, so the instance is
-    isolated as soon as there is room and it still fails. Otherwise it becomes **ISOLATED**
-    until `isolated_until = now +` the length `backoff` gives (`IsolationBackoff`: `streak`
-    rises by one, the length doubles with it up to `max_isolation`, jittered).
-
-    **ISOLATED** (`try_admit` → False before `isolated_until`). At `now ≥ isolated_until`, the
-    next `try_admit` turns the breaker to **PROBING** and returns True: that caller holds the
-    probe (it can tell: `state == "PROBING"` right after a True). Every other `try_admit` gets
-    False until the probe's result, `record(..., probe=True)`:
-
-    - success → ADMITTING, window and `consecutive_timeouts` cleared, `streak = max(0, n - 1)`;
-    - failure → ISOLATED again with streak n + 1 (the next, longer isolation).
-
-    An isolation for failures the instance answered (errors, OOMs: it is up) may end early:
-    `try_admit(now, early=True)`, which the caller asks only while every instance still
-    admitting is full, probes it before `isolated_until`, at most once per `EARLY_PROBE_GAP_S`.
-
-    A probe that never reports (its request was cancelled) must not wedge the breaker:
-    `release_probe(now)` puts it back to ISOLATED with `isolated_until` already passed, so the
-    next `try_admit` probes again; and a probe outstanding longer than `max_isolation` lets one
-    more probe through (the later of the two that reports decides, whichever it is).
-
-    Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
-    requests admitted before the isolation, and describe the instance before the pause.
-
-    **Operator.** `isolate(now, rng, reason)` holds it ISOLATED, whatever the pool's cap, until
-    `restore(now)` clears its record; `isolate(..., forced=False)` is an automatic trip from
-    outside the request path (the rules in their docstrings).
-
-    **Shared decisions.** `adopt` and `lift` apply what another replica decided (see their
-    docstrings). `lease_until` gates the ISOLATED → PROBING step: a probe starts only while
-    `now < lease_until` (default `inf`, always). Replicas sharing decisions set it to 0 and let
-    the replica holding the instance's probe lease through, so a recovering instance is probed
-    by one replica, not by all of them at once.
-
+    """One instance's breaker: the rules, exactly, are the module's ("The breaker's rules").
     The ISOLATED → PROBING change happens inside `try_admit`, which returns only a bool so that
     the hot path allocates nothing: the shell sees it as a True with `state == "PROBING"`.
     """
@@ -246,17 +250,12 @@ class BreakerState:
     def try_admit(self, now: float, early: bool = False, spare: bool = False) -> bool:
         """May this instance take a new request at `now`? (Rules in the class docstring.)
 
-        `early`: the pool's admitting instances are all full, so an isolation for failures
-        the instance answered may end before its time with a probe, one a second at most: it
-        answered, so it is up, and a fault that made it answer errors (a burst of them, an OOM
-        spell) is often over well before the isolation is; meanwhile its share queues on the
-        others. A failed early probe isolates it again as any failed probe does.
-
-        `spare`: nothing in the pool admits and the request has somewhere else to go if the
-        probe fails (a fallback pool): a probe may come before the isolation ends, whatever
-        isolated it, one a second at most. It costs its request a refused attempt at worst,
-        and it finds the instance back within a second of its return, where an isolation
-        grown by failed probes would hold it out for minutes after."""
+        `early`: the pool's admitting instances are all full: it answered, so it is up, and a
+        fault that made it answer errors (a burst, an OOM spell) is often over well before
+        the isolation is, while its share queues on the others. `spare`: nothing in the pool
+        admits and the request has a fallback pool if the probe fails: it costs that request a
+        refused attempt at worst, and finds the instance back within a second of its return,
+        where an isolation grown by failed probes would hold it out for minutes after."""
         state = self.state
         if state == ADMITTING:
             return True
