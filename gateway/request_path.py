@@ -27,7 +27,10 @@
                 instance's latency (connect, first byte, idle gap of a stream)
     attempt span `pipeline.attempt_span.AttemptSpans` (tracing on): a CLIENT span per attempt
     transport   `pipeline.transport.Transport`: the request sent (`upstream.clients`), read up
-                to the commit point: a whole body up to 1 MiB, else the first chunk
+                to the commit point: a whole body up to 1 MiB, else the first chunk (a 200
+                event stream's first whole event); a 200 that cannot be an answer (a JSON
+                route's body that is not a JSON object, a stream that does not begin with an
+                event) is the upstream's protocol failure, never relayed as a success
     ---------   the commit point: from here the response goes to the client, no retry
     relay       `ingress.relay.relay` (`DataPlane._relay`): the response forwarded, inside
                 its scope (`upstream.response.Owned`), which finishes it once when the relay

@@ -163,7 +163,58 @@ def done_then_cut(sock: socket.socket) -> None:
     time.sleep(0.2)
 
 
+def json_cut(sock: socket.socket) -> None:
+    body = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Hel'
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
+
+
+def json_empty(sock: socket.socket) -> None:
+    sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n")
+
+
+def html_page(sock: socket.socket) -> None:
+    body = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
+
+
+def json_padded(sock: socket.socket) -> None:
+    body = b'\n  {"a":1}\n'
+    sock.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json; charset=utf-8\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def garbage_stream(sock: socket.socket) -> None:
+    sock.sendall(
+        SSE_HEAD + chunk(b"<html>oops</html>\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    )
+
+
+def dripped_event(sock: socket.socket) -> None:
+    # The head at once, then the first event a byte at a time: 4 s for it, past every deadline.
+    sock.sendall(SSE_HEAD)
+    for byte in b'data: {"n":1}\n\n':
+        try:
+            sock.sendall(chunk(bytes([byte])))
+        except OSError:
+            return
+        time.sleep(0.25)
+
+
 SCRIPTS = {
+    "json-cut": json_cut,
+    "json-empty": json_empty,
+    "html-page": html_page,
+    "garbage-stream": garbage_stream,
+    "json-padded": json_padded,
+    "dripped-event": dripped_event,
     "responses-completed-then-cut": responses_completed_then_cut,
     "responses-cut": responses_cut,
     "done-then-cut": done_then_cut,
@@ -416,3 +467,41 @@ def test_a_broken_responses_stream_ends_with_an_error_event_after_the_last_one_s
     error = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
     # Numbered after the last event the client got (the half one held back was never sent).
     assert error["sequence_number"] == 2 and error["code"] == "upstream_reset"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model", ["json-cut", "json-empty", "html-page", "garbage-stream"])
+def test_a_200_that_cannot_be_an_answer_is_a_protocol_failure_not_a_success(
+    client: httpx.Client, gateway: Gateway, model: str, stream: bool
+) -> None:
+    # A JSON body cut short, an empty one, a proxy's HTML page, an event stream that does
+    # not begin with an event: what the client would take for a success is the upstream's
+    # failure, before the commit point (where a fallback could still answer).
+    before = protocol_attempts(gateway)
+    request = {"model": model, "messages": [], "stream": stream}
+    response = client.post("/v1/chat/completions", json=request)
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "upstream_protocol_error"
+    assert protocol_attempts(gateway) == before + 1
+
+
+def test_a_well_formed_json_answer_with_whitespace_around_it_is_relayed(
+    client: httpx.Client,
+) -> None:
+    response = client.post("/v1/chat/completions", json={"model": "json-padded", "messages": []})
+    assert response.status_code == 200
+    assert response.content == b'\n  {"a":1}\n'  # as it came
+
+
+def test_a_stream_whose_first_event_drips_in_is_not_committed_to(
+    client: httpx.Client, gateway: Gateway
+) -> None:
+    # Not a 200 cut at the ceiling: its first event never arrived within the first-byte
+    # deadline, so nothing went to the client and the request could still go elsewhere.
+    before = timeouts_by_phase(gateway)
+    with client.stream("POST", "/v1/chat/completions", json=post("dripped-event")) as response:
+        status = response.status_code
+        body = json.loads(response.read())
+    assert status == 504
+    assert body["error"]["code"] == "upstream_timeout"
+    assert timeouts_by_phase(gateway).get("first_byte", 0) > before.get("first_byte", 0)

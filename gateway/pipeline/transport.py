@@ -16,13 +16,19 @@ import asyncio
 import ssl
 from collections.abc import Callable
 from functools import partial
-from typing import Protocol
+from typing import Final, Protocol
 
 from yarl import URL
 
 from gateway.core.outcome import Phase
+from gateway.core.sse import event_boundary
 from gateway.core.timeouts import AttemptTimeouts
-from gateway.errors import UpstreamError, UpstreamTimeout, map_upstream_exception
+from gateway.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    map_upstream_exception,
+)
 from gateway.pipeline.call import Call
 from gateway.runtime import Clock
 from gateway.upstream.instance import InstanceState
@@ -34,6 +40,14 @@ from gateway.upstream.watchdog import Deadline, Watchdog, expired
 WHOLE_BODY_LIMIT = 1024 * 1024
 # How often a queued attempt whose first-byte wait ran out asks again whether to wait on.
 PATIENCE_RECHECK_S = 0.25
+# The routes whose answers are always a JSON object (a whole one: a 200 that is not one is
+# broken); an audio route may answer plain text, subtitles, an unknown route anything.
+_JSON_KINDS: Final = frozenset(("generation", "pooling", "utility"))
+# How an event stream may begin: a field (an event's data or name, its id, a reconnection
+# time), a comment (a keep-alive), a blank line, or the byte order mark the spec allows.
+# The most of a stream's first event read before it is committed to (as the relay holds one).
+MAX_FIRST_EVENT_BYTES: Final = 1024 * 1024
+SSE_STARTS: Final = (b"data:", b"event:", b":", b"id:", b"retry:", b"\n", b"\r", b"\xef\xbb\xbf")
 
 
 class UpstreamClient(Protocol):
@@ -191,19 +205,7 @@ class Transport:
             )
             if translation is not None:  # read back in the client's API family
                 raw = translation.wrap(raw)
-            headers = raw.headers
-            is_sse = headers.get("content-type", "").lower().startswith("text/event-stream")
-            if is_sse and headers.get("content-encoding", "identity").lower() != "identity":
-                is_sse = False
-            length = raw.content_length
-            if not is_sse and length is not None and length <= WHOLE_BODY_LIMIT:
-                # A non-streamed answer's first byte is its whole body: same deadline.
-                body = await raw.read()
-                first = b""
-                self._watchdog.disarm(deadline)
-            else:
-                body = None
-                first = await raw.readany()
+            body, first, is_sse = await self._to_commit_point(raw, call, deadline)
             response = UpstreamResponse(
                 instance,
                 raw,
@@ -233,8 +235,81 @@ class Transport:
             if progress.held:
                 instance.release_hold(self._loop_time())
 
+    async def _to_commit_point(
+        self, raw: ResponseHead, call: Call, deadline: Deadline
+    ) -> tuple[bytes | None, bytes, bool]:
+        """The answer read up to the commit point: a whole body up to `WHOLE_BODY_LIMIT`
+        (then `first` is empty), else its first piece (a 200 event stream's: up to its first
+        whole event); and whether it is an event stream the gateway may read and append to
+        (uncompressed). Raises UpstreamProtocolError for a 200 the client would take for a
+        success while it is broken (`refuse_unlike_json`, `first_event`)."""
+        headers = raw.headers
+        content_type = headers.get("content-type", "").lower()
+        is_sse = content_type.startswith("text/event-stream")
+        if is_sse and headers.get("content-encoding", "identity").lower() != "identity":
+            is_sse = False
+        length = raw.content_length
+        # What the client would take for a success is checked before it is committed to
+        # (in line: the answers that pass cost no call).
+        checked = raw.status == 200 and call.route.protocol != "opaque"
+        if not is_sse and length is not None and length <= WHOLE_BODY_LIMIT:
+            # A non-streamed answer's first byte is its whole body: same deadline.
+            body = await raw.read()
+            first = b""
+            self._watchdog.disarm(deadline)
+            if (
+                checked
+                and call.route.kind in _JSON_KINDS
+                and not ("json" in content_type and body[:1] == b"{" and body[-1:] == b"}")
+            ):
+                refuse_unlike_json(body, content_type)
+        else:
+            body = None
+            first = await raw.readany()
+            if checked and is_sse and not (first.startswith(SSE_STARTS) and b"\n\n" in first):
+                first = await first_event(raw, first)
+        return body, first, is_sse
+
     def _abandon(self, raw: ResponseHead | None, deadline: Deadline) -> None:
         """Undo an attempt that failed before reaching the client."""
         self._watchdog.disarm(deadline)
         if raw is not None:
             raw.close()
+
+
+def refuse_unlike_json(body: bytes, content_type: str) -> None:
+    """A 200 whole answer of a JSON route that does not look like the JSON object it must be:
+    cut short, empty, or something else (a proxy's HTML error page). Raised as the upstream's
+    protocol failure, before the client takes it for a success: the pool's retry policy and
+    its fallbacks handle it as any broken attempt. Only its type and its ends are read (a
+    parse would cost more than the rest of the answer's way through the gateway); whitespace
+    around the object is allowed."""
+    if "json" not in content_type:
+        raise UpstreamProtocolError(
+            f"the upstream answered 200 with {content_type or 'no content type'!r}, not JSON"
+        )
+    stripped = body.strip()
+    if not (stripped.startswith(b"{") and stripped.endswith(b"}")):
+        what = "an empty body" if not stripped else "a body that is not a whole JSON object"
+        raise UpstreamProtocolError(f"the upstream answered 200 with {what}")
+
+
+async def first_event(raw: ResponseHead, first: bytes) -> bytes:
+    """A 200 event stream's bytes up to its first whole event (`first`: its first piece), read
+    within the attempt's first-byte deadline, which they are part of: a stream is committed to
+    only once it got going. One that drips in a byte at a time runs out of that time and is
+    retried or handed over, like one that sent nothing; one that does not begin as an event
+    stream is the upstream's protocol failure. An upstream that ends (or sends more than an
+    event may hold) before a whole event is left to the relay, which treats it as a stream cut
+    short."""
+    held = bytearray(first)
+    while not event_boundary(held, max(0, len(held) - len(first) - 3)):
+        if len(held) > MAX_FIRST_EVENT_BYTES:
+            break
+        first = await raw.readany()
+        if not first:
+            break
+        held += first
+    if held and not held.startswith(SSE_STARTS):
+        raise UpstreamProtocolError("the upstream's 200 event stream does not begin with an event")
+    return bytes(held)
