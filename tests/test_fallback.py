@@ -507,3 +507,28 @@ def test_what_cannot_be_translated_skips_that_fallback_visibly(gateway: Gateway)
         )
         >= 1
     )
+
+
+def test_a_pool_of_the_other_family_asked_directly_is_translated(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """`api` states a pool's family: a client of the other one is translated there too, with
+    no fallback involved; a route that is not translated is refused clearly."""
+    completion = _openai(gateway).chat.completions.create(
+        model="claude-model", messages=SHORT, max_tokens=3
+    )
+    assert completion.object == "chat.completion" and completion.model == "claude-model"
+    message = _anthropic(gateway).messages.create(
+        model="gpt-model", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert message.type == "message" and message.model == "gpt-model"
+    paths = {r["model"]: r["path"] for r in backends["cross"].requests()}
+    assert paths == {"claude-model": "/v1/messages", "gpt-model": "/v1/chat/completions"}
+    with pytest.raises(openai.NotFoundError) as caught:
+        _openai(gateway).completions.create(model="claude-model", prompt="hi", max_tokens=3)
+    assert "speaks the anthropic API" in str(caught.value)
+    with pytest.raises(openai.BadRequestError) as refused:
+        _openai(gateway).chat.completions.create(
+            model="claude-model", messages=SHORT, max_tokens=3, n=2
+        )
+    assert "cannot express this request" in str(refused.value)

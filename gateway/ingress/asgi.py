@@ -19,6 +19,7 @@ from starlette.types import Scope
 
 from gateway.config.models import LimitsPolicy
 from gateway.config.routes import KNOWN_ROUTES, MODELS_PATH, Route, acts, route_for
+from gateway.core.translate import Untranslatable
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.ingress.auth import OPEN_PATHS, ClientAuth, send_unauthorized
 from gateway.ingress.body import ClientGone, Receive, read_body
@@ -42,6 +43,7 @@ from gateway.telemetry.tracing import Tracing
 from gateway.upstream.pool import PoolState
 from gateway.upstream.registry import Registry
 from gateway.upstream.response import Owned, UpstreamResponse
+from gateway.upstream.translated import NotTranslated, Translated, translation_for
 
 log = logging.getLogger("gateway.ingress")
 
@@ -111,6 +113,20 @@ def _model_listing(
     for model, pool in by_model.items():
         pools.setdefault(id(pool), (pool, model))  # its first model
     return listing, bodies, next(iter(pools.values())) if len(pools) == 1 else None
+
+
+def _translation(route: Route, pool: PoolState, facts: RequestFacts) -> Translated | None:
+    """How a request reaches its pool when the pool states its API family (`api`): None
+    when as it is; an error the client is told when it cannot be translated there."""
+    try:
+        return translation_for(route, pool.policy.api, facts.request, facts.model)
+    except Untranslatable as refused:
+        raise InvalidRequest(
+            f"pool {pool.name!r} speaks the {pool.policy.api} API, which cannot express this "
+            f"request ({refused.reason})"
+        ) from None
+    except NotTranslated as refused:
+        raise NotFound(f"{refused}: pool {pool.name!r} speaks the {pool.policy.api} API") from None
 
 
 async def _answer_or_fall_back(
@@ -393,6 +409,14 @@ class DataPlane:
         fetched = None
         if not facts.stream and self._resume_handler is not None:
             fetched = fetch_as_stream(route.path, facts, pool.policy.resume, body)
+        if fetched is not None:
+            body, sent = fetched
+        else:
+            sent = facts
+        translation = None
+        if pool.policy.api is not None:  # a pool of the other API family: translated
+            translation = _translation(route, pool, sent)
+            body = body if translation is None else translation.body
         query = scope["query_string"]
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -400,14 +424,15 @@ class DataPlane:
             pool=pool,
             route=route,
             query=query.decode("latin-1") if query else "",
-            body=body if fetched is None else fetched[0],
+            body=body,
             headers=headers.forward,
-            facts=facts if fetched is None else fetched[1],
+            facts=sent,
             deadline=self._loop.time() + budget_s,
             cancellation=Cancellation(task),
             acts=acts(route, facts.request),
             priority=priority,
             handover=fallback,
+            translation=translation,
         )
         return call, fetched is not None
 

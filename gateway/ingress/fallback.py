@@ -35,7 +35,6 @@ from typing import Any, Final
 from opentelemetry import trace
 
 from gateway.config.fallbacks import CONTEXT_LENGTH, MAX_FALLBACK_DEPTH, FallbackTarget
-from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
 from gateway.core.refusals import refusal_of
 from gateway.core.translate import Untranslatable
 from gateway.errors import (
@@ -50,7 +49,7 @@ from gateway.pipeline.call import Call, Handler, RequestFacts
 from gateway.runtime import Clock
 from gateway.upstream.pool import PoolState
 from gateway.upstream.response import Owned, UpstreamResponse
-from gateway.upstream.translated import Translated
+from gateway.upstream.translated import NotTranslated, Translated, translation_for
 
 # What sends a broken stream's continuation to a fallback: its pool had nothing left to
 # continue it on.
@@ -344,16 +343,14 @@ def _sent_as(
     translated ("api"), a request the other family cannot express ("untranslatable:...")."""
     if call.facts.form or not call.facts.request:
         return "form"
-    family = _FAMILY.get(call.route.protocol)
-    api = pool.policy.api
-    if api is None or family is None or api == family:
-        return json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode(), None
-    if call.route.path not in (CHAT_PATH, MESSAGES_PATH):
-        return "api"
     try:
-        translation = Translated("openai" if family == "openai" else "anthropic", request, model)
+        translation = translation_for(call.route, pool.policy.api, request, model)
     except Untranslatable as refused:
         return f"untranslatable:{refused.reason}"
+    except NotTranslated:
+        return "api"
+    if translation is None:
+        return json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode(), None
     return translation.body, translation
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, Literal, Protocol
 
-from gateway.config.routes import CHAT_PATH, MESSAGES_PATH
+from gateway.config.routes import CHAT_PATH, MESSAGES_PATH, Route
 from gateway.core.translate import chat_to_messages, messages_to_chat
 from gateway.core.translate_answer import (
     chat_answer_to_messages,
@@ -33,6 +33,34 @@ Family = Literal["openai", "anthropic"]
 # Headers the translated body makes wrong: its length, and what the upstream said of the
 # bytes it sent (an encoding the translation decoded).
 _DROPPED: Final = frozenset((b"content-length", b"content-encoding", b"transfer-encoding"))
+
+
+# The API family of each route protocol (None: a route of no family, sent as it is anywhere).
+_FAMILIES: Final[dict[str, Family]] = {
+    "openai": "openai",
+    "responses": "openai",
+    "anthropic": "anthropic",
+}
+
+
+class NotTranslated(Exception):
+    """A route of one family asked of a pool of the other that is not translated (only chat
+    completions and Messages are)."""
+
+
+def translation_for(
+    route: Route, api: Family | None, request: dict[str, Any], model: str
+) -> Translated | None:
+    """How a request on `route` (`request`, asking `model`) reaches a pool whose instances
+    speak `api`: None when as it is (no family stated, the same family, a route of none).
+    Raises NotTranslated for a route that is not translated, and `core.translate.
+    Untranslatable` for a request the other family cannot express."""
+    family = _FAMILIES.get(route.protocol)
+    if api is None or family is None or api == family:
+        return None
+    if route.path not in (CHAT_PATH, MESSAGES_PATH):
+        raise NotTranslated(f"{route.path} is not translated to the {api} API")
+    return Translated(family, request, model)
 
 
 class Translated:
