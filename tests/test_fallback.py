@@ -336,13 +336,15 @@ def test_rate_limited_after_retries_falls_back(
         >= 1
     )
     # Its instance asked for a pause longer than any backoff: the request was handed over
-    # at once instead of waiting it out, and the pause holds the next request off it too.
+    # at once instead of waiting it out. Reached with the clients' own keys (no
+    # `credentials`), the pause does not hold another request off it: that one is asked
+    # (its key may not be the one limited), is refused too, and is handed over at once.
     assert len(backends["small"].requests()) == 1
     again = _openai(gateway).chat.completions.with_raw_response.create(
         model="small-model", messages=SHORT, max_tokens=4
     )
     assert again.headers["x-gateway-pool"] == "backup"
-    assert len(backends["small"].requests()) == 1
+    assert len(backends["small"].requests()) == 2
 
 
 def test_a_stream_whose_pool_dies_mid_way_is_continued_on_the_fallback(
@@ -532,3 +534,20 @@ def test_a_pool_of_the_other_family_asked_directly_is_translated(
             model="claude-model", messages=SHORT, max_tokens=3, n=2
         )
     assert "cannot express this request" in str(refused.value)
+
+
+def test_what_could_act_twice_is_handed_over_only_if_it_never_ran(
+    gateway: Gateway, backends: dict[str, Backend]
+) -> None:
+    """A background Responses API request its pool answered 500 may have started its job:
+    the 500 is the answer, not a second job on a fallback. One no instance took goes on."""
+    backends["small"].set_faults(error_rate=1.0, error_status=500, error_message="started?")
+    body = {"model": "small-model", "input": "hello", "background": True}
+    answer = httpx.post(f"{gateway.url}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 500 and "started?" in answer.text
+    assert len(backends["small"].requests()) == 1
+    assert backends["backup"].requests() == []
+    gone = httpx.post(
+        f"{gateway.url}/v1/responses", json={**body, "model": "down-model"}, timeout=30
+    )
+    assert gone.status_code == 200 and gone.headers["x-gateway-pool"] == "backup"

@@ -1014,13 +1014,20 @@ def test_a_429_whose_wait_outlasts_the_deadline_is_returned_at_once() -> None:
     assert backed_off.at < 2.0
 
 
-def test_no_attempt_of_any_request_reaches_a_paused_instance() -> None:
-    """A lone instance answers a 429 with Retry-After: 1. A request that may wait for it does
-    (its attempt goes out once the pause is over, never before); one that may not is told at
-    once (503 + Retry-After, nothing sent)."""
+def test_no_attempt_of_any_request_reaches_a_paused_instance_reached_with_our_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone instance reached with the operator's key (`credentials`: its limit is every
+    request's) answers a 429 with Retry-After: 1. A request that may wait for it does (its
+    attempt goes out once the pause is over, never before); one that may not is told at once
+    (503 + Retry-After, nothing sent)."""
+    monkeypatch.setenv("POOL_KEY", "sk-ours")
 
     async def scenario() -> tuple[Pipeline, list[Outcome], float]:
-        p = await pipeline({"a": lambda n: limited("1") if n == 0 else Answer()})()
+        p = await pipeline(
+            {"a": lambda n: limited("1") if n == 0 else Answer()},
+            "    credentials: {from_env: POOL_KEY}",
+        )()
         loop = asyncio.get_running_loop()
         try:
             first = await p.request(within_s=0.5)  # its 429, at once
@@ -1039,6 +1046,48 @@ def test_no_attempt_of_any_request_reaches_a_paused_instance() -> None:
     assert hurried.retry_after_s == pytest.approx(paused_until - first.at)
     assert (patient.status, patient.attempts) == (200, 1)
     assert [s.at >= paused_until for s in p.upstreams.sent] == [False, True]
+
+
+def test_a_paused_instance_reached_with_the_clients_keys_is_only_the_last_choice() -> None:
+    """Without `credentials`, each client's own key may be the one limited: the request that
+    got the 429 waits its Retry-After before its retry, but another client's request still
+    goes to the lone instance, as it would going direct; with a second instance, it goes
+    there."""
+
+    async def scenario() -> tuple[list[Outcome], list[str], list[Outcome], list[str]]:
+        lone = await pipeline({"a": lambda n: limited("1") if n == 0 else Answer()})()
+        two = await pipeline(
+            {"a": lambda n: limited("1") if n == 0 else Answer(), "b": always(Answer())},
+            "    hedging: false",
+        )()
+        try:
+            waited, other = await asyncio.gather(
+                lone.request(), _after(0.1, lone.request(within_s=0.3))
+            )
+            first = await two.request()
+            others = [await two.request() for _ in range(3)]
+            return (
+                [waited, other],
+                [s.instance for s in lone.upstreams.sent],
+                [first, *others],
+                [s.instance for s in two.upstreams.sent],
+            )
+        finally:
+            await lone.watchdog.close()
+            await two.watchdog.close()
+
+    (waited, other), lone_sent, answers, two_sent = run(scenario())
+    assert (other.status, other.attempts) == (200, 1)  # not held off the lone instance
+    assert (waited.status, waited.attempts) == (200, 2)
+    assert waited.at >= 1.0  # its own retry honoured the Retry-After
+    assert lone_sent == ["a", "a", "a"]
+    assert all(answer.status == 200 for answer in answers)
+    assert two_sent[-3:] == ["b", "b", "b"]  # while `a` is paused, `b` takes the rest
+
+
+async def _after(delay_s: float, request: Awaitable[Outcome]) -> Outcome:
+    await asyncio.sleep(delay_s)
+    return await request
 
 
 # -- timeouts.first_token_max ----------------------------------------------------------------

@@ -485,16 +485,17 @@ class BreakerState:
 
     def _probe_result(
         self, now: float, failed: bool, timeout: bool, rng: random.Random
-    ) -> Transition:
+    ) -> Transition | None:
         spare_until, self.spare_until = self.spare_until, None
         if failed and spare_until is not None:
             # A spare probe asked ahead of the isolation's end: it found the instance still
             # out, which the isolation under way already says. It goes on as it was, neither
             # longer nor counted again: spare probes come every second, and each doubling
-            # the isolation would hold the instance out for minutes once it is back.
+            # the isolation would hold the instance out for minutes once it is back. Nothing
+            # to tell either (no log line, no shared decision a second).
             self.state = ISOLATED
             self.changed_at = now
-            return Transition(self.instance, PROBING, ISOLATED, "spare probe failed", spare_until)
+            return None
         if failed:
             reason = "probe timed out" if timeout else "probe failed"
             trip = Trip(reason, silent=timeout, answered=not timeout)

@@ -58,7 +58,7 @@ def refusal_of(status: int, body: bytes | None) -> Refusal | None:
         return None
     try:
         value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     error = value.get("error") if isinstance(value, dict) else None
     if not isinstance(error, dict):

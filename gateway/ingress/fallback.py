@@ -24,7 +24,9 @@ skipped, visibly (`gateway_fallback_skips_total`, the span's events): a pool of 
 family for a route that cannot be translated, a multipart body, a pool a reload removed.
 
 Once the first byte went out, a request stays where it is: a stream that breaks is continued
-within its pool (`ingress.resume`)."""
+within its pool (`ingress.resume`), and on the pool's first fallback of its API family only
+when the pool has no instance left to continue it on (`Fallbacks.continuation`). A request
+that could do something twice (`Call.acts`) is handed over only when its pool never ran it."""
 
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ from gateway.upstream.pool import PoolState
 from gateway.upstream.response import Owned, UpstreamResponse
 from gateway.upstream.translated import NotTranslated, Translated, translation_for
 
+# The causes that prove the request was never run: no instance took it, admission refused it,
+# the instance refused it (429), or refused the prompt (400).
+_NEVER_RAN: Final = frozenset(("unavailable", "shed", "rate_limited", CONTEXT_LENGTH))
 # What sends a broken stream's continuation to a fallback: its pool had nothing left to
 # continue it on.
 _NOTHING_LEFT: Final = frozenset(("unavailable", "retries_exhausted"))
@@ -211,7 +216,7 @@ class Fallbacks:
                 handover.keep(response, error)
                 next_call = self._next_call(handover, call, cause)
                 if next_call is None:
-                    next_call = _last_resort(handover)
+                    next_call = _last_resort(handover, self._clock())
                 if next_call is None:
                     return handover.original()
                 handover.calls.append(next_call)
@@ -221,7 +226,10 @@ class Fallbacks:
 
     def _next_call(self, handover: Handover, call: Call, cause: str | None) -> Call | None:
         """The call on the next pool that can take the request, or None when none is left
-        (nor time to try one)."""
+        (nor time to try one). A request that could do something twice (`Call.acts`) goes on
+        only when its pool never ran it (`_NEVER_RAN`)."""
+        if call.acts and cause not in _NEVER_RAN:
+            return None
         while True:
             target = handover.next(call.pool, cause)
             if target is None:
@@ -257,6 +265,8 @@ class Fallbacks:
         policy = call.pool.policy
         if cause not in _NOTHING_LEFT or cause not in policy.fallback_on:
             return None
+        if call.translation is not None:
+            return None  # its body is in another family than the pool's route: not continued
         for target in policy.fallbacks:
             pool = self._pools.get(target.pool)
             if pool is None or _cannot_take(call, pool) is not None:
@@ -310,13 +320,14 @@ class Fallbacks:
             )
 
 
-def _last_resort(handover: Handover) -> Call | None:
+def _last_resort(handover: Handover, now: float) -> Call | None:
     """The request's own pool once more, with panic routing, when no fallback answered and
     its pool had held panic back for them (`Call.handover`): the least bad of its instances, as
     without fallbacks, rather than no answer. None when that does not apply, or was done."""
     first = handover.first
     if (
         not first.handover
+        or now >= first.deadline
         or handover.last_resort is not None
         or not isinstance(handover.failure, NoInstanceAvailable)
         or first.pool.policy.breaker.when_none_available != "panic"
@@ -343,6 +354,8 @@ def _sent_as(
     translated ("api"), a request the other family cannot express ("untranslatable:...")."""
     if call.facts.form or not call.facts.request:
         return "form"
+    if call.route.kind == "other" and pool.policy.credentials is not None:
+        return "credentials"  # the operator's key is spent only on what the gateway knows
     try:
         translation = translation_for(call.route, pool.policy.api, request, model)
     except Untranslatable as refused:

@@ -125,9 +125,13 @@ class Call:
         request and what was relayed): a retry loop of its own (no attempts yet, nothing
         tried), avoiding `avoid` (the instances that broke the stream) and this call's
         avoided ones. Instances that timed out stay silent for it as for this call."""
-        return self._next(
+        continued = self._next(
             body=body, prompt_tokens=0, attempts=0, hedges=0, tried=[], avoid=[*avoid, *self.avoid]
         )
+        # Its own pool may panic for it and wait out pauses: the fallbacks that may take it
+        # are asked only when that pool had nothing left (`ingress.resume`).
+        continued.handover = False
+        return continued
 
     def for_fallback(
         self,

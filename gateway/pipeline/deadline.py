@@ -10,6 +10,8 @@ initial guess alone while its peers know better.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway.core.concurrency import prompt_tokens
 from gateway.core.timeouts import AttemptTimeouts, Load
 from gateway.pipeline.call import Call, Handler
@@ -67,4 +69,12 @@ class DeadlineLayer:
             )
             and instance.health.answered,
         )
+        if attempt.probe and instance.breaker.spare_until is not None:
+            # A spare probe (`BreakerState.try_admit(spare=True)`) asks whether an instance is
+            # back, for a request that has a fallback: a hung instance must not hold it for a
+            # whole first-byte timeout. Too short for a slow answer, it only fails: the
+            # isolation goes on as it was, and its own probe comes when it ends.
+            cap = max(policy.floor, 2 * policy.connect)
+            if attempt.timeouts.first_byte_s > cap:
+                attempt.timeouts = replace(attempt.timeouts, first_byte_s=cap)
         return await next_handler(call)

@@ -69,18 +69,26 @@ class Pick:
         paused: list[InstanceState] = []  # asked for a pause: no attempt before it ends
         probe = None
         avoid = call.avoid
+        # Whose limit a pause is: the operator's key, which every request spends (a pool with
+        # `credentials`), holds every request off the instance; otherwise each client's own
+        # key may be the one limited, and a paused instance is only the last choice.
+        hard = pool.policy.credentials is not None
         for inst in pool.routable:
             if avoid and inst in avoid:
                 continue  # it refused, dropped or sat on this request a moment ago
-            if inst.not_before > now:
-                paused.append(inst)
-                continue
+            waits = inst.not_before > now
             breaker = inst.breaker
+            if waits and hard:
+                if breaker.state == ADMITTING and inst.health.healthy is not False:
+                    paused.append(inst)
+                continue
             if breaker.state == ADMITTING:
                 admitting.append(inst)
                 budget = inst.budget
-                if inst not in tried and (
-                    budget is None or inst is reserved or budget.fits(tokens)
+                if (
+                    not waits
+                    and inst not in tried
+                    and (budget is None or inst is reserved or budget.fits(tokens))
                 ):
                     if inst.in_flight < inst.room():
                         (queueing if inst.engine.saturated else fresh).append(inst)
@@ -126,9 +134,11 @@ def _last_resort(pool: PoolState, call: Call, now: float) -> InstanceState:
     with nothing else at all, to one it avoided that may be restarting. Raises
     `InstancesPaused` when only paused instances are left, else `NoInstanceAvailable`."""
     tried, avoid = call.tried, call.avoid
+    hard = pool.policy.credentials is not None  # pauses hold every request off (`Pick`)
+    paused = _paused(pool.instances, now) if hard else []
     panic = None
     if not call.handover and pool.policy.breaker.when_none_available == "panic":
-        panic = _least_bad(pool, tried, [*avoid, *_paused(pool.instances, now)])
+        panic = _least_bad(pool, tried, [*avoid, *paused])
         if panic is not None and not any(i.breaker.state == ADMITTING for i in pool.routable):
             # A panic: nothing healthy admits at all (not only this request's avoided).
             pool.stats.panics += 1
@@ -136,9 +146,9 @@ def _last_resort(pool: PoolState, call: Call, now: float) -> InstanceState:
         # Nothing else at all: those instances again (they may be restarting), but
         # not one that let this request time out and has answered nothing since.
         panic = [
-            i for i in avoid if i.health.healthy and not call.silent(i) and i.not_before <= now
+            i for i in avoid if i.health.healthy and not call.silent(i) and i not in paused
         ] or None
-    if panic is None and _paused(pool.instances, now):
+    if panic is None and paused:
         raise _all_paused(pool, now)
     if panic is None:
         raise NoInstanceAvailable(
@@ -156,7 +166,7 @@ def _paused(instances: list[InstanceState], now: float) -> list[InstanceState]:
 def _all_paused(pool: PoolState, now: float) -> InstancesPaused:
     """The answer when every instance that could take the request is paused: when to come
     back is when the first of the pool's pauses ends."""
-    first_free = min(inst.not_before for inst in _paused(pool.instances, now))
+    first_free = min((inst.not_before for inst in _paused(pool.instances, now)), default=now)
     return InstancesPaused(
         f"every instance of pool {pool.name!r} that could take the request asked for a pause",
         retry_after_s=first_free - now,

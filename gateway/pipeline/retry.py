@@ -274,5 +274,5 @@ def _pause_left_s(pool: PoolState, now: float) -> float:
     """How long a retry must wait after an answer that paused its instance (a Retry-After, a
     429's backoff: `upstream.feedback.asked_to_wait`): until the first of the pool's instances
     is free of its pause, nothing while one is (the pick layer chooses among those)."""
-    first_free = min(inst.not_before for inst in pool.instances)
+    first_free = min((inst.not_before for inst in pool.instances), default=now)
     return first_free - now if first_free > now else 0.0

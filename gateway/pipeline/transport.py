@@ -186,6 +186,8 @@ class Transport:
             sent += pool.credential_headers
         raw: ResponseHead | None = None
         translation = call.translation
+        if translation is not None:
+            sent = translation.headers(sent)
         try:
             raw = await self._client.post(
                 instance.url_of(call.path if translation is None else translation.path),
@@ -246,12 +248,13 @@ class Transport:
         headers = raw.headers
         content_type = headers.get("content-type", "").lower()
         is_sse = content_type.startswith("text/event-stream")
-        if is_sse and headers.get("content-encoding", "identity").lower() != "identity":
-            is_sse = False
+        # Bytes the gateway can read: a compressed body is relayed as it comes, unchecked.
+        plain = headers.get("content-encoding", "identity").lower() == "identity"
+        is_sse = is_sse and plain
         length = raw.content_length
         # What the client would take for a success is checked before it is committed to
         # (in line: the answers that pass cost no call).
-        checked = raw.status == 200 and call.route.protocol != "opaque"
+        checked = raw.status == 200 and call.route.protocol != "opaque" and plain
         if not is_sse and length is not None and length <= WHOLE_BODY_LIMIT:
             # A non-streamed answer's first byte is its whole body: same deadline.
             body = await raw.read()
@@ -278,18 +281,22 @@ class Transport:
 
 
 def refuse_unlike_json(body: bytes, content_type: str) -> None:
-    """A 200 whole answer of a JSON route that does not look like the JSON object it must be:
-    cut short, empty, or something else (a proxy's HTML error page). Raised as the upstream's
+    """A 200 whole answer of a JSON route that does not look like the JSON it must be: cut
+    short, empty, or something else (a proxy's HTML error page). Raised as the upstream's
     protocol failure, before the client takes it for a success: the pool's retry policy and
     its fallbacks handle it as any broken attempt. Only its type and its ends are read (a
     parse would cost more than the rest of the answer's way through the gateway); whitespace
-    around the object is allowed."""
+    around it is allowed, and so is an array (some servers answer a rerank or a tokenize
+    with one)."""
     if "json" not in content_type:
         raise UpstreamProtocolError(
             f"the upstream answered 200 with {content_type or 'no content type'!r}, not JSON"
         )
     stripped = body.strip()
-    if not (stripped.startswith(b"{") and stripped.endswith(b"}")):
+    if not (
+        (stripped.startswith(b"{") and stripped.endswith(b"}"))
+        or (stripped.startswith(b"[") and stripped.endswith(b"]"))
+    ):
         what = "an empty body" if not stripped else "a body that is not a whole JSON object"
         raise UpstreamProtocolError(f"the upstream answered 200 with {what}")
 

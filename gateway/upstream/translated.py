@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Final, Literal, Protocol
 
 from gateway.config.routes import CHAT_PATH, MESSAGES_PATH, Route
-from gateway.core.translate import chat_to_messages, messages_to_chat
+from gateway.core.translate import Untranslatable, chat_to_messages, messages_to_chat
 from gateway.core.translate_answer import (
     chat_answer_to_messages,
     error_to_chat,
@@ -30,6 +30,9 @@ from gateway.upstream.h1_connection import Headers
 from gateway.upstream.response import HeaderLookup, ResponseHead
 
 Family = Literal["openai", "anthropic"]
+# The Messages API version a translated request is written for (Anthropic's API requires the
+# header; servers that do not need it ignore it).
+ANTHROPIC_VERSION: Final = "2023-06-01"
 # Headers the translated body makes wrong: its length, and what the upstream said of the
 # bytes it sent (an encoding the translation decoded).
 _DROPPED: Final = frozenset((b"content-length", b"content-encoding", b"transfer-encoding"))
@@ -60,7 +63,13 @@ def translation_for(
         return None
     if route.path not in (CHAT_PATH, MESSAGES_PATH):
         raise NotTranslated(f"{route.path} is not translated to the {api} API")
-    return Translated(family, request, model)
+    try:
+        return Translated(family, request, model)
+    except Untranslatable:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as malformed:
+        # A request its own family's server would refuse (a block without its text...).
+        raise Untranslatable("malformed", str(malformed)) from None
 
 
 class Translated:
@@ -85,6 +94,16 @@ class Translated:
             self.path = CHAT_PATH
             self._include_usage = False
         self.body = json.dumps(sent, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def headers(self, sent: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The request's headers as they go to the other family: its body is read back
+        uncompressed (`identity`: the translation reads the bytes), and a Messages API asked
+        without its version header is given the one this translation speaks."""
+        out = [(n, v) for n, v in sent if n.lower() != "accept-encoding"]
+        out.append(("accept-encoding", "identity"))
+        if self._client == "openai" and not any(n.lower() == "anthropic-version" for n, _ in out):
+            out.append(("anthropic-version", ANTHROPIC_VERSION))
+        return out
 
     def wrap(self, head: ResponseHead) -> ResponseHead:
         """The upstream's answer, read in the client's family."""
