@@ -74,7 +74,6 @@ import urllib.parse
 from typing import Any, Final
 
 from gateway.core.translate_answer import (
-    arguments_of,
     as_dict,
     as_list,
     as_str,
@@ -82,6 +81,7 @@ from gateway.core.translate_answer import (
     error_to_chat,
     error_to_messages,
     messages_answer_to_chat,
+    tool_call_of,
     tool_id,
 )
 from gateway.core.translate_stream import ChatToMessagesStream, MessagesToChatStream
@@ -594,16 +594,7 @@ def _anthropic_message(message: Any) -> list[dict[str, Any]]:
             if kind == "text":
                 texts.append(as_str(block.get("text")))
             elif kind == "tool_use":
-                calls.append(
-                    {
-                        "id": as_str(block.get("id")),
-                        "type": "function",
-                        "function": {
-                            "name": as_str(block.get("name")),
-                            "arguments": arguments_of(block.get("input")),
-                        },
-                    }
-                )
+                calls.append(tool_call_of(block))
             elif kind not in ("thinking", "redacted_thinking"):
                 raise _refuse_block(kind)
         if not calls:

@@ -173,6 +173,18 @@ def input_of(arguments: Any) -> dict[str, Any]:
 # --- whole answers ---------------------------------------------------------------------------
 
 
+def tool_call_of(block: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic `tool_use` block as an OpenAI tool call (its input as JSON text)."""
+    return {
+        "id": as_str(block.get("id")),
+        "type": "function",
+        "function": {
+            "name": as_str(block.get("name")),
+            "arguments": arguments_of(block.get("input")),
+        },
+    }
+
+
 def messages_answer_to_chat(answer: dict[str, Any], *, created: int = 0) -> dict[str, Any]:
     """An Anthropic `message` as a `chat.completion` (`created`: the caller's clock, seconds)."""
     texts: list[str] = []
@@ -183,16 +195,7 @@ def messages_answer_to_chat(answer: dict[str, Any], *, created: int = 0) -> dict
         if kind == "text":
             texts.append(as_str(block.get("text")))
         elif kind == "tool_use":
-            calls.append(
-                {
-                    "id": as_str(block.get("id")),
-                    "type": "function",
-                    "function": {
-                        "name": as_str(block.get("name")),
-                        "arguments": arguments_of(block.get("input")),
-                    },
-                }
-            )
+            calls.append(tool_call_of(block))
     text = "".join(texts)
     message: dict[str, Any] = {
         "role": "assistant",
