@@ -222,6 +222,9 @@ def test_busy_engines_with_long_prompts_are_not_broken(
             }
             for name, i in after.items()
         },
+        "failures_while_learning": {name: i["failures"] for name, i in learned.items()},
+        # The gateway's own account of every timeout (instance, phase, queueing, load).
+        "timeout_log": [line for line in gateway.proc.lines if "upstream timeout" in line],
     }
     print("real engines:", json.dumps(figures))
     total = STREAMS + LONG_PROMPTS

@@ -924,6 +924,41 @@ def test_a_failing_pool_still_retries_on_a_sound_instance_it_has_not_tried() -> 
     assert any(o.status == 503 for o in outcomes)
 
 
+def test_an_attempt_timed_as_not_the_last_is_followed_by_one_when_it_times_out() -> None:
+    """In a tier of one retry, a fast 503 lets a request go on (a sound instance is left), and
+    its second attempt is timed as not its last: a learned, short first-byte timeout. When
+    that attempt times out (on an instance that turned silent), the retry it was timed for
+    follows, to the instance that answers: never a 504 after a wait shorter than the one a
+    last attempt gets."""
+    settings = (
+        "    retries:\n"
+        "      tiers:\n"
+        "        - {below: 0.01, max_retries: 3, backoff: 1ms, k: [1.2, 1.8]}\n"
+        "        - {below: 1.0, max_retries: 1, backoff: 1ms, k: [1.8, 3.0]}\n"
+        "    breaker: {consecutive_failures: 1000, consecutive_timeouts: 1000, error_rate: 1.0}\n"
+        "    timeouts: {jitter: 0s}\n"
+        "    hedging: false"
+    )
+
+    def answers_then_hangs(n: int) -> Answer | Hang:
+        return Answer() if n < 15 else Hang()
+
+    p, outcomes = requests_in_turn(
+        {
+            "a": always(Answer(status=503, after_s=0.001)),
+            "b": answers_then_hangs,
+            "c": always(Answer()),
+        },
+        settings,
+        120,
+    )
+    assert p.pool.tiers.choose(p.pool.failure.rate).max_retries == 1
+    assert [o.status for o in outcomes] == [200] * 120
+    met_both = [o for o in outcomes if o.attempts == 3]
+    assert met_both, "no request met the failing and the silent instance"
+    assert all(o.instance == "c" for o in met_both)
+
+
 # -- 429s and Retry-After --------------------------------------------------------------------
 
 RATE_LIMITED = b'{"error": {"message": "rate limited", "type": "rate_limit"}}'

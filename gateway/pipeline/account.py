@@ -121,10 +121,17 @@ class Account:
             if transition is not None:
                 self._on_transition(pool.name, transition)
 
-    def _lost_race(self, call: Call, instance: InstanceState, now: float, waited_s: float) -> None:
+    def _lost_race(
+        self, call: Call, instance: InstanceState, now: float, started: float, queued: bool
+    ) -> None:
         """A hedge answered first and this attempt was given up: not a failure once, but an
         instance that loses as many races in a row as it may time out (with no answer in
-        between) is not answering: each further loss counts as a first-byte timeout."""
+        between) is not answering: each further loss counts as a first-byte timeout. One
+        that waited its turn in the queue of an instance that kept working (as a first-byte
+        timeout is not blamed then: `waited_in_queue`) lost for the queue, not for the
+        instance: not counted."""
+        if waited_in_queue(instance, queued, started, now):
+            return
         if instance.lost_race() < call.pool.policy.breaker.consecutive_timeouts:
             return
         self._feedback.attempt_finished(
@@ -132,7 +139,7 @@ class Account:
             instance,
             _LOST_RACE,
             now,
-            waited_s,
+            now - started,
             call.attempt.probe,
         )
 
@@ -220,7 +227,7 @@ class Account:
         if call.cancellation.pending(SUPERSEDED):
             if queued:  # left in the engine's queue until it notices: a ghost meanwhile
                 abandoned(instance, _LOST_RACE, now, now - started)
-            self._lost_race(call, instance, now, now - started)
+            self._lost_race(call, instance, now, started, queued)
 
     def _streaming(
         self,

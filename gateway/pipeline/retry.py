@@ -14,18 +14,21 @@ instance left is best met by asking it again (never by giving up while going dir
 worked). So is one while an instance the request has not tried is sound (it fails less often than
 the most generous tier's bound): a pool's rate is high when one of three instances fails half its
 requests, and its tier's one retry may land on a second failing instance while the third answers
-everything. An instance that let the request's first byte time out is not asked again for it while
-it has sent nothing to anyone since: when nothing else is left, the timeout is the answer. A
-Retry-After from a backend (or, on a 429 without one, a backoff that grows with the 429s in a row:
-`upstream.feedback.asked_to_wait`) keeps every attempt off that instance until it passes: a retry
-that would have to wait longer than the request's deadline allows is not made, and the backend's
-answer goes back at once; one that may waits for the first instance free of its pause, as does a
-request whose every instance is paused as it starts (`InstancesPaused`). The upstream's own
-error answer is relayed unchanged when no retry is allowed. A request that could do something twice
-(`Call.acts`: a route the gateway does not know, a Responses API request running in the background
-or with the server's own tools) is sent again only after a refused connection, when it never left.
-Everything here happens before a byte reaches the client: the transport returns at the first byte,
-and the relay (the commit point) starts only after this loop has returned.
+everything. A request allowed those retries keeps them: its later attempts were timed as not its
+last (a learned first-byte timeout, not a last attempt's longer one), so one that times out is
+followed by the retry it was timed for rather than ending in a 504. An instance that let the
+request's first byte time out is not asked again for it while it has sent nothing to anyone since:
+when nothing else is left, the timeout is the answer. A Retry-After from a backend (or, on a 429
+without one, a backoff that grows with the 429s in a row: `upstream.feedback.asked_to_wait`) keeps
+every attempt off that instance until it passes: a retry that would have to wait longer than the
+request's deadline allows is not made, and the backend's answer goes back at once; one that may
+waits for the first instance free of its pause, as does a request whose every instance is paused as
+it starts (`InstancesPaused`). The upstream's own error answer is relayed unchanged when no retry is
+allowed. A request that could do something twice (`Call.acts`: a route the gateway does not know, a
+Responses API request running in the background or with the server's own tools) is sent again only
+after a refused connection, when it never left. Everything here happens before a byte reaches the
+client: the transport returns at the first byte, and the relay (the commit point) starts only after
+this loop has returned.
 """
 
 from __future__ import annotations
@@ -181,9 +184,11 @@ def _avoid_instance(call: Call, outcome: Outcome, clock: Clock) -> None:
 def _max_retries(call: Call, tier: Tier, outcome: Outcome, now: float) -> int:
     """The retries the request may make: its tier's, or, after a transient failure, the most
     any tier allows (raising `Call.last_attempt` to match) when the instance is alone or a
-    sound instance is left untried (see the module docstring)."""
+    sound instance is left untried (see the module docstring). Once raised, they stay raised:
+    the attempts that followed were timed as not the last (a learned first-byte timeout, not
+    a last attempt's longer one), and one of those that times out is owed its retry."""
     pool = call.pool
-    max_retries = tier.max_retries
+    max_retries = max(tier.max_retries, call.last_attempt - 1)
     if (
         max_retries < pool.tiers.most_retries
         and outcome.kind in _TRANSIENT

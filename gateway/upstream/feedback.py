@@ -36,40 +36,6 @@ _SIGNS_OF_DOWN = frozenset(("timeout", "connect_failure", "reset"))
 _BUSY = frozenset((429, 503, 529))
 
 
-def _timed_out(
-    log_throttle: LogThrottle,
-    pool: PoolState,
-    instance: InstanceState,
-    outcome: Outcome,
-    now: float,
-    queueing: bool,
-    backoff: int,
-    modelled: bool,
-) -> None:
-    """Count and log a timeout, per instance and phase (one line per 10 s per pair)."""
-    phase = outcome.phase or "deadline"
-    pool.stats.timeout(phase)
-    instance.stats.timeout(phase, blamed=not queueing)
-    held_back = log_throttle.admit((pool.name, instance.name, phase, queueing), now)
-    if held_back is not None:
-        fields = {
-            "pool": pool.name,
-            "instance": instance.name,
-            "phase": phase,
-            "queueing": queueing,
-            "in_flight": instance.in_flight,
-            "capacity_seen": instance.capacity_seen,
-            "repeats": held_back,
-        }
-        log.warning("upstream timeout", extra={"fields": fields})
-    if not modelled:
-        return  # waited for up to the deadline, not for a prediction: nothing to back off
-    if phase == Phase.FIRST_BYTE and not queueing:
-        instance.latency.timed_out(backoff)  # the next attempt there waits longer
-    elif phase == Phase.IDLE:
-        instance.latency.idle_timed_out()  # and its next streams' gaps
-
-
 class Feedback:
     """The one way an attempt's outcome reaches its instance and pool (`attempt_finished`), with
     what that needs besides: where breaker transitions go, and the throttle of timeout log
@@ -79,6 +45,47 @@ class Feedback:
     def __init__(self, on_transition: OnTransition) -> None:
         self._on_transition = on_transition
         self._timeout_log = LogThrottle(10.0)
+
+    def _timed_out(
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        outcome: Outcome,
+        now: float,
+        queueing: bool,
+        backoff: int,
+        modelled: bool,
+        waited_s: float,
+        sent_with: int,
+    ) -> None:
+        """Count and log a timeout, per instance and phase (one line per 10 s per pair). The line
+        says what the blame rests on: the load the attempt was sent into (`sent_with`) and
+        meets now, how long it waited, and how long the instance has sent nothing on any
+        attempt (`quiet_s` at least `waited_s`: silent all along, as a stopped engine is)."""
+        phase = outcome.phase or "deadline"
+        pool.stats.timeout(phase)
+        instance.stats.timeout(phase, blamed=not queueing)
+        held_back = self._timeout_log.admit((pool.name, instance.name, phase, queueing), now)
+        if held_back is not None:
+            fields = {
+                "pool": pool.name,
+                "instance": instance.name,
+                "phase": phase,
+                "queueing": queueing,
+                "in_flight": instance.in_flight,
+                "sent_with": sent_with,
+                "capacity_seen": instance.capacity_seen,
+                "waited_s": round(waited_s, 3),
+                "quiet_s": round(now - instance.progress_at, 3),
+                "repeats": held_back,
+            }
+            log.warning("upstream timeout", extra={"fields": fields})
+        if not modelled:
+            return  # waited for up to the deadline, not for a prediction: nothing to back off
+        if phase == Phase.FIRST_BYTE and not queueing:
+            instance.latency.timed_out(backoff)  # the next attempt there waits longer
+        elif phase == Phase.IDLE:
+            instance.latency.idle_timed_out()  # and its next streams' gaps
 
     def attempt_finished(
         self,
@@ -125,7 +132,9 @@ class Feedback:
                 limiter.record(now, first_byte_s, load, per_token_s=per_token_s)
         instance.stats.attempt(outcome, probe)
         if outcome.kind == "timeout":
-            _timed_out(self._timeout_log, pool, instance, outcome, now, queueing, backoff, modelled)
+            self._timed_out(
+                pool, instance, outcome, now, queueing, backoff, modelled, elapsed_s, sent_with
+            )
             if queueing and not probe:
                 return
         if outcome.kind == "ok":

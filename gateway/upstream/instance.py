@@ -246,7 +246,7 @@ class InstanceState:
         self.races_lost = 0
 
     def lost_race(self) -> int:
-        """A hedge answered before it: how many in a row now."""
+        """A hedge answered before it: how many in a row now (an answer ends a row)."""
         self.races_lost += 1
         return self.races_lost
 
@@ -276,8 +276,10 @@ class InstanceState:
         self.budget = TokenBudget(kv_tokens, overcommit, used)
 
     def first_byte(self, sent_at: float, now: float) -> None:
-        """An attempt sent at `sent_at` got its first byte at `now`."""
+        """An attempt sent at `sent_at` got its first byte at `now`: it answers (a busy engine
+        answers new requests seldom, but does), and the races it lost before are forgiven."""
         self.progress_at = now
+        self.races_lost = 0
         if sent_at > self.answered_sent_at:
             self.answered_sent_at = sent_at
 
