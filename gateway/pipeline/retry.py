@@ -100,7 +100,7 @@ class Retry:
                 wait_s = 0.0
                 if response is not None and response.instance.not_before > now:
                     wait_s = _pause_left_s(pool, now)
-                max_retries = _max_retries(call, tier, outcome, now)
+                max_retries = _max_retries(call, outcome, now)
                 # Every instance asked for a pause: a request that fallback pools may answer
                 # goes to them now rather than waiting it out (`Call.handover`).
                 allowed = not (wait_s and call.handover) and _may_retry(
@@ -181,14 +181,15 @@ def _avoid_instance(call: Call, outcome: Outcome, clock: Clock) -> None:
         call.timed_out.append((instance, clock() - waited))
 
 
-def _max_retries(call: Call, tier: Tier, outcome: Outcome, now: float) -> int:
-    """The retries the request may make: its tier's, or, after a transient failure, the most
-    any tier allows (raising `Call.last_attempt` to match) when the instance is alone or a
-    sound instance is left untried (see the module docstring). Once raised, they stay raised:
-    the attempts that followed were timed as not the last (a learned first-byte timeout, not
-    a last attempt's longer one), and one of those that times out is owed its retry."""
+def _max_retries(call: Call, outcome: Outcome, now: float) -> int:
+    """The retries the request may make: its tier's (`Call.last_attempt` starts there), or,
+    after a transient failure, the most any tier allows (raising `Call.last_attempt` to
+    match) when the instance is alone or a sound instance is left untried (see the module
+    docstring). Once raised, they stay raised: the attempts that followed were timed as not
+    the last (a learned first-byte timeout, not a last attempt's longer one), and one of
+    those that times out is owed its retry."""
     pool = call.pool
-    max_retries = max(tier.max_retries, call.last_attempt - 1)
+    max_retries = call.last_attempt - 1
     if (
         max_retries < pool.tiers.most_retries
         and outcome.kind in _TRANSIENT
