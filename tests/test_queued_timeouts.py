@@ -1,0 +1,128 @@
+"""A first-byte timeout counts against its instance unless the attempt may have waited in the
+instance's queue while the instance worked. Requests sent together reach an engine's queue in
+any order (llama.cpp takes each on an HTTP thread of its own), so an attempt sent with a slot
+free may be the one left waiting when more are sent after it: once the instance held more
+attempts than it was seen serving at once during the wait, the wait was a queue's. An instance
+that had room all along, or that sent nothing meanwhile, is blamed.
+
+Driven through the accounting layer (`Account`) with a clock of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from gateway.config.routes import KNOWN_ROUTES
+from gateway.core.outcome import Phase
+from gateway.core.timeouts import AttemptTimeouts
+from gateway.errors import UpstreamTimeout
+from gateway.pipeline.account import Account
+from gateway.pipeline.call import Attempt, Call, RequestFacts
+from gateway.runtime import Cancellation
+from gateway.upstream.instance import InstanceState
+from gateway.upstream.pool import PoolState
+from tests.test_lost_races import Clock, setting
+
+SLOTS = 2
+
+
+async def time_out(
+    account: Account,
+    pool: PoolState,
+    instance: InstanceState,
+    clock: Clock,
+    meanwhile: Callable[[float], None],
+) -> None:
+    """One attempt on `instance` that waits 5 s for a first byte (while `meanwhile` happens,
+    given when it was sent) and times out."""
+    sent = asyncio.Event()
+    waited = asyncio.Event()
+
+    async def handler(call: Call) -> object:
+        sent.set()
+        await waited.wait()
+        raise UpstreamTimeout("the upstream timed out (first_byte)", phase=Phase.FIRST_BYTE)
+
+    async def attempt() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        call = Call(
+            pool=pool,
+            route=KNOWN_ROUTES["/v1/chat/completions"],
+            query="",
+            body=b'{"model": "m", "messages": []}',
+            headers=[],
+            facts=RequestFacts("m", True, 16),
+            deadline=clock.now + 60,
+            cancellation=Cancellation(task),
+            attempt=Attempt(
+                instance=instance,
+                timeouts=AttemptTimeouts(first_byte_s=5.0, idle_s=1.0, connect_s=1.0),
+            ),
+        )
+        await account(call, handler)  # type: ignore[arg-type]
+
+    task = asyncio.create_task(attempt())
+    await sent.wait()
+    meanwhile(clock.now)
+    clock.now += 5.0
+    waited.set()
+    with pytest.raises(UpstreamTimeout):
+        await task
+
+
+def busy(instance: InstanceState, clock: Clock) -> None:
+    """It has served SLOTS streams at once, and one of them runs now."""
+    instance.capacity_seen = SLOTS
+    instance.attempt_started(0, clock.now)
+    instance.stream_started()
+
+
+def another_sent_and_served(instance: InstanceState, at: float) -> None:
+    """Sent after the one waiting, into a full instance, it is served first; it and the stream
+    running end before the one waiting times out (the instance has room again by then)."""
+    instance.attempt_started(0, at + 0.01)
+    instance.first_byte(at + 0.01, at + 0.2)
+    instance.progressed(at + 3.0)
+    instance.attempt_ended(0)
+    instance.attempt_ended(0)
+    instance.stream_ended()
+
+
+async def test_an_attempt_overtaken_in_a_queue_filled_after_it_was_sent_is_not_blamed() -> None:
+    account, pool, a, clock = setting()
+    busy(a, clock)
+    await time_out(account, pool, a, clock, lambda at: another_sent_and_served(a, at))
+    assert a.stats.timeouts == {("first_byte", False): 1}
+    assert a.failures == 0
+
+
+async def test_an_attempt_with_room_all_along_is_blamed() -> None:
+    account, pool, a, clock = setting()
+    busy(a, clock)
+
+    def stream_goes_on(at: float) -> None:
+        a.progressed(at + 3.0)
+        a.attempt_ended(0)
+        a.stream_ended()
+
+    await time_out(account, pool, a, clock, stream_goes_on)
+    assert a.stats.timeouts == {("first_byte", True): 1}
+    assert a.failures == 1
+
+
+async def test_a_full_instance_that_went_silent_is_blamed() -> None:
+    account, pool, a, clock = setting()
+    busy(a, clock)
+
+    def filled_then_silent(at: float) -> None:
+        a.attempt_started(0, at + 0.01)  # full, and nothing comes from it any more
+        a.attempt_ended(0)
+        a.attempt_ended(0)
+        a.stream_ended()
+
+    await time_out(account, pool, a, clock, filled_then_silent)
+    assert a.stats.timeouts == {("first_byte", True): 1}
+    assert a.failures == 1
