@@ -117,7 +117,7 @@ async def test_a_race_lost_while_queued_at_a_working_instance_is_not_counted() -
     a.capacity_seen = 2
     # Two long streams hold both of its slots; each attempt sent now waits in its queue.
     for _ in range(2):
-        a.attempt_started(0, clock())
+        a.attempt_started(0)
         a.stream_started()
     for _ in range(limit + 3):
         # The streams went on while it waited.

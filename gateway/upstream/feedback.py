@@ -239,16 +239,12 @@ def abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: f
 
 def waited_in_queue(instance: InstanceState, queued: bool, started: float, now: float) -> bool:
     """Whether a first-byte timeout was queueing: the attempt was sent to an instance already
-    serving all it was seen to serve at once, the instance is that full now, or it was sent
-    more than that while this one waited, and it sent bytes on other attempts since (it works;
-    it is busy). Which of the attempts beyond its slots wait is the engine's choice, not the
-    order they were sent in: requests sent together reach an engine's queue in any order
-    (llama.cpp takes each on an HTTP thread of its own), so one sent with a slot free may be
-    the one left waiting when more follow. An instance never that full during the wait, or
+    serving all it was seen to serve at once, or the instance is that full now, and it sent
+    bytes on other attempts since (it works; it is busy). An instance with room to spare, or
     one that went silent, is blamed."""
     # (Its own attempt has already left `in_flight`.)
     load = instance.in_flight + 1 + instance.ghosts_at(now)
-    busy = queued or load >= max(1, instance.capacity_seen) or instance.crowded_at > started
+    busy = queued or load >= max(1, instance.capacity_seen)
     return busy and instance.progress_at > started
 
 

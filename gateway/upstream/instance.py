@@ -46,7 +46,6 @@ class InstanceState:
         "breaker",
         "budget",
         "capacity_seen",
-        "crowded_at",
         "engine",
         "failures",
         "ghosts",
@@ -109,10 +108,6 @@ class InstanceState:
         # them): counted as in flight until `ghosts_until`.
         self.ghosts = 0
         self.ghosts_until = 0.0
-        # When an attempt was last sent to it while it held more than it was seen serving at
-        # once: every attempt then waiting for a first byte may be one the engine queued (the
-        # engine, not the order they were sent in, decides which; see `waited_in_queue`).
-        self.crowded_at = -1.0
         # Event-loop time of the last byte it sent on any attempt: proof that it works.
         self.progress_at = -1.0
         # Its last stall (`progressed`): from its last byte before, to its first byte after.
@@ -215,20 +210,16 @@ class InstanceState:
 
     # -- attempts ----------------------------------------------------------------------------
 
-    def attempt_started(self, tokens: int, now: float) -> tuple[int, bool]:
-        """An attempt that holds `tokens` of its KV cache was sent to it at `now`: how many it
-        has in flight now, that one included, and whether that is more than it was ever seen
-        serving at once (`over_capacity`: some of them wait for a slot)."""
+    def attempt_started(self, tokens: int) -> int:
+        """An attempt that holds `tokens` of its KV cache was sent to it: how many it has in
+        flight now, that one included."""
         self.requests += 1
-        in_flight = self.in_flight = self.in_flight + 1
+        self.in_flight += 1
         self.tokens_held += tokens
         budget = self.budget
         if budget is not None:
             budget.acquire(tokens)
-        crowded = self.over_capacity(now)
-        if crowded:
-            self.crowded_at = now
-        return in_flight, crowded
+        return self.in_flight
 
     def attempt_ended(self, tokens: int) -> None:
         """That attempt no longer occupies it (whole, failed, given up or moved)."""
