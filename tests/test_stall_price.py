@@ -1,76 +1,115 @@
-"""The balancer prices an instance by its pace, not by a stall of the whole engine its attempts
+"""The balancer prices a stream by the pace it decoded at, not by a stall of the whole engine it
 lived through. When every stream an instance runs goes silent at once for long (a freeze, a
-pause), the time it was silent is left out of the prices its attempts give it; a stream that
-stalls alone while the others flow is priced with its stall (that is its instance's pace).
+pause), that silence is left out of the price of the streams that were past their first byte;
+a wait for a first byte counts whole (what a new request met there), and so does a whole
+answer's time. A silence while bytes flow on other streams is no stall of the engine.
 
 Driven through `Feedback.attempt_finished`, the one way an attempt's outcome reaches its
 instance, with the instance's own record of the bytes it sent (`progressed`)."""
 
 from __future__ import annotations
 
+from gateway.core.balancer import REFERENCE_TOKENS
 from gateway.core.outcome import Outcome
 from gateway.upstream.feedback import Feedback
 from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
-from tests.test_lost_races import Clock, setting
+from tests.test_lost_races import Clock
+from tests.test_lost_races import setting as base_setting
 
 OK = Outcome("ok", 200)
-TOKENS = 64  # the balancer's reference answer: priced at its whole time
 
 
-def streams_with_a_silence(a: InstanceState, clock: Clock, together: bool) -> None:
-    """Two streams from t = 0 to 4 s, an event every 0.1 s, silent from 1 to 2 s: both of them
-    (`together`: the engine froze), or the first alone while the second flows."""
-    start = clock.now
-    running(a, start, 2)
-    for tenth in range(2, 41):
-        at = start + tenth / 10
-        if not 1.0 < tenth / 10 < 2.0 or not together:
-            a.progressed(at)
-    clock.now = start + 4.0
+def setting() -> tuple[PoolState, InstanceState, Clock]:
+    """A pool whose instance `a` has learned its streams' largest gaps: 0.1 s."""
+    _, pool, a, clock = base_setting()
+    for _ in range(5):
+        a.latency.gap.observe(0.1)
+    return pool, a, clock
 
 
 def running(a: InstanceState, start: float, streams: int) -> None:
     """`streams` sent at `start`, each past its first byte at 0.1 s."""
     for _ in range(streams):
-        a.attempt_started(0, start)
+        a.attempt_started(0)
         a.first_byte(start, start + 0.1)
         a.stream_started()
 
 
-def finish_both(pool: PoolState, a: InstanceState, clock: Clock) -> float:
-    """Both streams end at 4 s (first bytes at 0.1 s): what the balancer prices it at then."""
+def frozen_engine(a: InstanceState, clock: Clock) -> None:
+    """Two streams from t = 0 to 4 s, an event every 0.1 s, none from 1 to 2 s on either."""
+    start = clock.now
+    running(a, start, 2)
+    for tenth in range(2, 41):
+        if not 1.0 < tenth / 10 < 2.0:
+            a.progressed(start + tenth / 10)
+    clock.now = start + 4.0
+
+
+def flowing_engine(a: InstanceState, clock: Clock) -> None:
+    """The same two streams, the first silent from 1 to 2 s while the second's events go on."""
+    start = clock.now
+    running(a, start, 2)
+    for tenth in range(2, 41):
+        a.progressed(start + tenth / 10)
+    clock.now = start + 4.0
+
+
+def finish(
+    pool: PoolState, a: InstanceState, clock: Clock, first_byte_s: float | None, tokens: int
+) -> float:
+    """An attempt sent 4 s ago ends well now (a stream past its first byte after
+    `first_byte_s`, or a whole answer: None): what the balancer prices it at then."""
     feedback = Feedback(lambda pool_name, transition: None)
-    for _ in range(2):
-        a.attempt_ended(0)
+    a.attempt_ended(0)
+    if first_byte_s is not None:
         a.stream_ended()
-        feedback.attempt_finished(
-            pool, a, OK, clock.now, 4.0, False, 0.1, tokens=TOKENS, sent_with=2
-        )
+    feedback.attempt_finished(pool, a, OK, clock.now, 4.0, False, first_byte_s, tokens=tokens)
     return a.price.peak.peek(clock.now)
 
 
-def test_a_stall_of_the_whole_engine_is_left_out_of_its_price() -> None:
-    _, pool, a, clock = setting()
+def test_a_stall_of_the_whole_engine_is_left_out_of_the_streams_it_froze() -> None:
+    pool, a, clock = setting()
     start = clock.now
-    streams_with_a_silence(a, clock, together=True)
+    frozen_engine(a, clock)
     assert (a.stall_from, a.stall_to) == (start + 1.0, start + 2.0)
-    assert a.active_s(start, start + 4.0) == 3.0
-    # Priced at the 3 s the streams took besides the stall, not at their 4 s.
-    assert abs(finish_both(pool, a, clock) - 3.0) < 1e-9
+    # Priced at the 3 s the stream took besides the stall, not at its 4 s.
+    assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 3.0) < 1e-9
 
 
-def test_a_stream_silent_while_its_peers_flow_is_priced_with_its_silence() -> None:
-    _, pool, a, clock = setting()
+def test_a_long_streams_pace_leaves_the_stall_out_and_keeps_its_first_byte() -> None:
+    """Twice the reference length: its first byte, then half of the rest at its pace."""
+    pool, a, clock = setting()
+    frozen_engine(a, clock)
+    priced = finish(pool, a, clock, 0.1, 2 * REFERENCE_TOKENS)
+    assert abs(priced - (0.1 + (4.0 - 0.1 - 1.0) / 2)) < 1e-9
+
+
+def test_a_wait_for_a_first_byte_that_ended_a_stall_counts_whole() -> None:
+    """A stream sent as the engine froze got its first byte when it thawed: what a new request
+    met there. Priced at none, a frozen engine would look free."""
+    pool, a, clock = setting()
+    frozen_engine(a, clock)
+    assert abs(finish(pool, a, clock, 2.0, REFERENCE_TOKENS) - 4.0) < 1e-9
+
+
+def test_a_whole_answer_that_lived_through_a_stall_counts_whole() -> None:
+    pool, a, clock = setting()
+    frozen_engine(a, clock)
+    assert abs(finish(pool, a, clock, None, REFERENCE_TOKENS) - 4.0) < 1e-9
+
+
+def test_a_silence_while_bytes_flow_on_other_streams_is_no_stall() -> None:
+    pool, a, clock = setting()
     start = clock.now
-    streams_with_a_silence(a, clock, together=False)
-    assert a.stall_to < start  # no stall of the engine
-    assert abs(finish_both(pool, a, clock) - 4.0) < 1e-9
+    flowing_engine(a, clock)
+    assert a.stall_to < start
+    assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 4.0) < 1e-9
 
 
 def test_a_lone_streams_silence_is_no_stall_of_the_engine() -> None:
     """With one stream, its silence and the engine's cannot be told apart: priced as its own."""
-    _, _, a, clock = setting()
+    _, a, clock = setting()
     start = clock.now
     running(a, start, 1)
     a.progressed(start + 1.5)
@@ -80,8 +119,8 @@ def test_a_lone_streams_silence_is_no_stall_of_the_engine() -> None:
 def test_silences_within_the_engines_usual_gaps_are_its_pace() -> None:
     """An engine whose streams' largest gaps are usually 0.3 s (a slow one): all of them
     silent for 0.9 s at once is within four such gaps, its pace, and priced so."""
-    _, _, a, clock = setting()
-    for _ in range(5):
+    _, a, clock = setting()
+    for _ in range(20):
         a.latency.gap.observe(0.3)
     start = clock.now
     running(a, start, 2)
@@ -89,3 +128,12 @@ def test_silences_within_the_engines_usual_gaps_are_its_pace() -> None:
     assert a.active_s(start, start + 2.0) == 2.0
     a.progressed(start + 2.5)  # 1.5 s: past four gaps, a stall
     assert a.active_s(start, start + 3.0) == 1.5
+
+
+def test_no_stall_is_told_before_the_usual_gaps_are_learned() -> None:
+    """On an engine whose gaps nothing has taught yet, a usual step may outlast the floor."""
+    _, _, a, clock = base_setting()
+    start = clock.now
+    running(a, start, 2)
+    a.progressed(start + 2.0)
+    assert a.active_s(start, start + 3.0) == 3.0

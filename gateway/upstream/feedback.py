@@ -144,12 +144,12 @@ class Feedback:
             # priced at its first byte already; at its end it is priced again at the pace it had,
             # when its length is known (priced on its whole time, its length would be the price).
             if modelled and (first_byte_s is None or tokens is not None):
-                # Its pace, not a stall of the whole engine it lived through (`active_s`).
-                start = now - elapsed_s
+                priced_s = elapsed_s
                 if first_byte_s is not None:
-                    first_byte_s = instance.active_s(start, start + first_byte_s)
-                total_s = instance.active_s(start, now)
-                instance.price.answer(now, total_s, tokens, instance.latency, first_byte_s)
+                    # A stream's pace after its first byte, not a stall of the whole engine it
+                    # lived through (`active_s`); its wait for that byte counts whole.
+                    priced_s = first_byte_s + instance.active_s(now - elapsed_s + first_byte_s, now)
+                instance.price.answer(now, priced_s, tokens, instance.latency, first_byte_s)
             if instance.health.healthy is not True:
                 instance.health_wanted.set()  # answering while held down: its checker looks now
         if failed:

@@ -29,8 +29,9 @@ from gateway.upstream.stats import InstanceStats
 # An instance's room when nothing caps it (no concurrency limiter).
 UNCAPPED = 1 << 30
 # A silence of every stream an instance runs (two or more) longer than this, and than
-# `STALL_GAPS` times the largest gap its streams usually have, is a stall of the engine (frozen,
-# paused, swapped out, a long prefill), not its pace: see `InstanceState.active_s`.
+# `STALL_GAPS` times the largest gap its streams usually have (once learned), is a stall of the
+# engine (frozen, paused, swapped out, another prompt's long prefill), not the pace of the
+# streams that lived through it: see `InstanceState.active_s`.
 STALL_FLOOR_S = 0.5
 STALL_GAPS = 4.0
 
@@ -255,18 +256,24 @@ class InstanceState:
 
     def _stalled(self, at: float) -> None:
         """Its streams were all silent since `progress_at`, for longer than the floor: a stall
-        if longer than `STALL_GAPS` of the largest gap its streams usually have."""
-        if at - self.progress_at > STALL_GAPS * self.latency.gap.mean:
+        if longer than `STALL_GAPS` of the largest gap its streams usually have. Not before
+        that gap is learned: on a slow engine, a usual step may outlast the floor. Only the
+        last stall is kept: a stream priced after two is priced on the pace it had between
+        them (no worse than with none left out)."""
+        gap = self.latency.gap
+        if gap.samples and at - self.progress_at > STALL_GAPS * gap.mean:
             self.stall_from = self.progress_at
             self.stall_to = at
 
     def active_s(self, start: float, end: float) -> float:
-        """How much of `[start, end]` (an attempt's time) was not its last stall. What an
-        attempt waited through an engine-wide stall (a freeze, a pause) is not the engine's
-        pace: priced on it, an engine that thawed was priced at the stall for the tens of
-        seconds a peak fades in, as the streams that lived through it ended one by one, and
-        its share went to the others meanwhile (seen under chaos-mix: 42 attempts in flight
-        on the thawed instance against 138 on its peer, for 10 s)."""
+        """How much of `[start, end]` (a stream's time after its first byte) was not its last
+        stall. A stall of the whole engine (a freeze, a pause) that a stream lived through is
+        not the pace it decodes at: priced on it, an engine that thawed was priced at the stall
+        for the tens of seconds a peak fades in, as the streams that lived through it ended
+        one by one, and its share went to the others meanwhile (seen under chaos-mix: 42
+        attempts in flight on the thawed instance against 138 on its peer, for 10 s). A wait
+        for a first byte counts whole (the caller's rule): one that ended a stall is what a
+        new request met there, and priced at none, a frozen engine would look free."""
         stall_to = self.stall_to
         if stall_to <= start:  # the usual case: no stall since it was sent
             return end - start
