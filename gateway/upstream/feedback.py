@@ -144,12 +144,7 @@ class Feedback:
             # priced at its first byte already; at its end it is priced again at the pace it had,
             # when its length is known (priced on its whole time, its length would be the price).
             if modelled and (first_byte_s is None or tokens is not None):
-                priced_s = elapsed_s
-                if first_byte_s is not None:
-                    # A stream's pace after its first byte, not a stall of the whole engine it
-                    # lived through (`active_s`); its wait for that byte counts whole.
-                    priced_s = first_byte_s + instance.active_s(now - elapsed_s + first_byte_s, now)
-                instance.price.answer(now, priced_s, tokens, instance.latency, first_byte_s)
+                instance.price.answer(now, elapsed_s, tokens, instance.latency, first_byte_s)
             if instance.health.healthy is not True:
                 instance.health_wanted.set()  # answering while held down: its checker looks now
         if failed:
