@@ -247,7 +247,8 @@ class Account:
         elif instance.rate_limits_in_row:
             instance.not_rate_limited()
         if call.route.modelled and response.outcome.kind == "ok":
-            waited_s = response.first_at - response.started_at
+            # Not what a stall of the whole engine took of the wait (`unstalled_wait_s`).
+            waited_s = instance.unstalled_wait_s(response.started_at, response.first_at)
             pace = call.pool.timing.latency_prior(response.first_at).per_token.mean
             instance.price.first_byte(response.first_at, waited_s, instance.latency, pace)
         if call.attempt.probe:

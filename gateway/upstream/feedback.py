@@ -144,7 +144,17 @@ class Feedback:
             # priced at its first byte already; at its end it is priced again at the pace it had,
             # when its length is known (priced on its whole time, its length would be the price).
             if modelled and (first_byte_s is None or tokens is not None):
-                instance.price.answer(now, elapsed_s, tokens, instance.latency, first_byte_s)
+                # Its time without a stall of the whole engine it lived through: a stream's
+                # first byte as its price at that byte was, then its pace (`unstalled_wait_s`).
+                start = now - elapsed_s
+                first_s = None
+                if first_byte_s is None:
+                    priced_s = instance.unstalled_wait_s(start, now)
+                else:
+                    first_at = start + first_byte_s
+                    first_s = instance.unstalled_wait_s(start, first_at)
+                    priced_s = first_s + instance.active_s(first_at, now)
+                instance.price.answer(now, priced_s, tokens, instance.latency, first_s)
             if instance.health.healthy is not True:
                 instance.health_wanted.set()  # answering while held down: its checker looks now
         if failed:
