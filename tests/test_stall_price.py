@@ -155,3 +155,16 @@ def test_no_stall_is_told_before_the_usual_gaps_are_learned() -> None:
     running(a, start, 2)
     a.progressed(start + 2.0)
     assert a.active_s(start, start + 3.0) == 3.0
+
+
+def test_a_first_byte_that_ends_a_silence_is_no_stall() -> None:
+    """Two streams silent for 1 s, then a new request's first byte, before any of theirs: that
+    may be its own prefill's pause, or an engine that turned slower. Its wait is its own."""
+    _, a, clock = setting()
+    start = clock.now
+    running(a, start, 2)
+    a.attempt_started(0)
+    a.first_byte(start + 0.5, start + 1.6)
+    a.progressed(start + 1.65)
+    assert a.stall_to < start
+    assert abs(a.unstalled_wait_s(start + 0.5, start + 1.6) - 1.1) < 1e-9

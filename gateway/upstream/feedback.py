@@ -144,8 +144,8 @@ class Feedback:
             # priced at its first byte already; at its end it is priced again at the pace it had,
             # when its length is known (priced on its whole time, its length would be the price).
             if modelled and (first_byte_s is None or tokens is not None):
-                # Its time without a stall of the whole engine it lived through: a stream's
-                # first byte as its price at that byte was, then its pace (`unstalled_wait_s`).
+                # Its time without the last stall of the whole engine it lived through: a
+                # stream's first byte, then its pace (`unstalled_wait_s`, `active_s`).
                 start = now - elapsed_s
                 first_s = None
                 if first_byte_s is None:

@@ -248,7 +248,7 @@ class InstanceState:
         self.streaming -= 1
 
     def progressed(self, at: float) -> None:
-        """It sent a byte on some attempt at `at`: proof that it works (and the end of a stall,
+        """It sent a piece of a stream at `at`: proof that it works (and the end of a stall,
         when every stream it runs had been silent for long: `STALL_FLOOR_S`)."""
         if at - self.progress_at > STALL_FLOOR_S and self.streaming > 1:
             self._stalled(at)
@@ -258,8 +258,8 @@ class InstanceState:
         """Its streams were all silent since `progress_at`, for longer than the floor: a stall
         if longer than `STALL_GAPS` of the largest gap its streams usually have. Not before
         that gap is learned: on a slow engine, a usual step may outlast the floor. Only the
-        last stall is kept: a stream priced after two is priced on the pace it had between
-        them (no worse than with none left out)."""
+        last stall is kept: an attempt that lived through two is priced with the earlier one
+        in (it errs dear)."""
         gap = self.latency.gap
         if gap.samples and at - self.progress_at > STALL_GAPS * gap.mean:
             self.stall_from = self.progress_at
@@ -331,9 +331,9 @@ class InstanceState:
 
     def first_byte(self, sent_at: float, now: float) -> None:
         """An attempt sent at `sent_at` got its first byte at `now`: it answers (a busy engine
-        answers new requests seldom, but does), and the races it lost before are forgiven."""
-        if now - self.progress_at > STALL_FLOOR_S and self.streaming > 1:
-            self._stalled(now)
+        answers new requests seldom, but does), and the races it lost before are forgiven.
+        (Not the end of a stall: a first byte that ends a silence of every stream may be its
+        own prefill's pause, or an engine that turned slower, which is its pace.)"""
         self.progress_at = now
         self.races_lost = 0
         if sent_at > self.answered_sent_at:
