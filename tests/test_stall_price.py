@@ -75,7 +75,7 @@ def test_a_stall_of_the_whole_engine_is_left_out_of_the_streams_it_froze() -> No
     pool, a, clock = setting()
     start = clock.now
     frozen_engine(a, clock)
-    assert (a.stall_from, a.stall_to) == (start + 1.0, start + 2.0)
+    assert (a.stall.since, a.stall.until) == (start + 1.0, start + 2.0)
     # Priced at the 3 s the stream took besides the stall, not at its 4 s.
     assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 3.0) < 1e-9
 
@@ -94,10 +94,14 @@ def test_a_wait_for_a_first_byte_through_a_stall_is_priced_as_a_usual_wait() -> 
     _, a, clock = setting()
     start = clock.now
     frozen_engine(a, clock)
-    assert abs(a.unstalled_wait_s(start + 0.9, start + 2.05) - 0.2) < 1e-9
+    assert (
+        abs(a.stall.unstalled_wait_s(start + 0.9, start + 2.05, a.latency.ttfb.mean) - 0.2) < 1e-9
+    )
     # Out of the stall, a wait is its own, however short or long.
-    assert abs(a.unstalled_wait_s(start + 2.5, start + 2.55) - 0.05) < 1e-9
-    assert abs(a.unstalled_wait_s(start + 2.5, start + 3.9) - 1.4) < 1e-9
+    assert (
+        abs(a.stall.unstalled_wait_s(start + 2.5, start + 2.55, a.latency.ttfb.mean) - 0.05) < 1e-9
+    )
+    assert abs(a.stall.unstalled_wait_s(start + 2.5, start + 3.9, a.latency.ttfb.mean) - 1.4) < 1e-9
 
 
 def test_a_stream_that_waited_out_a_stall_is_priced_by_a_usual_first_byte_and_its_pace() -> None:
@@ -121,7 +125,7 @@ def test_a_silence_while_bytes_flow_on_other_streams_is_no_stall() -> None:
     pool, a, clock = setting()
     start = clock.now
     flowing_engine(a, clock)
-    assert a.stall_to < start
+    assert a.stall.until < start
     assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 4.0) < 1e-9
 
 
@@ -131,7 +135,7 @@ def test_a_lone_streams_silence_is_no_stall_of_the_engine() -> None:
     start = clock.now
     running(a, start, 1)
     a.progressed(start + 1.5)
-    assert a.active_s(start, start + 2.0) == 2.0
+    assert a.stall.active_s(start, start + 2.0) == 2.0
 
 
 def test_silences_within_the_engines_usual_gaps_are_its_pace() -> None:
@@ -143,9 +147,9 @@ def test_silences_within_the_engines_usual_gaps_are_its_pace() -> None:
     start = clock.now
     running(a, start, 2)
     a.progressed(start + 1.0)
-    assert a.active_s(start, start + 2.0) == 2.0
+    assert a.stall.active_s(start, start + 2.0) == 2.0
     a.progressed(start + 2.5)  # 1.5 s: past four gaps, a stall
-    assert a.active_s(start, start + 3.0) == 1.5
+    assert a.stall.active_s(start, start + 3.0) == 1.5
 
 
 def test_no_stall_is_told_before_the_usual_gaps_are_learned() -> None:
@@ -154,7 +158,7 @@ def test_no_stall_is_told_before_the_usual_gaps_are_learned() -> None:
     start = clock.now
     running(a, start, 2)
     a.progressed(start + 2.0)
-    assert a.active_s(start, start + 3.0) == 3.0
+    assert a.stall.active_s(start, start + 3.0) == 3.0
 
 
 def test_a_first_byte_that_ends_a_silence_is_no_stall() -> None:
@@ -166,5 +170,5 @@ def test_a_first_byte_that_ends_a_silence_is_no_stall() -> None:
     a.attempt_started(0)
     a.first_byte(start + 0.5, start + 1.6)
     a.progressed(start + 1.65)
-    assert a.stall_to < start
-    assert abs(a.unstalled_wait_s(start + 0.5, start + 1.6) - 1.1) < 1e-9
+    assert a.stall.until < start
+    assert abs(a.stall.unstalled_wait_s(start + 0.5, start + 1.6, a.latency.ttfb.mean) - 1.1) < 1e-9

@@ -248,7 +248,9 @@ class Account:
             instance.not_rate_limited()
         if call.route.modelled and response.outcome.kind == "ok":
             # Not what a stall of the whole engine took of the wait (`unstalled_wait_s`).
-            waited_s = instance.unstalled_wait_s(response.started_at, response.first_at)
+            waited_s = instance.stall.unstalled_wait_s(
+                response.started_at, response.first_at, instance.latency.ttfb.mean
+            )
             pace = call.pool.timing.latency_prior(response.first_at).per_token.mean
             instance.price.first_byte(response.first_at, waited_s, instance.latency, pace)
         if call.attempt.probe:

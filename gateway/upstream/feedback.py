@@ -144,17 +144,7 @@ class Feedback:
             # priced at its first byte already; at its end it is priced again at the pace it had,
             # when its length is known (priced on its whole time, its length would be the price).
             if modelled and (first_byte_s is None or tokens is not None):
-                # Its time without the last stall of the whole engine it lived through: a
-                # stream's first byte, then its pace (`unstalled_wait_s`, `active_s`).
-                start = now - elapsed_s
-                first_s = None
-                if first_byte_s is None:
-                    priced_s = instance.unstalled_wait_s(start, now)
-                else:
-                    first_at = start + first_byte_s
-                    first_s = instance.unstalled_wait_s(start, first_at)
-                    priced_s = first_s + instance.active_s(first_at, now)
-                instance.price.answer(now, priced_s, tokens, instance.latency, first_s)
+                _price_answer(instance, now, elapsed_s, first_byte_s, tokens)
             if instance.health.healthy is not True:
                 instance.health_wanted.set()  # answering while held down: its checker looks now
         if failed:
@@ -240,6 +230,28 @@ def abandoned(instance: InstanceState, outcome: Outcome, now: float, waited_s: f
     if outcome.phase == Phase.FIRST_BYTE:
         service = instance.latency.service
         instance.abandoned(now, service.mean + service.deviation if service.samples else waited_s)
+
+
+def _price_answer(
+    instance: InstanceState,
+    now: float,
+    elapsed_s: float,
+    first_byte_s: float | None,
+    tokens: int | None,
+) -> None:
+    """Price an answer that took `elapsed_s` without the last stall of the whole engine it
+    lived through: a stream's first byte, then its pace (`Stall.unstalled_wait_s`, `active_s`)."""
+    stall = instance.stall
+    start = now - elapsed_s
+    usual = instance.latency.ttfb.mean
+    first_s = None
+    if first_byte_s is None:
+        priced_s = stall.unstalled_wait_s(start, now, usual)
+    else:
+        first_at = start + first_byte_s
+        first_s = stall.unstalled_wait_s(start, first_at, usual)
+        priced_s = first_s + stall.active_s(first_at, now)
+    instance.price.answer(now, priced_s, tokens, instance.latency, first_s)
 
 
 def waited_in_queue(instance: InstanceState, queued: bool, started: float, now: float) -> bool:

@@ -24,16 +24,11 @@ from gateway.core.timeouts import MAX_DOUBLINGS
 from gateway.core.vllm_metrics import EngineLoad
 from gateway.upstream.engine_pacing import EnginePacing
 from gateway.upstream.price import Price
+from gateway.upstream.stall import STALL_FLOOR_S, Stall
 from gateway.upstream.stats import InstanceStats
 
 # An instance's room when nothing caps it (no concurrency limiter).
 UNCAPPED = 1 << 30
-# A silence of every stream an instance runs (two or more) longer than this, and than
-# `STALL_GAPS` times the largest gap its streams usually have (once learned), is a stall of the
-# engine (frozen, paused, swapped out, another prompt's long prefill), not the pace of the
-# streams that lived through it: see `InstanceState.active_s`.
-STALL_FLOOR_S = 0.5
-STALL_GAPS = 4.0
 
 
 class InstanceState:
@@ -69,8 +64,7 @@ class InstanceState:
         "races_lost",
         "rate_limits_in_row",
         "requests",
-        "stall_from",
-        "stall_to",
+        "stall",
         "stats",
         "streaming",
         "tokens_held",
@@ -111,8 +105,7 @@ class InstanceState:
         self.ghosts_until = 0.0
         # Event-loop time of the last byte it sent on any attempt: proof that it works.
         self.progress_at = -1.0
-        # Its last stall (`progressed`): from its last byte before, to its first byte after.
-        self.stall_from = self.stall_to = -1.0
+        self.stall = Stall()  # its last engine-wide stall (`progressed`)
         # When the latest-sent attempt that has had its first byte was sent: an attempt sent
         # before it and still waiting was overtaken (stuck, not waiting its turn).
         self.answered_sent_at = -1.0
@@ -172,8 +165,6 @@ class InstanceState:
             self.budget = budget_for(tokens, used)
         if admission is None or admission.vllm_signals is None:
             self.engine.forget()
-
-    # -- whether it takes traffic ------------------------------------------------------------
 
     def takes_traffic(self, now: float) -> bool:
         """Whether it takes a request at `now`, if it is routable (healthy): its breaker
@@ -248,52 +239,10 @@ class InstanceState:
         self.streaming -= 1
 
     def progressed(self, at: float) -> None:
-        """It sent a piece of a stream at `at`: proof that it works (and the end of a stall,
-        when every stream it runs had been silent for long: `STALL_FLOOR_S`)."""
+        """A piece of a stream came at `at`: it works, and a silence of all its streams ends."""
         if at - self.progress_at > STALL_FLOOR_S and self.streaming > 1:
-            self._stalled(at)
+            self.stall.heard(self.progress_at, at, self.latency.gap)
         self.progress_at = at
-
-    def _stalled(self, at: float) -> None:
-        """Its streams were all silent since `progress_at`, for longer than the floor: a stall
-        if longer than `STALL_GAPS` of the largest gap its streams usually have. Not before
-        that gap is learned: on a slow engine, a usual step may outlast the floor. Only the
-        last stall is kept: an attempt that lived through two is priced with the earlier one
-        in (it errs dear)."""
-        gap = self.latency.gap
-        if gap.samples and at - self.progress_at > STALL_GAPS * gap.mean:
-            self.stall_from = self.progress_at
-            self.stall_to = at
-
-    def active_s(self, start: float, end: float) -> float:
-        """How much of `[start, end]` (an attempt's time) was not its last stall. A stall of
-        the whole engine (a freeze, a pause) that an attempt lived through is not the engine's
-        pace: priced on it, an engine that thawed was priced at the stall for the tens of
-        seconds a peak fades in, as the streams sent into it ended one by one (each priced on
-        its first byte, which waited out the stall), and its share went to the others
-        meanwhile (seen under chaos-mix: 42 attempts in flight on the thawed instance against
-        138 on its peer, for 10 s)."""
-        stall_to = self.stall_to
-        if stall_to <= start:  # the usual case: no stall since it was sent
-            return end - start
-        stall_from = self.stall_from
-        overlap = (end if end < stall_to else stall_to) - (
-            start if start > stall_from else stall_from
-        )
-        return end - start - overlap if overlap > 0.0 else end - start
-
-    def unstalled_wait_s(self, start: float, end: float) -> float:
-        """A wait over `[start, end]` for a first byte (or a whole answer), as the balancer
-        prices it: without what its last stall took (`active_s`), but no less than a usual
-        wait there (`latency.ttfb.mean`, nor more than the wait): at none, an engine would
-        look free for having stalled."""
-        waited = end - start
-        active = self.active_s(start, end)
-        if active >= waited:
-            return waited
-        usual = self.latency.ttfb.mean
-        floor = usual if usual < waited else waited
-        return active if active > floor else floor
 
     def answered_well(self) -> None:
         """An attempt succeeded: the hedges it lost in a row are forgotten."""
@@ -307,8 +256,6 @@ class InstanceState:
     def failed(self) -> None:
         """An attempt failed through its fault."""
         self.failures += 1
-
-    # -- its engine's gauges -----------------------------------------------------------------
 
     def engine_read(self, load: EngineLoad, saturated: bool, max_waiting: float) -> bool:
         """A read of its engine's gauges (`EnginePacing.read`); True when it just stopped
@@ -331,9 +278,7 @@ class InstanceState:
 
     def first_byte(self, sent_at: float, now: float) -> None:
         """An attempt sent at `sent_at` got its first byte at `now`: it answers (a busy engine
-        answers new requests seldom, but does), and the races it lost before are forgiven.
-        (Not the end of a stall: a first byte that ends a silence of every stream may be its
-        own prefill's pause, or an engine that turned slower, which is its pace.)"""
+        answers new requests seldom, but does), and the races it lost before are forgiven."""
         self.progress_at = now
         self.races_lost = 0
         if sent_at > self.answered_sent_at:
