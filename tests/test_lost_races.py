@@ -41,6 +41,26 @@ def setting() -> tuple[Account, PoolState, InstanceState, Clock]:
     return account, pool, pool.instances[0], clock
 
 
+def streamed_call(pool: PoolState, instance: InstanceState, clock: Clock) -> Call:
+    """A streamed chat request's first attempt on `instance`, made in the task that runs it."""
+    task = asyncio.current_task()
+    assert task is not None
+    return Call(
+        pool=pool,
+        route=KNOWN_ROUTES["/v1/chat/completions"],
+        query="",
+        body=b'{"model": "m", "messages": []}',
+        headers=[],
+        facts=RequestFacts("m", True, 16),
+        deadline=clock.now + 60,
+        cancellation=Cancellation(task),
+        attempt=Attempt(
+            instance=instance,
+            timeouts=AttemptTimeouts(first_byte_s=5.0, idle_s=1.0, connect_s=1.0),
+        ),
+    )
+
+
 async def lose_a_race(
     account: Account,
     pool: PoolState,
@@ -60,22 +80,7 @@ async def lose_a_race(
         raise AssertionError("given up before it answered")
 
     async def attempt() -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        call = Call(
-            pool=pool,
-            route=KNOWN_ROUTES["/v1/chat/completions"],
-            query="",
-            body=b'{"model": "m", "messages": []}',
-            headers=[],
-            facts=RequestFacts("m", True, 16),
-            deadline=clock.now + 60,
-            cancellation=Cancellation(task),
-            attempt=Attempt(
-                instance=instance,
-                timeouts=AttemptTimeouts(first_byte_s=5.0, idle_s=1.0, connect_s=1.0),
-            ),
-        )
+        call = streamed_call(pool, instance, clock)
         calls.append(call)
         await account(call, handler)
 

@@ -12,16 +12,13 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.config.routes import KNOWN_ROUTES
 from gateway.core.outcome import Phase
-from gateway.core.timeouts import AttemptTimeouts
 from gateway.errors import UpstreamTimeout
 from gateway.pipeline.account import Account
-from gateway.pipeline.call import Attempt, Call, RequestFacts
-from gateway.runtime import Cancellation
+from gateway.pipeline.call import Call
 from gateway.upstream.instance import InstanceState
 from gateway.upstream.pool import PoolState
-from tests.test_lost_races import Clock, setting
+from tests.test_lost_races import Clock, setting, streamed_call
 
 SLOTS = 2
 
@@ -44,22 +41,7 @@ async def time_out(
         raise UpstreamTimeout("the upstream timed out (first_byte)", phase=Phase.FIRST_BYTE)
 
     async def attempt() -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        call = Call(
-            pool=pool,
-            route=KNOWN_ROUTES["/v1/chat/completions"],
-            query="",
-            body=b'{"model": "m", "messages": []}',
-            headers=[],
-            facts=RequestFacts("m", True, 16),
-            deadline=clock.now + 60,
-            cancellation=Cancellation(task),
-            attempt=Attempt(
-                instance=instance,
-                timeouts=AttemptTimeouts(first_byte_s=5.0, idle_s=1.0, connect_s=1.0),
-            ),
-        )
+        call = streamed_call(pool, instance, clock)
         await account(call, handler)  # type: ignore[arg-type]
 
     task = asyncio.create_task(attempt())

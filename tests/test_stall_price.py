@@ -10,6 +10,8 @@ instance, with the instance's own record of the bytes it sent (`progressed`)."""
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.core.balancer import REFERENCE_TOKENS
 from gateway.core.outcome import Outcome
 from gateway.upstream.feedback import Feedback
@@ -77,7 +79,7 @@ def test_a_stall_of_the_whole_engine_is_left_out_of_the_streams_it_froze() -> No
     frozen_engine(a, clock)
     assert (a.stall.since, a.stall.until) == (start + 1.0, start + 2.0)
     # Priced at the 3 s the stream took besides the stall, not at its 4 s.
-    assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 3.0) < 1e-9
+    assert finish(pool, a, clock, 0.1, REFERENCE_TOKENS) == pytest.approx(3.0)
 
 
 def test_a_long_streams_pace_leaves_the_stall_out_and_keeps_its_first_byte() -> None:
@@ -85,7 +87,7 @@ def test_a_long_streams_pace_leaves_the_stall_out_and_keeps_its_first_byte() -> 
     pool, a, clock = setting()
     frozen_engine(a, clock)
     priced = finish(pool, a, clock, 0.1, 2 * REFERENCE_TOKENS)
-    assert abs(priced - (0.1 + (4.0 - 0.1 - 1.0) / 2)) < 1e-9
+    assert priced == pytest.approx(0.1 + (4.0 - 0.1 - 1.0) / 2)
 
 
 def test_a_wait_for_a_first_byte_through_a_stall_is_priced_as_a_usual_wait() -> None:
@@ -94,14 +96,11 @@ def test_a_wait_for_a_first_byte_through_a_stall_is_priced_as_a_usual_wait() -> 
     _, a, clock = setting()
     start = clock.now
     frozen_engine(a, clock)
-    assert (
-        abs(a.stall.unstalled_wait_s(start + 0.9, start + 2.05, a.latency.ttfb.mean) - 0.2) < 1e-9
-    )
+    usual = a.latency.ttfb.mean
+    assert a.stall.unstalled_wait_s(start + 0.9, start + 2.05, usual) == pytest.approx(0.2)
     # Out of the stall, a wait is its own, however short or long.
-    assert (
-        abs(a.stall.unstalled_wait_s(start + 2.5, start + 2.55, a.latency.ttfb.mean) - 0.05) < 1e-9
-    )
-    assert abs(a.stall.unstalled_wait_s(start + 2.5, start + 3.9, a.latency.ttfb.mean) - 1.4) < 1e-9
+    assert a.stall.unstalled_wait_s(start + 2.5, start + 2.55, usual) == pytest.approx(0.05)
+    assert a.stall.unstalled_wait_s(start + 2.5, start + 3.9, usual) == pytest.approx(1.4)
 
 
 def test_a_stream_that_waited_out_a_stall_is_priced_by_a_usual_first_byte_and_its_pace() -> None:
@@ -112,13 +111,13 @@ def test_a_stream_that_waited_out_a_stall_is_priced_by_a_usual_first_byte_and_it
     a.attempt_ended(0)
     a.stream_ended()
     feedback.attempt_finished(pool, a, OK, clock.now, 3.1, False, 1.15, tokens=REFERENCE_TOKENS)
-    assert abs(a.price.peak.peek(clock.now) - (0.2 + 1.95)) < 1e-9
+    assert a.price.peak.peek(clock.now) == pytest.approx(0.2 + 1.95)
 
 
 def test_a_whole_answer_that_lived_through_a_stall_is_priced_without_it() -> None:
     pool, a, clock = setting()
     frozen_engine(a, clock)
-    assert abs(finish(pool, a, clock, None, REFERENCE_TOKENS) - 3.0) < 1e-9
+    assert finish(pool, a, clock, None, REFERENCE_TOKENS) == pytest.approx(3.0)
 
 
 def test_a_silence_while_bytes_flow_on_other_streams_is_no_stall() -> None:
@@ -126,7 +125,7 @@ def test_a_silence_while_bytes_flow_on_other_streams_is_no_stall() -> None:
     start = clock.now
     flowing_engine(a, clock)
     assert a.stall.until < start
-    assert abs(finish(pool, a, clock, 0.1, REFERENCE_TOKENS) - 4.0) < 1e-9
+    assert finish(pool, a, clock, 0.1, REFERENCE_TOKENS) == pytest.approx(4.0)
 
 
 def test_a_lone_streams_silence_is_no_stall_of_the_engine() -> None:
@@ -171,4 +170,6 @@ def test_a_first_byte_that_ends_a_silence_is_no_stall() -> None:
     a.first_byte(start + 0.5, start + 1.6)
     a.progressed(start + 1.65)
     assert a.stall.until < start
-    assert abs(a.stall.unstalled_wait_s(start + 0.5, start + 1.6, a.latency.ttfb.mean) - 1.1) < 1e-9
+    assert a.stall.unstalled_wait_s(start + 0.5, start + 1.6, a.latency.ttfb.mean) == pytest.approx(
+        1.1
+    )
