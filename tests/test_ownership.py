@@ -20,6 +20,7 @@ OWNED = {
     "gateway/upstream/instance.py": "InstanceState",
     "gateway/upstream/engine_pacing.py": "EnginePacing",
     "gateway/upstream/price.py": "Price",
+    "gateway/upstream/stall.py": "Stall",
     "gateway/core/breaker.py": "BreakerState",
 }
 # Fields whose names other classes' fields share, which a check by name cannot tell apart: a

@@ -58,6 +58,8 @@ class Stall:
         there (`usual_s`, nor more than the wait): at none, an engine would look free for
         having stalled."""
         waited = end - start
+        if self.until <= start:  # the usual case: no stall since it was sent
+            return waited
         active = self.active_s(start, end)
         if active >= waited:
             return waited
