@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
+from gateway.core.balancer import DEFAULT_RTT_S
 from gateway.core.breaker import ADMITTING, Transition
 from gateway.ingress.refusals import IngressRefusals
 from gateway.pipeline.admission_snapshot import AdmissionSnapshot, admission_snapshot
@@ -72,9 +73,18 @@ class Operations:
         else:
             transition = breaker.restore(now, reason="operator")
             # "It is fine now": forget the slowness the balancer remembers of it too, and take
-            # the operator's word for it: costed as the quickest of the others.
-            peers = [i.price.peak.get(now) for i in state.instances if i is not instance]
-            instance.price.start_afresh(now, min(peers, default=0.0), vouched=True)  # no ramp
+            # the operator's word for it: costed as the quickest of the others that answered.
+            # With none, a guess: held as an answer, another's guess would be priced above
+            # the others' first answers until it faded, and the instance passed over.
+            peers = [
+                i.price.peak.get(now)
+                for i in state.instances
+                if i is not instance and i.price.peak.learned
+            ]
+            if peers:
+                instance.price.start_afresh(now, min(peers), vouched=True)  # no ramp
+            else:
+                instance.price.start_afresh(now, DEFAULT_RTT_S)
         if transition is None and action == "restore":
             # Already admitting here, perhaps not elsewhere: the restore is shared all the same.
             transition = Transition(name, ADMITTING, ADMITTING, "operator")

@@ -92,7 +92,11 @@ def test_a_lower_bound_raises_a_guess_and_leaves_it_a_guess() -> None:
     assert ewma.observe(1.0, 0.1) == 0.1  # its first answer still replaces it
     learned = PeakEwma.guessing(0.0)
     learned.observe(0.0, 0.1)
-    assert learned.at_least(0.0, 0.3) == 0.3  # once learned: a sample as any other
+    assert learned.at_least(0.0, 0.3) == 0.3  # once learned: a bound above raises it...
+    # ...and one below says nothing, however long since the last update (as a sample, 10 s
+    # later, it would have pulled the estimate to 0.3 e^-1 + 0.005 (1 - e^-1) = 0.11).
+    assert learned.at_least(10.0, 0.005) == 0.3
+    assert learned.get(10.0) == pytest.approx(0.3 * E1)  # time still fades it
 
 
 def test_a_guess_stands_for_an_instance_only_until_it_answers() -> None:

@@ -88,16 +88,19 @@ class PeakEwma:
         return self._fold(now, sample_s)
 
     def at_least(self, now: float, bound_s: float) -> float:
-        """What took at least `bound_s` without answering (an attempt given up on): a sample
-        like any other, except that a guess stays a guess, raised to `bound_s` if below it. A
-        lower bound is no measurement: taken as one, an instance whose first attempt lost a
-        hedge race after 5 ms would be priced at 5 ms and drawn every time."""
-        if self._guess:
-            if bound_s > self._value:
-                self._value = bound_s
-                if now > self._stamp:
-                    self._stamp = now
+        """What took at least `bound_s` without answering (an attempt given up on): the
+        estimate is raised to `bound_s` if below it (a guess stays a guess), and left as it is
+        otherwise. A lower bound is no measurement: taken as one, an instance whose first
+        attempt lost a hedge race after 5 ms would be priced at 5 ms and drawn every time; and
+        folded in as a sample, the same loss on an instance not read for a while pulled its
+        estimate most of the way down to 5 ms."""
+        if bound_s <= self._value:
             return self._value
+        if self._guess:
+            self._value = bound_s
+            if now > self._stamp:
+                self._stamp = now
+            return bound_s
         return self._fold(now, bound_s)
 
     def _fold(self, now: float, sample_s: float) -> float:
@@ -115,7 +118,11 @@ class PeakEwma:
 
     def get(self, now: float) -> float:
         """The estimate at `now`, decayed toward 0 since the last update (and stored so)."""
-        return self._fold(now, 0.0)
+        elapsed = now - self._stamp
+        if elapsed > 0.0:
+            self._value *= math.exp(-elapsed / self._tau_s)
+            self._stamp = now
+        return self._value
 
     def peek(self, now: float) -> float:
         """What `get(now)` would return, without updating (for /admin/state)."""
