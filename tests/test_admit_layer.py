@@ -248,6 +248,20 @@ def test_tenant_counts_stay_bounded() -> None:
     assert counts.items() == [("(anonymous)", 1), ("c", 1), ("(other)", 3)]
 
 
+def test_a_tenant_named_like_a_placeholder_shares_its_label() -> None:
+    """A tenant header that says `(anonymous)` or `(other)` adds to that label rather than
+    giving it twice: a label given twice in one metric makes Prometheus reject the scrape."""
+    counts = TenantCounts(size=3)
+    for tenant in ("(other)", "(anonymous)", "", "a"):
+        counts.add(tenant)
+    # `(other)`, the least recently counted, was folded into `other` when `a` came.
+    assert counts.items() == [("(anonymous)", 2), ("a", 1), ("(other)", 1)]
+    counts = TenantCounts()
+    for tenant in ("(other)", "b", "(other)"):
+        counts.add(tenant)
+    assert counts.items() == [("b", 1), ("(other)", 2)]
+
+
 TENANTS_POLICY = one_pool(
     """
 concurrency: {mode: fixed, limit: 1}

@@ -15,7 +15,7 @@ from typing import Final
 
 from gateway.core.admission import CLASSES, Priority
 from gateway.core.histogram import Histogram
-from gateway.pipeline.admit import ANONYMOUS, OTHER_TENANTS, PoolAdmission
+from gateway.pipeline.admit import PoolAdmission, tenant_labels
 
 TOP_TENANTS: Final = 20
 
@@ -68,8 +68,6 @@ def _tenants_queued(admission: PoolAdmission, priority: Priority) -> dict[str, i
     """The `TOP_TENANTS` tenants with the most requests waiting in the class, the rest added
     up under `(other)`."""
     ranked = sorted(admission.queues.tenants(priority).items(), key=lambda kv: -kv[1])
-    shown = {tenant or ANONYMOUS: count for tenant, count in ranked[:TOP_TENANTS]}
-    # Always there (0 when nobody else waits): a series that never goes missing.
+    # `(other)` always there (0 when nobody else waits): a series that never goes missing.
     others = sum(c for _, c in ranked[TOP_TENANTS:])
-    shown[OTHER_TENANTS] = shown.get(OTHER_TENANTS, 0) + others
-    return shown
+    return dict(tenant_labels(ranked[:TOP_TENANTS], others))

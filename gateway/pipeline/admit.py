@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 from gateway.config.models import AdmissionPolicy, TenantsPolicy
@@ -159,9 +159,23 @@ class TenantCounts:
         counts[tenant] = 1
 
     def items(self) -> list[tuple[str, int]]:
-        """(tenant label, count), `other` last (0 while nothing was folded into it)."""
-        labelled = [(tenant or ANONYMOUS, count) for tenant, count in self._counts.items()]
-        return [*labelled, (OTHER_TENANTS, self.other)]
+        """(tenant label, count), `other` last (0 while nothing was folded into it), each
+        label once (`tenant_labels`)."""
+        return tenant_labels(self._counts.items(), self.other)
+
+
+def tenant_labels(counts: Iterable[tuple[str, int]], other: int) -> list[tuple[str, int]]:
+    """Counts by tenant as metric labels: the requests with no tenant under `ANONYMOUS`, and
+    the tenants not shown added up under `OTHER_TENANTS` (`other`), last. A tenant header may
+    say either name itself: its count is added to the label's, for a label given twice in
+    one metric makes Prometheus reject the whole scrape (any client could break the
+    gateway's metrics so)."""
+    labelled: dict[str, int] = {}
+    for tenant, count in counts:
+        label = tenant or ANONYMOUS
+        labelled[label] = labelled.get(label, 0) + count
+    other += labelled.pop(OTHER_TENANTS, 0)
+    return [*labelled.items(), (OTHER_TENANTS, other)]
 
 
 class FloodWatch:
