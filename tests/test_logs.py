@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from gateway.telemetry.logs import AccessLogSwitch, JsonFormatter, TextFormatter, escape
+from loadtests.procs import wait_until
 from tests.support import (
     Backend,
     Gateway,
@@ -134,3 +135,25 @@ async def test_turning_the_access_log_off_writes_its_buffer(
         assert json.loads(capsys.readouterr().err)["status"] == 201
     finally:
         switch.set(False)
+
+
+def test_a_client_leaving_mid_stream_is_told_in_the_access_line(
+    tmp_path: Path, backends: dict[str, Backend]
+) -> None:
+    """Its status went out with the first byte (200, as Envoy logs it), and the line says the
+    client left before the end: a stream it did not take whole is not a plain 200."""
+    gw = gateway_with(tmp_path, backends, "{log_format: json, access_log: true}")
+    try:
+        stream = {**BODY, "stream": True, "max_tokens": 4000}  # about 4 s at 1 ms a token
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=stream, timeout=10) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+        # The client is gone: its line is written once the gateway sees it.
+        assert wait_until(lambda: access_lines(gw), 10.0)
+        whole = httpx.post(f"{gw.url}/v1/chat/completions", json=BODY, timeout=10)
+        assert whole.status_code == 200
+    finally:
+        gw.stop()
+    left, taken = [json.loads(line) for line in access_lines(gw)]
+    assert left["status"] == 200 and left["streamed"] is True and left["client_left"] is True
+    assert taken["status"] == 200 and "client_left" not in taken

@@ -341,6 +341,7 @@ class DataPlane:
             log.warning("response aborted after the commit point", extra={"fields": fields})
         except asyncio.CancelledError:
             if call.cancellation.consume(CLIENT_GONE):
+                exchange.client_left = True
                 return
             raise
         finally:

@@ -41,6 +41,7 @@ class Exchange:
         "answered",
         "call",
         "client",
+        "client_left",
         "facts",
         "handover",
         "prior_attempts",
@@ -65,6 +66,9 @@ class Exchange:
         self.status = CLIENT_CLOSED
         self.ttfb_s: float | None = None
         self.stream_error: str | None = None  # what cut a stream short after its first byte
+        # Its client went away (`CLIENT_CLOSED` if before the first byte; after it, the
+        # status sent stays, as in Envoy's access log with its DC flag, and this tells it).
+        self.client_left = False
         self.resume: StreamResume | None = None
         self.answered: UpstreamResponse | None = None  # the answer, for its usage
         # Its way through fallback pools (`ingress.fallback`), when its pool has any: the
@@ -103,7 +107,12 @@ class Exchange:
         stats.request(model, status, self._clock() - self.started)
         told = None  # (model, usage) of the one answer the client got whole
         answered, resume = self.answered, self.resume
-        if answered is not None and status == 200 and self.stream_error is None:
+        if (
+            answered is not None
+            and status == 200
+            and self.stream_error is None
+            and not self.client_left
+        ):
             if resume is not None and resume.resumes > 0:
                 # Continued after a break: the usage the client was told (the rewritten one,
                 # every attempt's tokens) at the end of what it got; not timed per token, its
@@ -146,6 +155,8 @@ class Exchange:
         if self.stream_error is not None:
             # The status went out with the first byte; what ended the stream did not.
             fields["stream_error"] = self.stream_error
+        if self.client_left and self.status != CLIENT_CLOSED:
+            fields["client_left"] = True  # after its first byte: the answer was not taken whole
         if resume is not None and resume.resumes:
             # Headers (x-gateway-attempts) went out before: the log tells of the resumes.
             fields["resumes"] = resume.resumes
@@ -186,7 +197,7 @@ class Exchange:
             span.set_attribute("gateway.fallbacks", self.handover.hops)
         if self.ttfb_s is not None:
             span.set_attribute("gateway.time_to_first_byte_s", self.ttfb_s)
-        if status == CLIENT_CLOSED:
+        if self.client_left or status == CLIENT_CLOSED:
             span.add_event("client disconnected")
 
 
