@@ -8,9 +8,14 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from gateway.config import parse_policy
+from gateway.pipeline.account import Account
+from gateway.pipeline.call import Call, Handler
 from gateway.pipeline.hedge import _in_its_turn
 from gateway.upstream.registry import Registry
+from gateway.upstream.response import UpstreamResponse
 from loadtests.virtual_time import run
 from tests.memory_upstream import Answer, AnswerWhen, Hang, Script, always
 from tests.test_request_path import Outcome, Pipeline, pipeline, policy_text
@@ -281,3 +286,49 @@ def test_a_hedge_answered_with_a_429_pauses_its_instance() -> None:
     b = p.pool.instance_named("b")
     assert b is not None and b.rate_limits_in_row == 1
     assert b.not_before >= sent[1][1] + 0.5  # at least the base backoff after its 429
+
+
+def test_a_first_attempt_that_fails_with_an_unknown_error_ends_its_race(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first attempt fails, while its hedge waits on the other instance, with an error of
+    no kind the race knows (a defect in a layer under the hedge): the request ends with it,
+    and so does the hedge, which gives its instance back rather than holding it with nobody
+    to end its answer."""
+    defect = asyncio.Event()
+    account = Account.__call__
+
+    async def defective(self: Account, call: Call, next_handler: Handler) -> UpstreamResponse:
+        instance = call.attempt.instance
+        if defect.is_set() and call.attempts == 1 and instance is not None and instance.name == "a":
+            await asyncio.sleep(0.05)  # past its hedge's delay
+            raise RuntimeError("a defect under the hedge")
+        return await account(self, call, next_handler)
+
+    monkeypatch.setattr(Account, "__call__", defective)
+
+    async def scenario() -> tuple[Pipeline, list[str], int]:
+        p = await pipeline(
+            {"a": fast_then(Answer(after_s=FAST_S)), "b": fast_then(Answer(after_s=1.0))},
+            SETTINGS,
+        )()
+        try:
+            await learned(p)
+            defect.set()
+            failed: list[str] = []
+            for _ in range(20):  # until a request's first attempt goes to a
+                try:
+                    await p.request()
+                except RuntimeError as error:
+                    failed.append(str(error))
+                    break
+            await asyncio.sleep(2.0)  # past b's answer: a hedge left running would have it
+            b = next(i for i in p.pool.instances if i.name == "b")
+            return p, failed, b.in_flight
+        finally:
+            await p.watchdog.close()
+
+    p, failed, b_in_flight = run(scenario())
+    assert failed == ["a defect under the hedge"]
+    assert p.upstreams.sent[-1].instance == "b"  # its hedge had left for b
+    assert b_in_flight == 0
