@@ -670,7 +670,14 @@ def test_only_an_isolation_for_answered_failures_may_end_early_for_a_probe() -> 
     assert answered.isolated_until == pytest.approx(1.2 + 60.0)
     assert not answered.try_admit(1.9, early=True)
     assert answered.try_admit(2.0, early=True)
-    assert ok(answered, 2.1, probe=True) is not None and answered.state == ADMITTING
+    # Its request was cancelled: the isolation goes on to its end, early probes a second
+    # apart as before (released, it once lifted the whole isolation).
+    released = answered.release_probe(2.05)
+    assert released is not None and released.until == pytest.approx(1.2 + 60.0)
+    assert answered.remaining_s(2.05) == pytest.approx(1.2 + 60.0 - 2.05)
+    assert not answered.try_admit(2.1) and not answered.try_admit(2.1, early=True)
+    assert answered.try_admit(3.0, early=True)
+    assert ok(answered, 3.1, probe=True) is not None and answered.state == ADMITTING
 
     silent = breaker()  # three timeouts: silent, maybe hung
     for t in (0.0, 0.1, 0.2):

@@ -33,8 +33,9 @@ asks only while nothing in the pool admits and a fallback pool answers meanwhile
 spare probe leaves the isolation as it was (same end, not counted again).
 
 A probe that never reports (its request was cancelled) must not wedge the breaker:
-`release_probe(now)` puts it back to ISOLATED with `isolated_until` already passed, so the
-next `try_admit` probes again; and a probe outstanding longer than `max_isolation` lets one
+`release_probe(now)` puts it back to ISOLATED as it was (an ordinary probe's `isolated_until`
+already passed, so the next `try_admit` probes again; an early or spare one's isolation goes
+on); and a probe outstanding longer than `max_isolation` lets one
 more probe through (the later of the two that reports decides, whichever it is).
 
 Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
@@ -304,17 +305,19 @@ class BreakerState:
         return self._trip(now, rng, trip)
 
     def release_probe(self, now: float) -> Transition | None:
-        """The probe ended without a result (cancelled): back to ISOLATED, already expired.
+        """The probe ended without a result (cancelled): back to ISOLATED, as it was.
 
-        The next `try_admit` sends a new probe. No-op (None) unless PROBING.
+        An ordinary probe's isolation had run out: the next `try_admit` sends a new probe. An
+        early or spare one's goes on to its end, as when it fails: ended here, a cancelled
+        early probe would have lifted the rest of the isolation, and the conditions early
+        probes wait for (every instance admitting full, a second between two) with it.
+        No-op (None) unless PROBING.
         """
         if self.state != PROBING:
             return None
         self.state = ISOLATED
         self.changed_at = now
-        spare_until, self.spare_until = self.spare_until, None
-        # A spare probe's isolation goes on as it was; an ordinary one's had run out.
-        self.isolated_until = min(self.isolated_until, now) if spare_until is None else spare_until
+        self.spare_until = None
         return Transition(self.instance, PROBING, ISOLATED, PROBE_RELEASED, self.isolated_until)
 
     # -- operator and out-of-band actions -------------------------------------------------
