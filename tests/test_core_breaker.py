@@ -464,7 +464,7 @@ def test_instances_unavailable_for_other_reasons_count_against_the_cap() -> None
     # third of its requests must not be isolated as well: that would leave nothing.
     down: set[str] = set()
     pool = PoolBreakers(
-        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name, back: len(down - {name})
     )
     assert pool.cap == 1
     down.add("b")
@@ -483,7 +483,7 @@ def test_instances_unavailable_for_other_reasons_count_against_the_cap() -> None
 def test_the_availability_count_is_asked_with_the_time_of_the_trip() -> None:
     asked: list[tuple[float, str]] = []
 
-    def unavailable(now: float, name: str) -> int:
+    def unavailable(now: float, name: str, back: str) -> int:
         asked.append((now, name))
         return 0
 
@@ -498,7 +498,7 @@ def test_the_availability_count_is_asked_with_the_time_of_the_trip() -> None:
 def test_a_shared_decision_is_held_to_the_availability_aware_cap() -> None:
     down = {"b"}
     pool = PoolBreakers(
-        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+        POLICY, ["a", "b"], jitter=0.0, unavailable=lambda now, name, back: len(down - {name})
     )
     marker = pool["a"].adopt(0.0, 5.0, "isolated by replica r2")
     assert marker is not None and marker.suppressed and pool["a"].state == ADMITTING
@@ -586,7 +586,9 @@ def test_an_instance_that_cannot_take_traffic_anyway_is_not_let_back() -> None:
         POLICY,
         ["a", "b", "c"],
         jitter=0.0,
-        unavailable=lambda now, name: len({n for n in down - {name} if pool[n].state == ADMITTING}),
+        unavailable=lambda now, name, back: len(
+            {n for n in down - {name} if pool[n].state == ADMITTING or n == back}
+        ),
     )
     a, b = pool["a"], pool["b"]
     trip_on_timeouts(a, 1.0)
@@ -645,7 +647,7 @@ def test_no_place_is_taken_when_the_pool_would_still_be_over_its_cap() -> None:
     # for b, so a stays out and b stays in.
     down: set[str] = set()
     pool = PoolBreakers(
-        POLICY, ["a", "b", "c"], jitter=0.0, unavailable=lambda now, name: len(down - {name})
+        POLICY, ["a", "b", "c"], jitter=0.0, unavailable=lambda now, name, back: len(down - {name})
     )
     a, b = pool["a"], pool["b"]
     trip_on_timeouts(a, 1.0)

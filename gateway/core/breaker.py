@@ -515,9 +515,10 @@ class PoolBreakers:
 
     At most `cap = isolation_cap(policy.max_isolated_fraction, n)` of the pool's n instances are
     out at once, whatever put them out: an isolation (ISOLATED or PROBING, operator isolations
-    included) or anything else the shell reports through `unavailable(now, instance)`, the
-    number of other instances whose breakers admit but that cannot take traffic (unhealthy,
-    paused by a Retry-After, saturated). Each breaker asks `may_isolate(now, instance)` before
+    included) or anything else the shell reports through `unavailable(now, instance, back)`,
+    the number of other instances whose breakers admit (or that is `back`, one that would be
+    let back) but that cannot take traffic (unhealthy, paused by a Retry-After, saturated).
+    Each breaker asks `may_isolate(now, instance)` before
     an automatic trip: `isolated + unavailable < cap`. So with one instance dead, a second one
     failing a third of its requests is not isolated as well: the pool keeps what still works.
     A refused trip is not an error: the breaker stays ADMITTING, its `suppressed_isolations`
@@ -549,12 +550,12 @@ class PoolBreakers:
         instances: Sequence[str],
         jitter: float = JITTER,
         existing: Mapping[str, BreakerState] | None = None,
-        unavailable: Callable[[float, str], int] | None = None,
+        unavailable: Callable[[float, str, str], int] | None = None,
     ) -> None:
         """`existing`: breakers to keep (a policy reload), by instance name; they take the
-        new policy's settings and this pool's guard. `unavailable(now, name)`: how many
-        admitting instances other than `name` cannot take traffic for other reasons (None:
-        none ever)."""
+        new policy's settings and this pool's guard. `unavailable(now, name, back)`: how many
+        instances other than `name` that admit, or that are `back` ("": none), cannot take
+        traffic for other reasons (None: none ever)."""
         if len(set(instances)) != len(instances):
             raise ValueError("instance names must be unique within a pool")
         self.cap = isolation_cap(policy.max_isolated_fraction, len(instances))
@@ -581,14 +582,15 @@ class PoolBreakers:
         """How many instances are out (ISOLATED or PROBING)."""
         return sum(1 for breaker in self.breakers.values() if breaker.state != ADMITTING)
 
-    def may_isolate(self, now: float, instance: str = "") -> bool:
+    def may_isolate(self, now: float, instance: str = "", back: str = "") -> bool:
         """Whether `instance` may be isolated at `now`, on top of what is out already:
-        `isolated_count() + unavailable(now, instance) < cap`."""
-        out = self.isolated_count()
+        `isolated_count() + unavailable(now, instance, back) < cap`; with the isolated `back`
+        counted as admitting, when it would be let back (`make_room`)."""
+        out = self.isolated_count() - (1 if back else 0)
         if out >= self.cap:
             return False
         unavailable = self.unavailable
-        return unavailable is None or out + unavailable(now, instance) < self.cap
+        return unavailable is None or out + unavailable(now, instance, back) < self.cap
 
     def make_room(self, now: float, tripping: BreakerState) -> Transition | None:
         """Let back the isolated instance that `tripping` is worse than (see the class
@@ -606,14 +608,9 @@ class PoolBreakers:
                 best = breaker
         if best is None:
             return None
-        # Would the pool have room with `best` back? Asked with it admitting, since the count
-        # of instances unavailable for other reasons covers admitting ones only.
-        best.state = ADMITTING
-        try:
-            room = self.may_isolate(now, tripping.instance)
-        finally:
-            best.state = ISOLATED
-        if not room:
+        # Would the pool have room with `best` back? Counted as admitting: unavailable for
+        # another reason (unhealthy, say), it would be out all the same.
+        if not self.may_isolate(now, tripping.instance, back=best.instance):
             return None
         return best.lift(now, f"let back: {tripping.instance} is worse")
 

@@ -249,14 +249,17 @@ class PoolState:
             for inst in self.routable
         )
 
-    def unavailable_admitting(self, now: float, besides: str = "") -> int:
-        """How many instances but `besides` whose breakers admit cannot take traffic at `now`
-        all the same (unhealthy or not checked yet, paused by a Retry-After, saturated): the
-        pool's isolation cap counts them as out (`PoolBreakers`)."""
+    def unavailable_admitting(self, now: float, besides: str = "", back: str = "") -> int:
+        """How many instances but `besides` whose breakers admit (or that are `back`, an
+        isolated one the cap asks about as if let back) cannot take traffic at `now` all the
+        same (unhealthy or not checked yet, paused by a Retry-After, saturated): the pool's
+        isolation cap counts them as out (`PoolBreakers`)."""
         return sum(
             1
             for inst in self.instances
-            if inst.name != besides and inst.breaker.state == ADMITTING and not inst.available(now)
+            if inst.name != besides
+            and (inst.breaker.state == ADMITTING or inst.name == back)
+            and not inst.available(now)
         )
 
     def instance_named(self, name: str) -> InstanceState | None:
