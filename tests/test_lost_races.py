@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
+
+import pytest
 
 from gateway.config import parse_policy
 from gateway.config.routes import KNOWN_ROUTES
@@ -101,6 +104,22 @@ async def test_an_instance_that_answers_nothing_is_charged_each_race_past_the_li
     # The losses up to the limit are free; each one past it is a first-byte timeout, blamed.
     assert a.failures == 3
     assert a.stats.timeouts == {("first_byte", True): 3}
+
+
+async def test_a_charged_race_is_logged_with_the_load_it_was_sent_into(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The timeout line of a lost race past the limit says what the blame rests on, as any
+    timeout's does: sent with itself alone in flight there, not with none."""
+    account, pool, a, clock = setting()
+    limit = pool.policy.breaker.consecutive_timeouts
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        for _ in range(limit + 1):
+            await lose_a_race(account, pool, a, clock, waited_s=1.0)
+    (line,) = [r for r in caplog.records if r.getMessage() == "upstream timeout"]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert (fields["instance"], fields["phase"], fields["sent_with"]) == (a.name, "first_byte", 1)
+    assert fields["waited_s"] == pytest.approx(1.0)  # the test's clock
 
 
 async def test_a_first_byte_between_losses_starts_the_count_again() -> None:

@@ -122,7 +122,13 @@ class Account:
                 self._on_transition(pool.name, transition)
 
     def _lost_race(
-        self, call: Call, instance: InstanceState, now: float, started: float, queued: bool
+        self,
+        call: Call,
+        instance: InstanceState,
+        now: float,
+        started: float,
+        queued: bool,
+        sent_with: int,
     ) -> None:
         """A hedge answered first and this attempt was given up: not a failure once, but an
         instance that loses as many races in a row as it may time out (with no answer in
@@ -141,6 +147,7 @@ class Account:
             now,
             now - started,
             call.attempt.probe,
+            sent_with=sent_with,
         )
 
     async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
@@ -162,7 +169,7 @@ class Account:
             self._failed(call, instance, error, tokens, started, queued, sent_with)
             raise
         except asyncio.CancelledError:
-            self._cancelled(call, instance, tokens, started, queued)
+            self._cancelled(call, instance, tokens, started, queued, sent_with)
             raise
         if response.body is None:
             self._streaming(call, instance, response, tokens, started, queued, sent_with)
@@ -217,7 +224,13 @@ class Account:
             self._refused(call.pool, instance, now, error.message)
 
     def _cancelled(
-        self, call: Call, instance: InstanceState, tokens: int, started: float, queued: bool
+        self,
+        call: Call,
+        instance: InstanceState,
+        tokens: int,
+        started: float,
+        queued: bool,
+        sent_with: int,
     ) -> None:
         """The attempt was cancelled from above: the client left, or a hedge answered first."""
         instance.attempt_ended(tokens)  # the client left: nobody's fault, but a probe is lost
@@ -227,7 +240,7 @@ class Account:
         if call.cancellation.pending(SUPERSEDED):
             if queued:  # left in the engine's queue until it notices: a ghost meanwhile
                 abandoned(instance, _LOST_RACE, now, now - started)
-            self._lost_race(call, instance, now, started, queued)
+            self._lost_race(call, instance, now, started, queued, sent_with)
 
     def _streaming(
         self,
