@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 
 import pytest
 
@@ -251,15 +252,33 @@ def test_tenant_counts_stay_bounded() -> None:
 def test_a_tenant_named_like_a_placeholder_shares_its_label() -> None:
     """A tenant header that says `(anonymous)` or `(other)` adds to that label rather than
     giving it twice: a label given twice in one metric makes Prometheus reject the scrape."""
-    counts = TenantCounts(size=3)
+    counts = TenantCounts(size=2)
     for tenant in ("(other)", "(anonymous)", "", "a"):
         counts.add(tenant)
-    # `(other)`, the least recently counted, was folded into `other` when `a` came.
     assert counts.items() == [("(anonymous)", 2), ("a", 1), ("(other)", 1)]
-    counts = TenantCounts()
-    for tenant in ("(other)", "b", "(other)"):
-        counts.add(tenant)
-    assert counts.items() == [("b", 1), ("(other)", 2)]
+    counts.add("b")  # `(anonymous)`, the least recently counted, is folded into `other`...
+    assert counts.items() == [("a", 1), ("b", 1), ("(other)", 3)]  # ...and no count fell
+
+
+async def test_a_tenant_named_like_a_placeholder_waits_under_its_label() -> None:
+    adm = pool_admission(TENANTS_POLICY)
+    await adm.enter("batch")  # the one slot
+
+    def named(tenant: str) -> Callable[[], str]:
+        return lambda: tenant
+
+    waiting = [
+        asyncio.ensure_future(adm.enter("batch", tenant=named(t)))
+        for t in ("(other)", "(anonymous)", "", "x")
+    ]
+    await asyncio.sleep(0)
+    queued = admission_snapshot(adm, 0.0).tenants_queued["batch"]
+    assert queued == {"(anonymous)": 2, "x": 1, "(other)": 1}
+    assert list(queued)[-1] == "(other)"
+    for _ in waiting:
+        adm.leave()
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiting)
 
 
 TENANTS_POLICY = one_pool(

@@ -94,9 +94,11 @@ def test_a_lower_bound_raises_a_guess_and_leaves_it_a_guess() -> None:
     learned.observe(0.0, 0.1)
     assert learned.at_least(0.0, 0.3) == 0.3  # once learned: a bound above raises it...
     # ...and one below says nothing, however long since the last update (as a sample, 10 s
-    # later, it would have pulled the estimate to 0.3 e^-1 + 0.005 (1 - e^-1) = 0.11).
-    assert learned.at_least(10.0, 0.005) == 0.3
-    assert learned.get(10.0) == pytest.approx(0.3 * E1)  # time still fades it
+    # later, it would have pulled the estimate to 0.3 e^-1 + 0.005 (1 - e^-1) = 0.11)...
+    assert learned.at_least(10.0, 0.005) == pytest.approx(0.3 * E1)
+    # ...while one above what it has faded to since raises it, however far below 0.3.
+    assert learned.at_least(20.0, 0.2) == 0.2
+    assert learned.get(20.0) == 0.2
 
 
 def test_a_guess_stands_for_an_instance_only_until_it_answers() -> None:

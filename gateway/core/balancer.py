@@ -94,14 +94,11 @@ class PeakEwma:
         attempt lost a hedge race after 5 ms would be priced at 5 ms and drawn every time; and
         folded in as a sample, the same loss on an instance not read for a while pulled its
         estimate most of the way down to 5 ms."""
-        if bound_s <= self._value:
-            return self._value
-        if self._guess:
-            self._value = bound_s
-            if now > self._stamp:
-                self._stamp = now
-            return bound_s
-        return self._fold(now, bound_s)
+        value = self.get(now)  # compared with what it is now, not when last updated
+        if bound_s <= value:
+            return value
+        self._value = bound_s  # a peak, as a sample above would be; a guess stays one
+        return bound_s
 
     def _fold(self, now: float, sample_s: float) -> float:
         value = self._value

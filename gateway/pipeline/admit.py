@@ -149,6 +149,13 @@ class TenantCounts:
         self.other = 0
 
     def add(self, tenant: str) -> None:
+        # Counted under its label from the start: merged only when read, a tenant named as
+        # a placeholder made the label's count go down when the other was folded away (a
+        # counter reset to Prometheus).
+        if tenant == OTHER_TENANTS:
+            self.other += 1
+            return
+        tenant = tenant or ANONYMOUS
         counts = self._counts
         if tenant in counts:
             counts[tenant] += 1
@@ -159,9 +166,8 @@ class TenantCounts:
         counts[tenant] = 1
 
     def items(self) -> list[tuple[str, int]]:
-        """(tenant label, count), `other` last (0 while nothing was folded into it), each
-        label once (`tenant_labels`)."""
-        return tenant_labels(self._counts.items(), self.other)
+        """(tenant label, count), each once, `other` last (0 while nothing was folded in)."""
+        return [*self._counts.items(), (OTHER_TENANTS, self.other)]
 
 
 def tenant_labels(counts: Iterable[tuple[str, int]], other: int) -> list[tuple[str, int]]:
@@ -169,7 +175,8 @@ def tenant_labels(counts: Iterable[tuple[str, int]], other: int) -> list[tuple[s
     the tenants not shown added up under `OTHER_TENANTS` (`other`), last. A tenant header may
     say either name itself: its count is added to the label's, for a label given twice in
     one metric makes Prometheus reject the whole scrape (any client could break the
-    gateway's metrics so)."""
+    gateway's metrics so). For counts of what waits now (a gauge); `TenantCounts` keeps its
+    counters under their labels from the start."""
     labelled: dict[str, int] = {}
     for tenant, count in counts:
         label = tenant or ANONYMOUS
