@@ -73,16 +73,17 @@ class Operations:
         else:
             transition = breaker.restore(now, reason="operator")
             # "It is fine now": forget the slowness the balancer remembers of it too, and take
-            # the operator's word for it: costed as the quickest of the others that answered.
-            # With none, a guess: held as an answer, another's guess would be priced above
-            # the others' first answers until it faded, and the instance passed over.
+            # the operator's word for it: costed as the quickest of the others in traffic
+            # that answered, with no slow start. With none, a guess: held as an answer,
+            # another's guess would be priced above the others' first answers until it
+            # faded, and the instance passed over.
             peers = [
                 i.price.peak.get(now)
-                for i in state.instances
-                if i is not instance and i.price.peak.learned
+                for i in state.routable
+                if i is not instance and i.breaker.state == ADMITTING and i.price.peak.learned
             ]
             if peers:
-                instance.price.start_afresh(now, min(peers), vouched=True)  # no ramp
+                instance.price.start_afresh(now, min(peers), vouched=True)
             else:
                 instance.price.start_afresh(now, DEFAULT_RTT_S)
         if transition is None and action == "restore":

@@ -13,6 +13,7 @@ import pytest
 from gateway.config import parse_policy
 from gateway.pipeline.account import Account
 from gateway.pipeline.call import Call, Handler
+from gateway.pipeline.deadline import DeadlineLayer
 from gateway.pipeline.hedge import _in_its_turn
 from gateway.upstream.registry import Registry
 from gateway.upstream.response import UpstreamResponse
@@ -332,3 +333,43 @@ def test_a_first_attempt_that_fails_with_an_unknown_error_ends_its_race(
     assert failed == ["a defect under the hedge"]
     assert p.upstreams.sent[-1].instance == "b"  # its hedge had left for b
     assert b_in_flight == 0
+
+
+def test_an_attempt_that_fails_with_an_unknown_error_gives_its_instance_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A defect under the accounting layer (here, in the deadline layer) ends the request
+    with it; the attempt ends too, counted neither for nor against its instance, rather than
+    holding its slot for good."""
+    defect = asyncio.Event()
+    deadline = DeadlineLayer.__call__
+
+    async def defective(self: DeadlineLayer, call: Call, next_handler: Handler) -> UpstreamResponse:
+        if defect.is_set():
+            defect.clear()  # once
+            raise RuntimeError("a defect under the accounting")
+        return await deadline(self, call, next_handler)
+
+    monkeypatch.setattr(DeadlineLayer, "__call__", defective)
+
+    async def scenario() -> tuple[Pipeline, str, int, int, Outcome]:
+        p = await pipeline({"a": always(Answer(after_s=FAST_S))}, SETTINGS)()
+        try:
+            await p.request()
+            a = p.pool.instances[0]
+            failures = a.failures
+            defect.set()
+            try:
+                await p.request()
+                failed = ""
+            except RuntimeError as error:
+                failed = str(error)
+            in_flight = a.in_flight
+            return p, failed, in_flight, a.failures - failures, await p.request()
+        finally:
+            await p.watchdog.close()
+
+    _, failed, in_flight, failures, after = run(scenario())
+    assert failed == "a defect under the accounting"
+    assert (in_flight, failures) == (0, 0)
+    assert (after.status, after.instance) == (200, "a")

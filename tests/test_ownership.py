@@ -1,7 +1,7 @@
 """One owner per piece of state: an instance's fields (and those of the parts it owns: its
-engine's pacing, its price) and its breaker's are assigned only in the module that defines
-them. Every other module reads them and calls their methods, so a rule such as "this instance
-takes traffic" reads fields that one place keeps consistent.
+engine's pacing, its price, its last stall) and its breaker's are assigned only in the module
+that defines them. Every other module reads them and calls their methods, so a rule such as
+"this instance takes traffic" reads fields that one place keeps consistent.
 
 Read from the source (the AST), since Python cannot tell at runtime who assigns a field
 without a cost on every write."""

@@ -171,6 +171,13 @@ class Account:
         except asyncio.CancelledError:
             self._cancelled(call, instance, tokens, started, queued, sent_with)
             raise
+        except Exception:
+            # An error of no kind this layer knows (a defect under it): the attempt ends,
+            # neither the instance's failure nor its success; its slot is not held for good.
+            instance.attempt_ended(tokens)
+            if call.attempt.probe:
+                instance.breaker.release_probe(self._clock())
+            raise
         if response.body is None:
             self._streaming(call, instance, response, tokens, started, queued, sent_with)
         else:

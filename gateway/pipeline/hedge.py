@@ -133,13 +133,16 @@ class Hedge:
             if hedged is not None:
                 return hedged
             raise
-        except Exception:
+        except Exception as defect:
             # An error of no kind the race knows (a defect): the request ends with it, and
             # the race too, its hedge cancelled or its answer ended; left running, the hedge
             # held its instance's slot and connection with nobody to end its answer.
             race.first_done = True
             call.cancellation.consume(SUPERSEDED)
-            await self._abandon(race)
+            try:
+                await self._abandon(race)
+            except BaseException:
+                raise defect from None  # the defect is what the request ends with, and shows
             raise
         race.first_done = True
         if race.task is None:
