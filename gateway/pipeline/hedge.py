@@ -81,7 +81,8 @@ class Hedge:
         self._pick = pick
         self._clock = clock
 
-    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+    def _delay(self, call: Call, now: float) -> float | None:
+        """How long the first attempt waits before its hedge leaves; None: no hedge."""
         pool = call.pool
         policy = pool.policy.hedging
         attempt = call.attempt
@@ -93,26 +94,30 @@ class Hedge:
             or attempt.probe
             or call.acts
             or not call.route.hedged
+            or pool.alone(instance, now, call.avoid)
         ):
             # A probe is the one request that tells whether an isolated instance is back:
             # it is left to answer or time out.
-            return await next_handler(call)
-        now = self._clock()
-        if pool.alone(instance, now, call.avoid):
-            return await next_handler(call)
+            return None
         if not call.prompt_tokens:  # worked out once: the deadline layer reads it too
             call.prompt_tokens = prompt_tokens(call.prompt_bytes())
         if large_prompt(instance.latency, call.prompt_tokens):
-            return await next_handler(call)
+            return None
         facts = call.facts
         delay = pool.timing.hedge_delay(
             instance, now, stream=facts.stream, max_tokens=facts.max_tokens
         )
         if delay is None:
-            return await next_handler(call)
+            return None
         delay = max(delay, policy.min_delay)
-        if now + delay >= call.deadline:
+        return None if now + delay >= call.deadline else delay
+
+    async def __call__(self, call: Call, next_handler: Handler) -> UpstreamResponse:
+        now = self._clock()
+        delay = self._delay(call, now)
+        if delay is None:
             return await next_handler(call)
+        pool = call.pool
         race = _Race(call)
         race.started = now
         loop = asyncio.get_running_loop()
