@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from gateway.ingress.streams import ended_by_drain
 from gateway.runtime import CLIENT_GONE, DEADLINE, DRAIN, Cancellation
 
 
@@ -62,3 +63,21 @@ async def test_the_reason_travels_with_the_error() -> None:
     with pytest.raises(asyncio.CancelledError) as caught:
         await task
     assert caught.value.args == (CLIENT_GONE,)
+
+
+async def test_a_client_gone_during_a_drain_is_ended_as_a_client_gone() -> None:
+    """The drain's deadline and the client's leaving both cancelled a stream: the relay does
+    not end it as drained (nobody is there to read the ending), and the request ends where
+    a client gone is handled, which takes back both cancels."""
+    task, cancellation = await _waiting()
+    cancellation.cancel(DRAIN)
+    cancellation.cancel(CLIENT_GONE)
+    assert ended_by_drain(cancellation) is None
+    assert cancellation.consume(CLIENT_GONE)
+    assert task.cancelling() == 0
+    await _finish(task)
+    drained, alone = await _waiting()
+    alone.cancel(DRAIN)
+    assert ended_by_drain(alone) is not None  # the drain alone: ended as drained
+    assert drained.cancelling() == 0
+    await _finish(drained)
