@@ -77,11 +77,7 @@ class Operations:
             # that answered, with no slow start. With none, a guess: held as an answer,
             # another's guess would be priced above the others' first answers until it
             # faded, and the instance passed over.
-            peers = [
-                i.price.peak.get(now)
-                for i in state.routable
-                if i is not instance and i.breaker.state == ADMITTING and i.price.peak.learned
-            ]
+            peers = state.peer_latencies(instance, now, answered=True)
             if peers:
                 instance.price.start_afresh(now, min(peers), vouched=True)
             else:

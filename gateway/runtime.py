@@ -55,9 +55,12 @@ class Cancellation:
     def consume(self, reason: CancelReason) -> bool:
         """After a CancelledError: True if `reason` is what it stands for, and the cancel is
         then taken back (for a client gone or a drain: every cancel still pending, the
-        request ends here). False: not this reason's to handle; let the error go on."""
+        request ends here). False: not this reason's to handle; let the error go on. A client
+        gone outranks a drain: nobody is left to read a drained stream's ending, and the
+        request ends where a client gone is handled (its access line says so, and the answer
+        it did not take whole counts no usage)."""
         pending = self._pending
-        if reason not in pending:
+        if reason not in pending or (reason == DRAIN and CLIENT_GONE in pending):
             return False
         if reason in _ATTEMPT_REASONS:
             if any(other not in _ATTEMPT_REASONS for other in pending):

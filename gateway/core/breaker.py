@@ -35,8 +35,8 @@ spare probe leaves the isolation as it was (same end, not counted again).
 A probe that never reports (its request was cancelled) must not wedge the breaker:
 `release_probe(now)` puts it back to ISOLATED as it was (an ordinary probe's `isolated_until`
 already passed, so the next `try_admit` probes again; an early or spare one's isolation goes
-on); and a probe outstanding longer than `max_isolation` lets one
-more probe through (the later of the two that reports decides, whichever it is).
+on); and a probe outstanding longer than `max_isolation` lets one more probe through (the
+later of the two that reports decides, whichever it is).
 
 Results recorded without `probe=True` while ISOLATED or PROBING are ignored: they come from
 requests admitted before the isolation, and describe the instance before the pause.
@@ -518,9 +518,9 @@ class PoolBreakers:
     included) or anything else the shell reports through `unavailable(now, instance, back)`,
     the number of other instances whose breakers admit (or that is `back`, one that would be
     let back) but that cannot take traffic (unhealthy, paused by a Retry-After, saturated).
-    Each breaker asks `may_isolate(now, instance)` before
-    an automatic trip: `isolated + unavailable < cap`. So with one instance dead, a second one
-    failing a third of its requests is not isolated as well: the pool keeps what still works.
+    Each breaker asks `may_isolate(now, instance)` before an automatic trip: `isolated +
+    unavailable < cap`. So with one instance dead, a second one failing a third of its
+    requests is not isolated as well: the pool keeps what still works.
     A refused trip is not an error: the breaker stays ADMITTING, its `suppressed_isolations`
     rises and `record` returns a `suppressed` Transition. Operator isolations ignore the cap
     (but count toward it).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.errors import ShuttingDown, shutting_down
-from gateway.runtime import CLIENT_GONE, DRAIN, Cancellation
+from gateway.runtime import DRAIN, Cancellation
 
 # Whether a stream could be continued elsewhere now (`ingress.resume.StreamResume.movable`).
 Movable = Callable[[], bool]
@@ -78,9 +78,6 @@ class OpenStreams:
 
 def ended_by_drain(stream: Cancellation) -> ShuttingDown | None:
     """After a CancelledError in a relay: the error to end the stream with, if the drain's
-    deadline caused it (the cancel is then consumed). Not when its client left as well: there
-    is nobody to tell, and the request ends where a client gone is handled (its access line
-    says so, and the answer it did not take whole counts no usage)."""
-    if stream.pending(CLIENT_GONE):
-        return None
+    deadline caused it (the cancel is then consumed; not when its client left as well:
+    `Cancellation.consume`)."""
     return shutting_down() if stream.consume(DRAIN) else None

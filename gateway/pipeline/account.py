@@ -174,9 +174,7 @@ class Account:
         except Exception:
             # An error of no kind this layer knows (a defect under it): the attempt ends,
             # neither the instance's failure nor its success; its slot is not held for good.
-            instance.attempt_ended(tokens)
-            if call.attempt.probe:
-                instance.breaker.release_probe(self._clock())
+            self._unjudged(call, instance, tokens)
             raise
         if response.body is None:
             self._streaming(call, instance, response, tokens, started, queued, sent_with)
@@ -230,6 +228,15 @@ class Account:
         if refused:
             self._refused(call.pool, instance, now, error.message)
 
+    def _unjudged(self, call: Call, instance: InstanceState, tokens: int) -> float:
+        """The attempt ended with no result to count for or against its instance: it no
+        longer occupies it, and a probe it was is lost (the next request probes). The time."""
+        instance.attempt_ended(tokens)
+        now = self._clock()
+        if call.attempt.probe:
+            instance.breaker.release_probe(now)
+        return now
+
     def _cancelled(
         self,
         call: Call,
@@ -240,10 +247,7 @@ class Account:
         sent_with: int,
     ) -> None:
         """The attempt was cancelled from above: the client left, or a hedge answered first."""
-        instance.attempt_ended(tokens)  # the client left: nobody's fault, but a probe is lost
-        now = self._clock()
-        if call.attempt.probe:
-            instance.breaker.release_probe(now)
+        now = self._unjudged(call, instance, tokens)  # the client left: nobody's fault
         if call.cancellation.pending(SUPERSEDED):
             if queued:  # left in the engine's queue until it notices: a ghost meanwhile
                 abandoned(instance, _LOST_RACE, now, now - started)

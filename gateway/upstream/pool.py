@@ -297,14 +297,19 @@ class PoolState:
             ramp_s = policy.health.slow_start
         instance.price.start_afresh(now, latency, ramp_s)
 
-    def peer_latencies(self, instance: InstanceState, now: float) -> list[float]:
+    def peer_latencies(
+        self, instance: InstanceState, now: float, answered: bool = False
+    ) -> list[float]:
         """The balancer's latency estimates (peak EWMAs, on their own answers) of the other
-        instances that take traffic: what `instance` is priced against when it rejoins or
-        fails under the isolation cap."""
+        instances that take traffic: what `instance` is priced against when it rejoins, fails
+        under the isolation cap, or an operator restores it (`answered`: only those that have
+        answered, whose estimate is no guess)."""
         return [
             inst.price.peak.get(now)
             for inst in self.routable
-            if inst is not instance and inst.breaker.state == ADMITTING
+            if inst is not instance
+            and inst.breaker.state == ADMITTING
+            and (inst.price.peak.learned or not answered)
         ]
 
     def refused(self, instance: InstanceState, reason: str) -> HealthChange | None:
